@@ -1,0 +1,108 @@
+"""The star baseline: every receiver downloads each version straight from the source over HTTP.
+
+`BlobStore` keeps the last few immutable versions (bytes + sha256); `add_star_routes` serves
+them on an aiohttp app; `fetch_blob` downloads one version, streaming, and refuses it unless
+its size and sha256 match what the source announced. Knows nothing of what the bytes mean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+
+class BlobError(Exception):
+    """A download did not produce the announced bytes."""
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    version: int
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "size": self.size, "sha256": self.sha256}
+
+
+class BlobStore:
+    """Immutable versions, newest last; the oldest are forgotten beyond `keep`."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._blobs: OrderedDict[int, tuple[BlobInfo, bytes]] = OrderedDict()
+
+    def add(self, version: int, blob: bytes) -> BlobInfo:
+        if version in self._blobs:
+            raise ValueError(f"version {version} is already published; versions are immutable")
+        if self._blobs and version < next(reversed(self._blobs)):
+            raise ValueError(f"version {version} is older than the newest published one")
+        info = BlobInfo(version, len(blob), hashlib.sha256(blob).hexdigest())
+        self._blobs[version] = (info, blob)
+        while len(self._blobs) > self.keep:
+            self._blobs.popitem(last=False)
+        return info
+
+    @property
+    def latest(self) -> BlobInfo | None:
+        return next(reversed(self._blobs.values()))[0] if self._blobs else None
+
+    def get(self, version: int) -> tuple[BlobInfo, bytes] | None:
+        return self._blobs.get(version)
+
+
+def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
+                    authorize: Callable[[web.Request], None] = lambda r: None) -> None:
+    """GET {prefix}/latest -> info JSON; GET {prefix}/{version} -> the bytes (X-Sha256 header)."""
+
+    async def latest(request: web.Request) -> web.Response:
+        authorize(request)
+        info = store.latest
+        if info is None:
+            raise web.HTTPNotFound(text="nothing published yet")
+        return web.json_response(info.to_json())
+
+    async def blob(request: web.Request) -> web.StreamResponse:
+        authorize(request)
+        try:
+            version = int(request.match_info["version"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="version must be an integer") from None
+        found = store.get(version)
+        if found is None:
+            newest = store.latest.version if store.latest else None
+            raise web.HTTPNotFound(text=f"version {version} is not held (newest: {newest}); fetch {prefix}/latest")
+        info, data = found
+        return web.Response(body=data, content_type="application/octet-stream",
+                            headers={"X-Sha256": info.sha256, "X-Version": str(version)})
+
+    app.router.add_get(f"{prefix}/latest", latest)
+    app.router.add_get(f"{prefix}/{{version}}", blob)
+
+
+async def fetch_blob(session: aiohttp.ClientSession, url: str, expect: BlobInfo,
+                     progress: Callable[[int], None] | None = None, headers: dict | None = None) -> bytes:
+    """Download `url` into a preallocated buffer, verifying size and sha256 before returning."""
+    buf = bytearray(expect.size)
+    digest = hashlib.sha256()
+    got = 0
+    async with session.get(url, headers=headers) as resp:
+        if resp.status != 200:
+            raise BlobError(f"GET {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for piece in resp.content.iter_chunked(1 << 20):
+            if got + len(piece) > expect.size:
+                raise BlobError(f"GET {url}: more than the announced {expect.size} bytes")
+            buf[got : got + len(piece)] = piece
+            digest.update(piece)
+            got += len(piece)
+            if progress:
+                progress(got)
+    if got != expect.size or digest.hexdigest() != expect.sha256:
+        raise BlobError(f"GET {url}: {got} bytes with sha256 {digest.hexdigest()[:12]}…, "
+                        f"expected {expect.size} bytes with {expect.sha256[:12]}…; refusing to install")
+    return bytes(buf)

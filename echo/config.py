@@ -1,0 +1,170 @@
+"""Config plumbing shared by every process: TOML files + dotted command-line overrides,
+validated by one pydantic model per process.
+
+    cfg = load_config(LearnerConfig, "configs/demo.toml", ["--trainer.lr", "3e-4"])
+
+Unknown keys and bad values raise `ConfigError`, whose message names the key, the file and
+what is allowed, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Section(BaseModel):
+    """Base of every config table: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message says where and what is allowed."""
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["--trainer.lr", "3e-4", "--run.name=x"]` -> `{"trainer": {"lr": 3e-4}, "run": {"name": "x"}}`.
+
+    Values are read as TOML literals when they parse (numbers, booleans, arrays, quoted
+    strings) and as plain strings otherwise, so `--task.name arith` needs no quotes.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        node = out
+        parts = key.replace("-", "_").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override --{key} conflicts with another override")
+        node[parts[-1]] = _literal(value)
+    return out
+
+
+def _literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+
+
+def load_config(model: type[M], path: str | Path | None, overrides: list[str] | None = None) -> M:
+    """Load `path` (optional), apply dotted overrides, validate with `model`."""
+    data = read_toml(path) if path else {}
+    data = deep_merge(data, parse_overrides(overrides or []))
+    source = str(path) if path else "the defaults"
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(model, e, source)) from None
+
+
+def _explain(model: type[BaseModel], error: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}, with command-line overrides applied):"]
+    for err in error.errors():
+        loc = [str(p) for p in err["loc"]]
+        # pydantic inserts the union tag into locations; keep only the user's key path.
+        key = ".".join(p for p in loc if not p.startswith("function-"))
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc[:-1])
+            hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
+            lines.append(f"  {key}: unknown key in {source}{hint}")
+        else:
+            lines.append(f"  {key} = {err.get('input')!r}: {err['msg']} (in {source})")
+    return "\n".join(lines)
+
+
+def _allowed_keys(model: type[BaseModel], path: list[str]) -> list[str]:
+    node: Any = model
+    for part in path:
+        field = getattr(node, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        node = _model_of(field.annotation)
+        if node is None:
+            return []
+    return sorted(getattr(node, "model_fields", {}))
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def add_config_args(parser: argparse.ArgumentParser, default: str | None) -> None:
+    """The flags every process shares; everything else on the line is a dotted override."""
+    parser.add_argument("--config", default=default, help=f"TOML config file (default: {default})")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config (as TOML) and exit"
+    )
+
+
+def dump_toml(cfg: BaseModel) -> str:
+    """The resolved config as TOML (what --dry-run prints and each run directory keeps)."""
+    return _to_toml(json.loads(cfg.model_dump_json()))
+
+
+def _to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    scalars = [(k, v) for k, v in data.items() if not isinstance(v, dict)]
+    tables = [(k, v) for k, v in data.items() if isinstance(v, dict)]
+    out = [f"{k} = {_toml_value(v)}" for k, v in scalars if v is not None]
+    for key, table in tables:
+        name = f"{prefix}{key}"
+        body = _to_toml(table, name + ".")
+        out.append(f"\n[{name}]\n{body}" if body.strip() else f"\n[{name}]")
+    return "\n".join(out).strip() + "\n" if not prefix else "\n".join(out)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))

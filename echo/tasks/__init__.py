@@ -1,0 +1,5 @@
+"""Task adapters (the data plane): prompts, rewards, eval sets."""
+
+from echo.tasks.base import Prompt, Task, TaskError, TaskOptions, load_task, register_task, task_names
+
+__all__ = ["Prompt", "Task", "TaskError", "TaskOptions", "load_task", "register_task", "task_names"]

@@ -1,0 +1,108 @@
+"""The task adapter: where prompts come from and how a completion is scored.
+
+A task is one class. It names itself, declares its options as a pydantic model (the keys of
+the `[task]` table other than `name`), and implements three methods. Register it with
+`@register_task`, or name it in the config by import path (`name = "mypkg.tasks:MyTask"`).
+
+The learner calls `train_prompts` and `eval_prompts`; workers call `reward` on their own
+machine, so everything a reward needs travels inside the `Prompt` (its `answer`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt. `id` is stable: a prompt re-issued after a lost lease keeps it."""
+
+    id: str
+    text: str
+    answer: str
+
+
+class TaskOptions(BaseModel):
+    """Base for a task's options: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Task(ABC):
+    name: ClassVar[str]
+    Options: ClassVar[type[TaskOptions]] = TaskOptions
+
+    def __init__(self, options: TaskOptions | None = None):
+        self.options = options if options is not None else self.Options()
+
+    @abstractmethod
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        """An endless, seeded stream of training prompts."""
+
+    @abstractmethod
+    def eval_prompts(self) -> list[Prompt]:
+        """A fixed evaluation set (the same on every call)."""
+
+    @abstractmethod
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """Score one completion of `prompt`; 1.0 is correct, 0.0 wrong. Never raises."""
+
+    def warmup_examples(self, n: int, seed: int) -> list[tuple[str, str]]:
+        """`n` (prompt text, target completion) pairs for a supervised warm start."""
+        raise NotImplementedError(f"task {self.name!r} has no warm-start examples")
+
+
+_REGISTRY: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+class TaskError(ValueError):
+    """A task name or its options are wrong; the message says what to do."""
+
+
+def task_names() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def load_task(name: str, options: dict[str, Any] | None = None) -> Task:
+    """Instantiate a task by registered name or `module:Class` path, validating its options."""
+    _load_builtins()
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise TaskError(f"cannot import task {name!r}: {e}") from e
+        if not (isinstance(cls, type) and issubclass(cls, Task)):
+            raise TaskError(f"{name!r} is not a subclass of echo.tasks.Task")
+    elif name in _REGISTRY:
+        cls = _REGISTRY[name]
+    else:
+        raise TaskError(
+            f"unknown task {name!r}; built-in tasks: {', '.join(task_names())} "
+            "(or give 'package.module:ClassName')"
+        )
+    try:
+        opts = cls.Options(**(options or {}))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        raise TaskError(f"bad options for task {name!r}: {problems}") from e
+    return cls(opts)
+
+
+def _load_builtins() -> None:
+    # Importing the modules registers them; kept lazy so `echo.tasks.base` stays import-light.
+    from echo.tasks import arith, math  # noqa: F401

@@ -1,0 +1,126 @@
+"""What crosses the learner/worker boundary, and how it is checked.
+
+Trajectory uploads are msgpack, zstd-compressed (`application/x-echo-trajectories`). Token ids
+travel as little-endian int32 bytes and behaviour log-probs as float32 bytes: compact, and
+decoded without a Python object per token. Everything from a worker is untrusted:
+`decode_submission` checks structure, sizes, token range and finiteness, and raises
+`Rejected` with a reason code (also the Prometheus label) and an HTTP status.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import zstandard
+
+CONTENT_TYPE = "application/x-echo-trajectories"
+MAX_DECOMPRESSED = 64 << 20  # a zip bomb stops here, whatever the declared size
+
+
+class Rejected(Exception):
+    """An upload the learner refuses. `reason` is a stable code; the message says what to fix."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass
+class SampleMsg:
+    tokens: list[int]
+    logprobs: list[float]
+    reward: float
+
+
+@dataclass
+class GroupMsg:
+    prompt_id: str
+    version: int
+    samples: list[SampleMsg]
+
+
+@dataclass
+class Submission:
+    worker_id: str
+    lease_id: str
+    groups: list[GroupMsg]
+
+
+def encode_submission(sub: Submission) -> bytes:
+    obj = {
+        "worker_id": sub.worker_id,
+        "lease_id": sub.lease_id,
+        "groups": [
+            {
+                "prompt_id": g.prompt_id,
+                "version": g.version,
+                "samples": [
+                    {
+                        "tokens": np.asarray(s.tokens, dtype="<i4").tobytes(),
+                        "logprobs": np.asarray(s.logprobs, dtype="<f4").tobytes(),
+                        "reward": float(s.reward),
+                    }
+                    for s in g.samples
+                ],
+            }
+            for g in sub.groups
+        ],
+    }
+    return zstandard.ZstdCompressor(level=3).compress(msgpack.packb(obj, use_bin_type=True))
+
+
+def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int) -> Submission:
+    """Decode and validate an upload; every problem raises `Rejected`."""
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_DECOMPRESSED)
+    except zstandard.ZstdError as e:
+        raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise Rejected(400, "malformed", f"malformed trajectory upload: {what}")
+
+    need(isinstance(obj, dict), "top level must be a map")
+    need(isinstance(obj.get("worker_id"), str) and isinstance(obj.get("lease_id"), str), "worker_id and lease_id must be strings")
+    groups = obj.get("groups")
+    need(isinstance(groups, list) and len(groups) > 0, "groups must be a non-empty list")
+    out: list[GroupMsg] = []
+    for gi, g in enumerate(groups):
+        need(isinstance(g, dict), f"groups[{gi}] must be a map")
+        need(isinstance(g.get("prompt_id"), str), f"groups[{gi}].prompt_id must be a string")
+        need(isinstance(g.get("version"), int) and not isinstance(g.get("version"), bool), f"groups[{gi}].version must be an integer")
+        samples = g.get("samples")
+        need(isinstance(samples, list), f"groups[{gi}].samples must be a list")
+        if len(samples) != group_size:
+            raise Rejected(422, "wrong-group-size", f"groups[{gi}] has {len(samples)} samples; this run's group_size is {group_size}")
+        parsed = [_sample(s, f"groups[{gi}].samples[{si}]", vocab_size, max_tokens) for si, s in enumerate(samples)]
+        out.append(GroupMsg(g["prompt_id"], g["version"], parsed))
+    return Submission(obj["worker_id"], obj["lease_id"], out)
+
+
+def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMsg:
+    if not (isinstance(s, dict) and isinstance(s.get("tokens"), bytes) and isinstance(s.get("logprobs"), bytes)):
+        raise Rejected(400, "malformed", f"malformed trajectory upload: {where} needs bytes 'tokens' and 'logprobs'")
+    tb, lb, reward = s["tokens"], s["logprobs"], s.get("reward")
+    if len(tb) % 4 or len(lb) % 4:
+        raise Rejected(400, "malformed", f"{where}: token/logprob byte lengths must be multiples of 4 (int32/float32)")
+    tokens = np.frombuffer(tb, dtype="<i4")
+    logprobs = np.frombuffer(lb, dtype="<f4")
+    if len(tokens) != len(logprobs):
+        raise Rejected(400, "malformed", f"{where}: {len(tokens)} tokens but {len(logprobs)} log-probs")
+    if not 1 <= len(tokens) <= max_tokens:
+        raise Rejected(413, "oversized", f"{where}: {len(tokens)} completion tokens; allowed 1..{max_tokens} (rollout.max_new_tokens)")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise Rejected(422, "bad-token", f"{where}: token ids must lie in [0, {vocab_size})")
+    if not np.isfinite(logprobs).all() or (logprobs > 1e-4).any():
+        raise Rejected(422, "nonfinite-logprobs", f"{where}: behaviour log-probs must be finite and <= 0")
+    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise Rejected(422, "bad-reward", f"{where}: reward must be a finite number")
+    return SampleMsg(tokens.tolist(), logprobs.astype(np.float64).tolist(), float(reward))

@@ -1,0 +1,130 @@
+"""`echo-learner`'s configuration: one pydantic model, loaded from TOML with dotted overrides.
+
+Every field names its TOML key in its description (`[trainer] lr`), has a bound, and says
+what it does. `configs/demo.toml` is the CPU demo; `configs/learner-gpu.toml` a real model.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from echo.config import Section, load_config
+from echo.tasks import Task, TaskError, load_task
+
+
+class RunSection(Section):
+    name: str = Field("run", description="[run] name: prefix of the run directory")
+    dir: Path = Field(Path("runs"), description="[run] dir: where run directories are created")
+    seed: int = Field(0, description="[run] seed: seeds prompts, sampling and torch")
+    steps: int = Field(60, ge=1, description="[run] steps: learner updates before the run ends")
+    eval_every: int = Field(5, ge=0, description="[run] eval_every: greedy eval every N steps (0: only start and end)")
+    checkpoint_every: int = Field(20, ge=0, description="[run] checkpoint_every: resumable checkpoint every N steps (0: only at the end)")
+    threads: int = Field(1, ge=1, le=256, description="[run] threads: torch CPU threads of the trainer")
+
+
+class ModelSection(Section):
+    path: Path = Field(Path("models/tiny-arith"), description="[model] path: Hugging Face model directory to train")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[model] dtype: parameter dtype")
+    device: str = Field("cpu", description="[model] device: torch device of the trainer ('cpu', 'cuda', 'cuda:1')")
+
+
+class TaskSection(Section):
+    """`[task] name = "arith"`; every other key of the table is an option of that task."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str = Field("arith", description="[task] name: a built-in task or 'package.module:Class'")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def build(self) -> Task:
+        return load_task(self.name, self.options)
+
+    @model_validator(mode="after")
+    def _options_valid(self) -> "TaskSection":
+        try:
+            self.build()
+        except TaskError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
+class RolloutSection(Section):
+    group_size: int = Field(8, ge=2, le=1024, description="[rollout] group_size: samples per prompt (n); advantages are normalised within a group")
+    max_new_tokens: int = Field(4, ge=1, le=65536, description="[rollout] max_new_tokens: completion length cap")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="[rollout] temperature: sampling temperature (the trainer scales logits the same way)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="[rollout] top_p: nucleus sampling mass")
+
+
+class TrainerSection(Section):
+    batch_prompts: int = Field(8, ge=1, description="[trainer] batch_prompts: groups per update (G); B = G * group_size rollouts")
+    lr: float = Field(3e-4, gt=0.0, le=1.0, description="[trainer] lr: Adam learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="[trainer] betas: Adam betas")
+    weight_decay: float = Field(0.0, ge=0.0, description="[trainer] weight_decay: AdamW decoupled weight decay")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="[trainer] max_grad_norm: gradient clipping norm")
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="[trainer] clip_eps: PPO ratio clip ε")
+    is_cap: float = Field(2.0, ge=1.0, description="[trainer] is_cap: truncation δ of the importance weight min(π/μ, δ)")
+    kl_coef: float = Field(0.0, ge=0.0, description="[trainer] kl_coef: weight of the k3 KL to the initial model (0: off, no reference copy kept)")
+    minibatches: int = Field(1, ge=1, description="[trainer] minibatches: optimizer steps per batch (the clip matters only when > 1)")
+    adv_eps: float = Field(1e-6, gt=0.0, description="[trainer] adv_eps: ε in (s - mean) / (std + ε)")
+
+
+class BufferSection(Section):
+    type: Literal["queue-drop", "queue-max"] = Field("queue-drop", description="[buffer] type: 'queue-drop' (capacity q·B, drop oldest) or 'queue-max' (drop only what exceeds S)")
+    max_staleness: int = Field(2, ge=0, le=1000, description="[buffer] max_staleness: S; a rollout of version v is trained at version t only if t - v <= S")
+    queue_factor: float = Field(2.0, ge=1.0, le=100.0, description="[buffer] queue_factor: q; queue-drop capacity is q·G groups")
+
+
+class PublishSection(Section):
+    every: int | None = Field(None, ge=1, description="[publish] every: I, publish a snapshot every I updates (default S - 1, at least 1)")
+    keep: int = Field(4, ge=1, description="[publish] keep: snapshots kept for download")
+
+
+class ServerSection(Section):
+    host: str = Field("127.0.0.1", description="[server] host: address the control API binds to")
+    port: int = Field(8650, ge=0, le=65535, description="[server] port: control API port (0 = pick a free one)")
+    token: str = Field("", description="[server] token: run token workers must present; empty = $ECHO_TOKEN or a random one (printed)")
+    lease_ttl: float = Field(20.0, gt=0.0, description="[server] lease_ttl: seconds a lease lives without a heartbeat before its prompts are re-issued")
+    heartbeat_interval: float = Field(2.0, gt=0.0, description="[server] heartbeat_interval: seconds between worker heartbeats")
+    max_body_mb: float = Field(8.0, gt=0.0, description="[server] max_body_mb: largest accepted trajectory upload (MiB)")
+    max_inflight_prompts: int = Field(0, ge=0, description="[server] max_inflight_prompts: leased-but-unfinished prompt cap (0: 2·G + workers' leases)")
+
+
+class WorkersSection(Section):
+    spawn: int = Field(0, ge=0, le=64, description="[workers] spawn: local worker processes to start (the demo uses 3)")
+    config: Path = Field(Path("configs/worker.toml"), description="[workers] config: worker config file for spawned workers")
+    overrides: list[str] = Field(default_factory=list, description="[workers] overrides: extra dotted overrides for spawned workers")
+
+
+class LearnerConfig(Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    task: TaskSection = TaskSection()
+    rollout: RolloutSection = RolloutSection()
+    trainer: TrainerSection = TrainerSection()
+    buffer: BufferSection = BufferSection()
+    publish: PublishSection = PublishSection()
+    server: ServerSection = ServerSection()
+    workers: WorkersSection = WorkersSection()
+
+    @property
+    def publish_every(self) -> int:
+        """I: explicit, else S - 1 so the worst-case staleness stays within S."""
+        return self.publish.every or max(1, self.buffer.max_staleness - 1)
+
+    @property
+    def batch_rollouts(self) -> int:
+        return self.trainer.batch_prompts * self.rollout.group_size
+
+    def resolve_token(self) -> str:
+        return self.server.token or os.environ.get("ECHO_TOKEN", "") or secrets.token_urlsafe(18)
+
+
+def load_learner_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:
+    return load_config(LearnerConfig, path, overrides)

@@ -1,0 +1,256 @@
+"""`echo-learner --config configs/demo.toml`: serve workers, train, publish, log.
+
+The training loop in one sitting:
+
+    publish v0, evaluate
+    for each step:  wait for a batch (bounded staleness)  ->  GRPO update (thread)
+                    -> publish every I updates -> status line + run log -> eval/checkpoint
+    final eval + checkpoint, tell workers the run is finished, summary
+
+The event loop stays responsive to workers throughout: torch work runs in a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from aiohttp import web
+
+from echo.config import ConfigError, add_config_args, dump_toml
+from echo.tasks import Prompt
+from learner.buffer import AsyncBuffer, StalenessBuffer
+from learner.config import LearnerConfig, load_learner_config
+from learner.leases import LeaseBook
+from learner.metrics import RunLog
+from learner.server import LearnerState, build_app, reaper
+from learner.status import StatusDisplay
+
+DEFAULT_CONFIG = "configs/demo.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="echo-learner",
+        description="Run the echo learner: serve prompts to workers, train on their rollouts with "
+                    "bounded staleness, publish versioned snapshots. Any other --section.key VALUE "
+                    "overrides the config, e.g. --trainer.lr 3e-4 --workers.spawn 0.",
+    )
+    add_config_args(parser, DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    parser.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                        help="continue a run from its latest checkpoint (its config.toml is the base config)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per step and a JSON summary")
+    args, overrides = parser.parse_known_args(argv)
+    config_path = args.resume / "config.toml" if args.resume else args.config
+    try:
+        cfg = load_learner_config(config_path, overrides)
+    except ConfigError as e:
+        print(f"echo-learner: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dump_toml(cfg), end="")
+        return 0
+    if not (cfg.model.path / "config.json").exists() and not args.resume:
+        print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build the demo model "
+              f"with `echo-rl build-model --config {config_path}` or set [model] path.", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(Learner(cfg, resume=args.resume, as_json=args.json).run())
+    except KeyboardInterrupt:
+        return 130
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, resume: Path | None = None, as_json: bool = False):
+        self.cfg = cfg
+        self.as_json = as_json
+        self.run_dir = resume or cfg.run.dir / f"{cfg.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        self.resume = resume
+        self.token = cfg.resolve_token()
+        self.procs: list[subprocess.Popen] = []
+
+    async def run(self) -> int:
+        import torch
+
+        from learner.trainer import Trainer
+
+        cfg = self.cfg
+        torch.set_num_threads(cfg.run.threads)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+        checkpoint = (self.run_dir / "checkpoints" / "latest").resolve() if self.resume else None
+        trainer = await asyncio.to_thread(Trainer, cfg, checkpoint)
+        resumed = trainer.load_checkpoint(checkpoint) if checkpoint else {}
+        task = cfg.task.build()
+        evals = task.eval_prompts()
+
+        buffer = AsyncBuffer(StalenessBuffer(cfg.buffer.type, cfg.buffer.max_staleness,
+                                             cfg.trainer.batch_prompts, cfg.buffer.queue_factor))
+        S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
+        leases = LeaseBook(_unique_ids(task.train_prompts(cfg.run.seed + trainer.version)), cfg.server.lease_ttl,
+                           cfg.server.max_inflight_prompts or (S + 1) * G)
+        state = LearnerState(cfg, self.token, buffer, leases, trainer.encode, trainer.vocab_size, cfg.model.path)
+        state.learner_version = trainer.version
+        log = RunLog(self.run_dir / "metrics.jsonl")
+
+        runner = web.AppRunner(build_app(state), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        url = f"http://{cfg.server.host}:{port}"
+        reap = asyncio.create_task(reaper(state, min(1.0, cfg.server.lease_ttl / 4)))
+
+        I = cfg.publish_every
+        display = StatusDisplay(cfg.run.steps, enabled=not self.as_json)
+        display.banner(
+            f"echo-learner at {url}  run dir {self.run_dir}\n"
+            f"  join: echo-worker join {url} --token {self.token}\n"
+            f"  model {cfg.model.path} ({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M params), "
+            f"task {cfg.task.name}, B = {G}×{cfg.rollout.group_size} = {cfg.batch_rollouts} rollouts/step, "
+            f"S = {S}, I = {I}, buffer {cfg.buffer.type}\n"
+            f"  status: v = newest published snapshot, stale = avg/max staleness of the batch, "
+            f"queue = groups waiting, recycled = groups dropped as too stale, idle = trainer waiting for data")
+        (self.run_dir / "url").write_text(url + "\n")
+
+        await self._publish(state, trainer)
+        acc0 = resumed.get("eval_accuracy") if resumed else None
+        if acc0 is None:
+            acc0 = await asyncio.to_thread(trainer.evaluate, task, evals)
+        first_acc = resumed.get("first_eval_accuracy", acc0)
+        log.write({"event": "eval", "step": trainer.version, "eval_accuracy": acc0})
+        state.metrics.eval_accuracy.set(acc0)
+        self._spawn_workers(url, cfg)
+
+        t_start, waited, last_acc = time.monotonic(), 0.0, acc0
+        display.start(trainer.version)
+        try:
+            while trainer.version < cfg.run.steps:
+                t0 = time.monotonic()
+                batch = await buffer.get_batch(trainer.version)
+                t1 = time.monotonic()
+                stats = await asyncio.to_thread(trainer.step, batch)
+                t2 = time.monotonic()
+                waited += t1 - t0
+                state.learner_version = trainer.version
+                if trainer.version % I == 0 or trainer.version == cfg.run.steps:
+                    await self._publish(state, trainer)
+                record = self._record(trainer, batch, stats, state, wait=t1 - t0, train=t2 - t1,
+                                      idle=waited / max(1e-9, time.monotonic() - t_start))
+                due = cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0
+                if due or trainer.version == cfg.run.steps:
+                    last_acc = record["eval_accuracy"] = await asyncio.to_thread(trainer.evaluate, task, evals)
+                    state.metrics.eval_accuracy.set(last_acc)
+                log.write(record)
+                display.step(record, last_acc)
+                if self.as_json:
+                    print(json.dumps(record), flush=True)
+                if cfg.run.checkpoint_every and trainer.version % cfg.run.checkpoint_every == 0:
+                    await asyncio.to_thread(trainer.save_checkpoint, self.run_dir / "checkpoints",
+                                            {"eval_accuracy": last_acc, "first_eval_accuracy": first_acc})
+        finally:
+            display.stop()
+            state.finished = True
+            reap.cancel()
+        await asyncio.to_thread(trainer.save_checkpoint, self.run_dir / "checkpoints",
+                                {"eval_accuracy": last_acc, "first_eval_accuracy": first_acc})
+        await self._stop_workers(grace=2 * cfg.server.heartbeat_interval + 3)
+        await runner.cleanup()
+        summary = self._summary(state, first_acc, last_acc, time.monotonic() - t_start, waited)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.write({"event": "summary", **summary})
+        log.close()
+        if self.as_json:
+            print(json.dumps(summary))
+        else:
+            display.summary(summary)
+        return 0
+
+    async def _publish(self, state: LearnerState, trainer) -> None:
+        blob = await asyncio.to_thread(trainer.snapshot)
+        state.blobs.add(trainer.version, blob)
+        state.metrics.published.set(trainer.version)
+
+    def _record(self, trainer, batch, stats, state: LearnerState, *, wait, train, idle) -> dict:
+        buf = state.buffer.buffer.metrics()
+        now = time.monotonic()
+        state.metrics.version.set(trainer.version)
+        state.metrics.queue.set(buf["queue_size"])
+        state.metrics.recycled.set(buf["recycled"])
+        state.metrics.overflow.set(buf["dropped_overflow"])
+        state.metrics.staleness_avg.set(batch.avg_staleness)
+        state.metrics.staleness_max.set(batch.max_staleness)
+        state.metrics.mismatch_kl.set(stats["mismatch_kl"])
+        state.metrics.reward.set(stats["reward_mean"])
+        state.metrics.idle.set(idle)
+        return {
+            "step": trainer.version, "time": round(time.time(), 3), "version": trainer.version,
+            "published_version": state.published_version,
+            **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
+            "avg_staleness": batch.avg_staleness, "max_staleness": batch.max_staleness,
+            "staleness": batch.staleness, "recycled": buf["recycled"], "queue_size": buf["queue_size"],
+            "dropped_overflow": buf["dropped_overflow"],
+            "sampled_mean_length": round(buf["sampled_mean_length"], 4),
+            "trained_mean_length": round(buf["trained_mean_length"], 4),
+            "wait_s": round(wait, 4), "train_s": round(train, 4), "idle_ratio": round(idle, 4),
+            "workers": len(state.alive_workers(now)), "leases_reissued": state.leases.stats.reissued,
+        }
+
+    def _spawn_workers(self, url: str, cfg: LearnerConfig) -> None:
+        logs = self.run_dir / "workers"
+        logs.mkdir(exist_ok=True)
+        for i in range(cfg.workers.spawn):
+            cmd = [sys.executable, "-m", "worker.main", "join", url, "--token", self.token,
+                   "--config", str(cfg.workers.config), "--worker.name", f"local-{i}",
+                   "--worker.seed", str(cfg.run.seed * 100 + i), *cfg.workers.overrides]
+            out = open(logs / f"local-{i}.log", "w")
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+
+    async def _stop_workers(self, grace: float) -> None:
+        """Workers see the run finished (410 or heartbeat) and exit; stragglers are terminated."""
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def _summary(self, state: LearnerState, first_acc, last_acc, wall, waited) -> dict:
+        buf = state.buffer.buffer.metrics()
+        rejected = {s.labels["reason"]: int(s.value) for m in state.metrics.rejected.collect()
+                    for s in m.samples if s.name.endswith("_total")}
+        return {
+            "run_dir": str(self.run_dir), "steps": state.learner_version,
+            "eval_accuracy_start": first_acc, "eval_accuracy_end": last_acc,
+            "wall_s": round(wall, 1), "learner_idle_ratio": round(waited / max(wall, 1e-9), 3),
+            "groups_trained": buf["trained"], "recycled": buf["recycled"],
+            "dropped_overflow": buf["dropped_overflow"], "rejected": rejected,
+            "leases_reissued": state.leases.stats.reissued,
+            "sampled_mean_length": round(buf["sampled_mean_length"], 3),
+            "trained_mean_length": round(buf["trained_mean_length"], 3),
+            "workers": [{"id": w.id, "name": w.name, "groups": w.groups_accepted} for w in state.workers.values()],
+        }
+
+
+def _unique_ids(prompts):
+    """A task may repeat a prompt (epochs over a file); each issue gets its own id in this run."""
+    for i, p in enumerate(prompts):
+        yield Prompt(f"{i}:{p.id}", p.text, p.answer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

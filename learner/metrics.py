@@ -1,0 +1,51 @@
+"""The learner's metrics: Prometheus series at /metrics and one JSON line per step in the run log.
+
+Metric names are grouped by concern (`echo_buffer_*`, `echo_off_policy_*`, `echo_workers_*`).
+Reading them has no side effects.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.version = Gauge("echo_learner_version", "Updates applied by the trainer", registry=r)
+        self.published = Gauge("echo_published_version", "Newest published snapshot version", registry=r)
+        self.accepted = Counter("echo_trajectories_accepted", "Groups accepted into the buffer", registry=r)
+        self.rejected = Counter("echo_trajectories_rejected", "Uploads refused, by reason", ["reason"], registry=r)
+        self.joins_refused = Counter("echo_joins_refused", "Requests with a missing or wrong run token", registry=r)
+        self.queue = Gauge("echo_buffer_queue_groups", "Groups waiting in the buffer", registry=r)
+        self.recycled = Gauge("echo_buffer_recycled_groups", "Groups dropped for exceeding max staleness", registry=r)
+        self.overflow = Gauge("echo_buffer_overflow_groups", "Groups dropped by queue-drop's capacity", registry=r)
+        self.staleness_avg = Gauge("echo_off_policy_staleness_avg", "Mean staleness of the last batch", registry=r)
+        self.staleness_max = Gauge("echo_off_policy_staleness_max", "Max staleness of the last batch", registry=r)
+        self.mismatch_kl = Gauge("echo_off_policy_mismatch_kl", "E_mu[log mu - log pi] of the last batch", registry=r)
+        self.reward = Gauge("echo_reward_mean", "Mean reward of the last batch", registry=r)
+        self.eval_accuracy = Gauge("echo_eval_accuracy", "Greedy eval accuracy (last evaluation)", registry=r)
+        self.idle = Gauge("echo_learner_idle_ratio", "Fraction of wall time the trainer waited for data", registry=r)
+        self.workers = Gauge("echo_workers_alive", "Workers heard from within the liveness window", registry=r)
+        self.leases_expired = Counter("echo_leases_expired", "Leases expired (their prompts re-issued)", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RunLog:
+    """Append-only JSONL; one record per step plus events (`"event": ...`)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, default=float) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

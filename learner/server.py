@@ -1,0 +1,289 @@
+"""The control API workers talk to (aiohttp, JSON except trajectory and snapshot bodies).
+
+    POST /v1/join            run token -> worker id, sampling parameters, task, newest snapshot
+    POST /v1/heartbeat       liveness + measurements; renews the worker's leases
+    POST /v1/lease           prompts to generate (204: none right now, 410: run finished)
+    POST /v1/trajectories    zstd msgpack groups (echo.wire); 4xx names the reason
+    GET  /v1/model           the model directory minus weights (config, tokenizer)
+    GET  /v1/snapshots/...   versioned weights (broadcast.star)
+    GET  /v1/status          JSON status
+    GET  /metrics            Prometheus
+
+Every /v1 route needs `Authorization: Bearer <run token>`. Peers are untrusted: every upload
+is validated, refused with a status and reason, and counted; nothing a worker sends can stop
+the learner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import msgpack
+from aiohttp import web
+
+from broadcast.star import BlobStore, add_star_routes
+from echo.wire import CONTENT_TYPE, Rejected, decode_submission
+from learner.buffer import AsyncBuffer, Group
+from learner.config import LearnerConfig
+from learner.leases import LeaseBook, UnknownLease
+from learner.metrics import LearnerMetrics
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+@dataclass
+class WorkerInfo:
+    id: str
+    name: str
+    joined: float
+    last_seen: float
+    version: int = -1
+    rollouts_per_s: float = 0.0
+    device: str = ""
+    gpu: str = ""
+    price_per_hour: float = 0.0
+    download_mbit: float = 0.0
+    upload_mbit: float = 0.0
+    engine: str = ""
+    groups_accepted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LearnerState:
+    """Everything the routes share. Mutated only on the event loop."""
+
+    def __init__(self, cfg: LearnerConfig, token: str, buffer: AsyncBuffer, leases: LeaseBook,
+                 encode, vocab_size: int, model_dir: Path):
+        self.cfg = cfg
+        self.token = token
+        self.buffer = buffer
+        self.leases = leases
+        self.encode = encode  # prompt text -> token ids (the learner's tokenizer is authoritative)
+        self.vocab_size = vocab_size
+        self.model_dir = model_dir
+        self.blobs = BlobStore(keep=cfg.publish.keep)
+        self.metrics = LearnerMetrics()
+        self.workers: dict[str, WorkerInfo] = {}
+        self.learner_version = 0
+        self.finished = False
+        self.prompt_ids: dict[str, list[int]] = {}
+        self._worker_ids = itertools.count(1)
+
+    @property
+    def published_version(self) -> int:
+        latest = self.blobs.latest
+        return latest.version if latest else -1
+
+    def alive_workers(self, now: float) -> list[WorkerInfo]:
+        window = max(3 * self.cfg.server.heartbeat_interval, self.cfg.server.lease_ttl)
+        return [w for w in self.workers.values() if now - w.last_seen <= window]
+
+
+def json_error(status: int, reason: str, message: str) -> web.Response:
+    return web.json_response({"error": reason, "message": message}, status=status)
+
+
+def build_app(state: LearnerState) -> web.Application:
+    cfg = state.cfg
+    app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)),
+                          middlewares=[_errors_as_json])
+
+    def authorize(request: web.Request) -> None:
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        if not given or not hmac.compare_digest(given.encode(), state.token.encode()):
+            state.metrics.joins_refused.inc()
+            what = "missing" if not given else "wrong"
+            raise web.HTTPUnauthorized(
+                text=f"{what} run token: pass the token the learner printed at start-up "
+                     "(echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
+
+    async def body_json(request: web.Request) -> dict:
+        try:
+            data = await request.json()
+        except Exception:
+            raise web.HTTPBadRequest(text="body must be a JSON object") from None
+        if not isinstance(data, dict):
+            raise web.HTTPBadRequest(text="body must be a JSON object")
+        return data
+
+    def worker_of(data: dict) -> WorkerInfo:
+        worker = state.workers.get(str(data.get("worker_id", "")))
+        if worker is None:
+            raise web.HTTPNotFound(text="unknown worker_id: join again (POST /v1/join)")
+        worker.last_seen = time.monotonic()
+        return worker
+
+    async def join(request: web.Request) -> web.Response:
+        authorize(request)
+        data = await body_json(request)
+        now = time.monotonic()
+        wid = f"w{next(state._worker_ids)}"
+        info = WorkerInfo(id=wid, name=str(data.get("name") or wid)[:64], joined=now, last_seen=now)
+        _update_worker(info, data)
+        state.workers[wid] = info
+        latest = state.blobs.latest
+        return web.json_response({
+            "worker_id": wid,
+            "heartbeat_interval": cfg.server.heartbeat_interval,
+            "lease_ttl": cfg.server.lease_ttl,
+            "task": {"name": cfg.task.name, "options": cfg.task.options},
+            "rollout": cfg.rollout.model_dump(),
+            "snapshot": latest.to_json() if latest else None,
+        })
+
+    async def heartbeat(request: web.Request) -> web.Response:
+        authorize(request)
+        data = await body_json(request)
+        worker = worker_of(data)
+        _update_worker(worker, data)
+        state.leases.renew(worker.id, worker.last_seen)
+        latest = state.blobs.latest
+        return web.json_response({
+            "state": "stop" if state.finished else "active",
+            "snapshot": latest.to_json() if latest else None,
+        })
+
+    async def lease(request: web.Request) -> web.Response:
+        authorize(request)
+        data = await body_json(request)
+        worker = worker_of(data)
+        if state.finished:
+            return json_error(410, "finished", "the run has finished; the worker can exit")
+        try:
+            max_prompts = max(1, min(int(data.get("max_prompts", 1)), 1024))
+        except (TypeError, ValueError):
+            raise web.HTTPBadRequest(text="max_prompts must be an integer") from None
+        got = state.leases.lease(worker.id, max_prompts, time.monotonic())
+        if got is None:
+            return web.Response(status=204)
+        prompts = []
+        for p in got.prompts.values():
+            ids = state.prompt_ids.setdefault(p.id, state.encode(p.text))
+            prompts.append({"id": p.id, "text": p.text, "answer": p.answer, "prompt_ids": ids})
+        latest = state.blobs.latest  # workers learn of new versions here, without waiting for a heartbeat
+        return web.json_response({"lease_id": got.id, "prompts": prompts, "expires_in": cfg.server.lease_ttl,
+                                  "snapshot": latest.to_json() if latest else None})
+
+    async def trajectories(request: web.Request) -> web.Response:
+        authorize(request)
+        try:
+            if request.content_type != CONTENT_TYPE:
+                raise Rejected(415, "malformed", f"Content-Type must be {CONTENT_TYPE}")
+            body = await request.read()
+            sub = decode_submission(body, vocab_size=state.vocab_size, max_tokens=cfg.rollout.max_new_tokens,
+                                    group_size=cfg.rollout.group_size)
+            worker = state.workers.get(sub.worker_id)
+            if worker is None:
+                raise Rejected(404, "unknown-worker", "unknown worker_id: join again")
+            worker.last_seen = time.monotonic()
+            groups = _admit(state, sub)
+        except Rejected as e:
+            state.metrics.rejected.labels(e.reason).inc()
+            return json_error(e.status, e.reason, e.message)
+        for g in groups:
+            state.leases.complete(sub.lease_id, g.prompt_id)
+            state.prompt_ids.pop(g.prompt_id, None)
+            await state.buffer.put(g)
+            worker.groups_accepted += 1
+            state.metrics.accepted.inc()
+        state.metrics.queue.set(len(state.buffer.buffer))
+        return web.json_response({"accepted": len(groups)})
+
+    async def model_files(request: web.Request) -> web.Response:
+        authorize(request)
+        files = {p.name: p.read_bytes() for p in sorted(state.model_dir.iterdir())
+                 if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size < (64 << 20)}
+        return web.Response(body=msgpack.packb(files, use_bin_type=True), content_type="application/msgpack")
+
+    async def status(request: web.Request) -> web.Response:
+        authorize(request)
+        now = time.monotonic()
+        return web.json_response({
+            "learner_version": state.learner_version,
+            "published_version": state.published_version,
+            "finished": state.finished,
+            "buffer": state.buffer.buffer.metrics(),
+            "leases": {**asdict(state.leases.stats), "outstanding": state.leases.outstanding},
+            "workers": [{**asdict(w), "alive": w in state.alive_workers(now)} for w in state.workers.values()],
+        })
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=state.metrics.exposition(), content_type="text/plain")
+
+    app.router.add_post("/v1/join", join)
+    app.router.add_post("/v1/heartbeat", heartbeat)
+    app.router.add_post("/v1/lease", lease)
+    app.router.add_post("/v1/trajectories", trajectories)
+    app.router.add_get("/v1/model", model_files)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/metrics", metrics)
+    add_star_routes(app, state.blobs, "/v1/snapshots", authorize)
+    return app
+
+
+def _admit(state: LearnerState, sub) -> list[Group]:
+    """Check every group against the lease and the version window; all or nothing."""
+    S = state.cfg.buffer.max_staleness
+    groups = []
+    for g in sub.groups:
+        try:
+            state.leases.prompt_of(sub.lease_id, g.prompt_id)
+        except UnknownLease as e:
+            raise Rejected(409, "unknown-lease", str(e.args[0])) from None
+        if g.version > state.published_version or g.version < 0:
+            raise Rejected(422, "future-version", f"version {g.version} was never published (newest: {state.published_version})")
+        if state.learner_version - g.version > S:
+            # The prompt itself is fine: give it back so a fresher snapshot generates it.
+            state.leases.give_back(sub.lease_id, g.prompt_id)
+            raise Rejected(409, "stale-version",
+                           f"version {g.version} is {state.learner_version - g.version} updates old at learner version "
+                           f"{state.learner_version}; max staleness is {S}. Install the newest snapshot.")
+        groups.append(Group(
+            prompt_id=g.prompt_id, version=g.version, prompt_ids=state.prompt_ids[g.prompt_id],
+            completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
+            rewards=[s.reward for s in g.samples], worker_id=sub.worker_id))
+    return groups
+
+
+def _update_worker(w: WorkerInfo, data: dict) -> None:
+    for key, kind in (("version", int), ("rollouts_per_s", float), ("price_per_hour", float),
+                      ("download_mbit", float), ("upload_mbit", float)):
+        if key in data:
+            try:
+                setattr(w, key, kind(data[key]))
+            except (TypeError, ValueError):
+                raise web.HTTPBadRequest(text=f"{key} must be a number") from None
+    for key in ("device", "gpu", "engine"):
+        if key in data:
+            setattr(w, key, str(data[key])[:64])
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler):
+    """Every error a worker sees is JSON with a reason and a message saying what to do."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        reason = {401: "unauthorized", 404: "not-found", 413: "oversized"}.get(e.status, "bad-request")
+        message = e.text or e.reason
+        if e.status == 413:
+            message = f"body larger than the learner's limit ([server] max_body_mb = {request.app._client_max_size >> 20} MiB)"
+        return json_error(e.status, reason, message)
+
+
+async def reaper(state: LearnerState, period: float) -> None:
+    """Expire silent workers' leases so their prompts are re-issued."""
+    while True:
+        await asyncio.sleep(period)
+        dead = state.leases.expire(time.monotonic())
+        if dead:
+            state.metrics.leases_expired.inc(len(dead))
+        state.metrics.workers.set(len(state.alive_workers(time.monotonic())))

@@ -1,0 +1,59 @@
+"""The learner's console: one status line per step above a progress bar, and the summary."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def status_line(r: dict, eval_accuracy: float | None) -> str:
+    acc = f"{eval_accuracy:.3f}" if eval_accuracy is not None else "-"
+    return (f"step {r['step']:>4} v{r['published_version']:<4} reward {r['reward_mean']:.3f} eval {acc} "
+            f"stale {r['avg_staleness']:.2f}/{r['max_staleness']} queue {r['queue_size']:>3} "
+            f"recycled {r['recycled']:>3} idle {100 * r['idle_ratio']:3.0f}% workers {r['workers']}")
+
+
+class StatusDisplay:
+    def __init__(self, total_steps: int, enabled: bool = True):
+        self.enabled = enabled
+        self.console = Console(stderr=False, highlight=False)
+        self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                 console=self.console, transient=True, disable=not enabled)
+        self.total = total_steps
+        self.task = None
+
+    def banner(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text)
+
+    def start(self, done: int) -> None:
+        self.task = self.progress.add_task("train", total=self.total, completed=done)
+        self.progress.start()
+
+    def step(self, record: dict, eval_accuracy: float | None) -> None:
+        if not self.enabled:
+            return
+        self.progress.console.print(status_line(record, eval_accuracy))
+        self.progress.update(self.task, completed=record["step"])
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+    def summary(self, s: dict) -> None:
+        table = Table(title="run summary", show_header=False)
+        rows = [
+            ("eval accuracy", f"{s['eval_accuracy_start']:.3f} -> {s['eval_accuracy_end']:.3f}"),
+            ("steps / wall time", f"{s['steps']} in {s['wall_s']} s"),
+            ("learner idle", f"{100 * s['learner_idle_ratio']:.1f}%"),
+            ("groups trained / recycled / overflow", f"{s['groups_trained']} / {s['recycled']} / {s['dropped_overflow']}"),
+            ("uploads rejected", ", ".join(f"{k}={v}" for k, v in s["rejected"].items()) or "none"),
+            ("prompts re-issued", str(s["leases_reissued"])),
+            ("mean length sampled / trained", f"{s['sampled_mean_length']} / {s['trained_mean_length']}"),
+            ("workers", ", ".join(f"{w['name']}: {w['groups']} groups" for w in s["workers"])),
+            ("run directory", s["run_dir"]),
+        ]
+        for k, v in rows:
+            table.add_row(k, v)
+        self.console.print(table)

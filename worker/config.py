@@ -1,0 +1,42 @@
+"""`echo-worker`'s configuration (`configs/worker.toml`), with dotted command-line overrides.
+
+Sampling parameters and the task are not here: the learner sends them at join, so every
+worker of a run generates from the same behaviour policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from echo.config import Section, load_config
+
+
+class WorkerSection(Section):
+    name: str = Field("", description="[worker] name: shown in the learner's status (default: host-pid)")
+    prompts_per_lease: int = Field(4, ge=1, le=1024, description="[worker] prompts_per_lease: prompts generated together (a group of n samples each)")
+    max_rollouts_per_s: float = Field(0.0, ge=0.0, description="[worker] max_rollouts_per_s: throttle to emulate a slower GPU (0: unthrottled)")
+    price_per_hour: float = Field(0.0, ge=0.0, description="[worker] price_per_hour: declared $/h, used by the cost-aware scheduler")
+    gpu: str = Field("", description="[worker] gpu: declared GPU kind (default: detected, or 'cpu')")
+    download_mbit: float = Field(0.0, ge=0.0, description="[worker] download_mbit: declared download bandwidth (Mbit/s, 0: unknown)")
+    upload_mbit: float = Field(0.0, ge=0.0, description="[worker] upload_mbit: declared upload bandwidth (Mbit/s, 0: unknown)")
+    cache_dir: Path = Field(Path(".echo-cache"), description="[worker] cache_dir: where the model directory from the learner is kept")
+    seed: int = Field(0, description="[worker] seed: sampling seed (mixed with the worker id)")
+
+
+class EngineSection(Section):
+    type: Literal["auto", "transformers", "vllm"] = Field("auto", description="[engine] type: 'transformers', 'vllm', or 'auto' (vLLM when a GPU and vllm are present)")
+    device: str = Field("auto", description="[engine] device: torch device ('cpu', 'cuda', 'auto')")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[engine] dtype: weights and compute dtype")
+    threads: int = Field(1, ge=1, le=256, description="[engine] threads: torch CPU threads")
+
+
+class WorkerConfig(Section):
+    worker: WorkerSection = WorkerSection()
+    engine: EngineSection = EngineSection()
+
+
+def load_worker_config(path: str | Path | None, overrides: list[str] | None = None) -> WorkerConfig:
+    return load_config(WorkerConfig, path, overrides)

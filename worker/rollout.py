@@ -1,0 +1,186 @@
+"""The rollout loop of one worker: join, install snapshots, lease → generate → reward → push.
+
+Snapshots download in the background while the engine generates; a new version is installed
+between two generation batches, so groups already in flight keep the version that generated
+them and every later group is stamped with the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+
+from broadcast.star import BlobInfo
+from echo.tasks import Prompt, load_task
+from echo.wire import GroupMsg, SampleMsg, Submission
+from worker.client import LearnerClient, LearnerError, RunFinished
+from worker.config import WorkerConfig
+from worker.engines import Engine, GenerationParams, make_engine
+
+log = logging.getLogger("echo.worker")
+
+
+class RateMeter:
+    """Smoothed rollouts/s over delivered, rewarded rollouts (what the scheduler needs).
+
+    Measured over wall time between deliveries, so waiting for leases counts against it.
+    """
+
+    def __init__(self, half_life: float = 10.0):
+        self.half_life, self.rate, self._last = half_life, 0.0, time.monotonic()
+
+    def add(self, rollouts: int, now: float) -> None:
+        seconds, self._last = now - self._last, now
+        if seconds <= 0:
+            return
+        instant = rollouts / seconds
+        weight = 1.0 if self.rate == 0 else 1 - 0.5 ** (seconds / self.half_life)
+        self.rate += weight * (instant - self.rate)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, url: str, token: str):
+        self.cfg = cfg
+        self.url, self.token = url, token
+        self.name = cfg.worker.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.engine: Engine | None = None
+        self.pending: tuple[int, bytes] | None = None  # downloaded, waiting to be installed
+        self.downloading: int | None = None
+        self.meter = RateMeter()
+        self.rollouts = 0
+        self.stopped = asyncio.Event()
+
+    def _info(self) -> dict:
+        w = self.cfg.worker
+        return {
+            "name": self.name, "version": self.engine.version if self.engine else -1,
+            "rollouts_per_s": round(self.meter.rate, 4), "price_per_hour": w.price_per_hour,
+            "gpu": w.gpu or _gpu_name(), "device": self.cfg.engine.device, "engine": self.cfg.engine.type,
+            "download_mbit": w.download_mbit, "upload_mbit": w.upload_mbit,
+        }
+
+    async def run(self) -> int:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            client = LearnerClient(session, self.url, self.token)
+            joined = await client.join(self._info())
+            log.info("%s joined %s as %s", self.name, self.url, client.worker_id)
+            self.task = load_task(joined["task"]["name"], joined["task"]["options"])
+            model_dir = await self._fetch_model_dir(client)
+            e = self.cfg.engine
+            self.engine = await asyncio.to_thread(make_engine, e.type, model_dir, e.device, e.dtype, e.threads,
+                                                  self.cfg.worker.seed + hash(client.worker_id) % 10_000)
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            r = joined["rollout"]
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            self.params = GenerationParams(n=r["group_size"], max_new_tokens=r["max_new_tokens"],
+                                           temperature=r["temperature"], top_p=r["top_p"],
+                                           eos_id=self.tokenizer.eos_token_id, pad_id=pad)
+            if joined["snapshot"]:
+                await self._download(client, BlobInfo(**joined["snapshot"]))
+            beats = asyncio.create_task(self._heartbeats(client, joined["heartbeat_interval"]))
+            try:
+                await self._loop(client)
+            except RunFinished:
+                log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
+            finally:
+                beats.cancel()
+                self.engine.close()
+        return 0
+
+    async def _fetch_model_dir(self, client: LearnerClient) -> Path:
+        files = await client.model_files()
+        digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items()))).hexdigest()[:16]
+        path = self.cfg.worker.cache_dir / f"model-{digest}"
+        path.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            if "/" in name or name.startswith("."):
+                raise LearnerError(0, "bad-model-file", f"refusing model file name {name!r}")
+            (path / name).write_bytes(data)
+        return path
+
+    async def _download(self, client: LearnerClient, info: BlobInfo) -> None:
+        self.downloading = info.version
+        try:
+            blob = await client.snapshot(info)
+            if self.pending is None or info.version > self.pending[0]:
+                self.pending = (info.version, blob)
+        finally:
+            self.downloading = None
+
+    async def _heartbeats(self, client: LearnerClient, interval: float) -> None:
+        while True:
+            try:
+                reply = await client.heartbeat(self._info())
+                self._notice(client, reply.get("snapshot"))
+            except (aiohttp.ClientError, LearnerError, asyncio.TimeoutError) as e:
+                log.warning("%s: heartbeat failed: %s", self.name, e)
+            await asyncio.sleep(interval)
+
+    def _notice(self, client: LearnerClient, snapshot: dict | None) -> None:
+        """Start downloading an announced version newer than anything installed or on its way."""
+        newest_known = max(self.engine.version, self.pending[0] if self.pending else -1,
+                           self.downloading if self.downloading is not None else -1)
+        if snapshot and snapshot["version"] > newest_known:
+            self._download_task = asyncio.create_task(self._download(client, BlobInfo(**snapshot)))
+
+    async def _install_pending(self) -> None:
+        if self.pending is None:
+            return
+        version, blob = self.pending
+        self.pending = None
+        if version <= self.engine.version:
+            return
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.engine.install, version, blob)
+        log.info("%s: installed v%d in %.3f s", self.name, version, time.perf_counter() - t0)
+
+    async def _loop(self, client: LearnerClient) -> None:
+        throttle = self.cfg.worker.max_rollouts_per_s
+        while True:
+            await self._install_pending()
+            if self.engine.version < 0:
+                await asyncio.sleep(0.1)
+                continue
+            lease = await client.lease(self.cfg.worker.prompts_per_lease)
+            if lease is None:
+                await asyncio.sleep(0.1)
+                continue
+            self._notice(client, lease.get("snapshot"))
+            t0 = time.monotonic()
+            version = self.engine.version  # the weights that will generate this whole batch
+            prompts = [Prompt(p["id"], p["text"], p["answer"]) for p in lease["prompts"]]
+            groups = await asyncio.to_thread(self.engine.generate, [p["prompt_ids"] for p in lease["prompts"]], self.params)
+            msgs = []
+            for prompt, samples in zip(prompts, groups):
+                texts = self.tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+                msgs.append(GroupMsg(prompt.id, version, [
+                    SampleMsg(s.tokens, s.logprobs, self.task.reward(prompt, text)) for s, text in zip(samples, texts)]))
+            n_rollouts = sum(len(g.samples) for g in msgs)
+            if throttle:  # emulate a slower machine: hold the results until the budgeted time
+                await asyncio.sleep(max(0.0, n_rollouts / throttle - (time.monotonic() - t0)))
+            try:
+                await client.submit(Submission(client.worker_id, lease["lease_id"], msgs))
+            except LearnerError as e:
+                log.warning("%s: %d groups of v%d refused: %s", self.name, len(msgs), version, e)
+                continue
+            self.rollouts += n_rollouts
+            self.meter.add(n_rollouts, time.monotonic())
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:  # no torch or a broken driver: the learner only needs a label
+        return "cpu"
