@@ -54,6 +54,12 @@ class LeaseBook:
     def outstanding(self) -> int:
         return sum(len(lease.prompts) for lease in self._leases.values())
 
+    def outstanding_by_worker(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for lease in self._leases.values():
+            counts[lease.worker_id] = counts.get(lease.worker_id, 0) + len(lease.prompts)
+        return counts
+
     def lease(self, worker_id: str, max_prompts: int, now: float) -> Lease | None:
         room = min(max_prompts, self.max_outstanding - self.outstanding)
         if room <= 0:

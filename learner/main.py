@@ -62,10 +62,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build the demo model "
               f"with `echo-rl build-model --config {config_path}` or set [model] path.", file=sys.stderr)
         return 2
+    learner = Learner(cfg, resume=args.resume, as_json=args.json)
+    signal.signal(signal.SIGTERM, _interrupt)  # a polite kill stops the run like Ctrl-C
     try:
-        return asyncio.run(Learner(cfg, resume=args.resume, as_json=args.json).run())
+        return asyncio.run(learner.run())
     except KeyboardInterrupt:
+        print(f"echo-learner: interrupted; the run directory {learner.run_dir} keeps the last checkpoint "
+              f"(continue with --resume {learner.run_dir})", file=sys.stderr)
         return 130
+    finally:
+        learner.kill_workers()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 class Learner:
@@ -129,6 +139,7 @@ class Learner:
         log.write({"event": "eval", "step": trainer.version, "eval_accuracy": acc0})
         state.metrics.eval_accuracy.set(acc0)
         self._spawn_workers(url, cfg)
+        watch = asyncio.create_task(self._watch_workers())
 
         t_start, waited, last_acc = time.monotonic(), 0.0, acc0
         display.start(trainer.version)
@@ -160,9 +171,10 @@ class Learner:
             display.stop()
             state.finished = True
             reap.cancel()
+            watch.cancel()
         await asyncio.to_thread(trainer.save_checkpoint, self.run_dir / "checkpoints",
                                 {"eval_accuracy": last_acc, "first_eval_accuracy": first_acc})
-        await self._stop_workers(grace=2 * cfg.server.heartbeat_interval + 3)
+        await self._stop_workers(state, grace=2 * cfg.server.heartbeat_interval + 3)
         await runner.cleanup()
         summary = self._summary(state, first_acc, last_acc, time.monotonic() - t_start, waited)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -215,11 +227,17 @@ class Learner:
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                env={**os.environ, "PYTHONUNBUFFERED": "1"}))
 
-    async def _stop_workers(self, grace: float) -> None:
-        """Workers see the run finished (410 or heartbeat) and exit; stragglers are terminated."""
+    async def _stop_workers(self, state: LearnerState, grace: float) -> None:
+        """Keep serving until every live worker was told the run finished (410 or heartbeat), then
+        terminate spawned stragglers."""
         deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+
+        def pending() -> bool:
+            untold = any(not w.told_finished for w in state.alive_workers(time.monotonic()))
+            return untold or any(p.poll() is None for p in self.procs)
+
+        while pending() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -228,6 +246,22 @@ class Learner:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+    def kill_workers(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    async def _watch_workers(self) -> None:
+        """Say so when a spawned worker dies, with where to look."""
+        reported: set[int] = set()
+        while True:
+            await asyncio.sleep(1.0)
+            for i, p in enumerate(self.procs):
+                if p.poll() not in (None, 0) and i not in reported:
+                    reported.add(i)
+                    print(f"echo-learner: local worker {i} exited with code {p.returncode}; "
+                          f"see {self.run_dir / 'workers' / f'local-{i}.log'}", file=sys.stderr)
 
     def _summary(self, state: LearnerState, first_acc, last_acc, wall, waited) -> dict:
         buf = state.buffer.buffer.metrics()

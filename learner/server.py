@@ -51,6 +51,7 @@ class WorkerInfo:
     upload_mbit: float = 0.0
     engine: str = ""
     groups_accepted: int = 0
+    told_finished: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -143,6 +144,7 @@ def build_app(state: LearnerState) -> web.Application:
         worker = worker_of(data)
         _update_worker(worker, data)
         state.leases.renew(worker.id, worker.last_seen)
+        worker.told_finished = state.finished
         latest = state.blobs.latest
         return web.json_response({
             "state": "stop" if state.finished else "active",
@@ -154,6 +156,7 @@ def build_app(state: LearnerState) -> web.Application:
         data = await body_json(request)
         worker = worker_of(data)
         if state.finished:
+            worker.told_finished = True
             return json_error(410, "finished", "the run has finished; the worker can exit")
         try:
             max_prompts = max(1, min(int(data.get("max_prompts", 1)), 1024))
@@ -175,7 +178,11 @@ def build_app(state: LearnerState) -> web.Application:
         try:
             if request.content_type != CONTENT_TYPE:
                 raise Rejected(415, "malformed", f"Content-Type must be {CONTENT_TYPE}")
-            body = await request.read()
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise Rejected(413, "oversized", f"upload larger than [server] max_body_mb = {cfg.server.max_body_mb} MiB; "
+                                                 "submit fewer groups per request") from None
             sub = decode_submission(body, vocab_size=state.vocab_size, max_tokens=cfg.rollout.max_new_tokens,
                                     group_size=cfg.rollout.group_size)
             worker = state.workers.get(sub.worker_id)
@@ -210,7 +217,9 @@ def build_app(state: LearnerState) -> web.Application:
             "finished": state.finished,
             "buffer": state.buffer.buffer.metrics(),
             "leases": {**asdict(state.leases.stats), "outstanding": state.leases.outstanding},
-            "workers": [{**asdict(w), "alive": w in state.alive_workers(now)} for w in state.workers.values()],
+            "workers": [{**asdict(w), "alive": w in state.alive_workers(now),
+                         "leased_prompts": state.leases.outstanding_by_worker().get(w.id, 0)}
+                        for w in state.workers.values()],
         })
 
     async def metrics(request: web.Request) -> web.Response:

@@ -91,10 +91,11 @@ class Worker:
             try:
                 await self._loop(client)
             except RunFinished:
-                log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
+                pass
             finally:
                 beats.cancel()
                 self.engine.close()
+        log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
         return 0
 
     async def _fetch_model_dir(self, client: LearnerClient) -> Path:
@@ -121,6 +122,8 @@ class Worker:
         while True:
             try:
                 reply = await client.heartbeat(self._info())
+                if reply.get("state") == "stop":
+                    self.stopped.set()
                 self._notice(client, reply.get("snapshot"))
             except (aiohttp.ClientError, LearnerError, asyncio.TimeoutError) as e:
                 log.warning("%s: heartbeat failed: %s", self.name, e)
@@ -146,7 +149,7 @@ class Worker:
 
     async def _loop(self, client: LearnerClient) -> None:
         throttle = self.cfg.worker.max_rollouts_per_s
-        while True:
+        while not self.stopped.is_set():
             await self._install_pending()
             if self.engine.version < 0:
                 await asyncio.sleep(0.1)

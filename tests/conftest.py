@@ -1,0 +1,153 @@
+"""Shared fixtures: a tiny model built locally, and real learner/worker processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A small Qwen2-architecture model + character tokenizer, warm-started on arith (~2 s)."""
+    import torch
+
+    from echo.tasks import load_task
+    from echo.tinymodel import build_model, build_tokenizer, warm_start
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("model")
+    tok = build_tokenizer()
+    model = build_model(tok, hidden=64, layers=1, seed=0)
+    task = load_task("arith", {})
+    warm_start(model, tok, task.warmup_examples(256, seed=1), steps=10, lr=3e-3, batch=32, seed=0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Path:
+    base = {
+        "run": {"name": "t", "dir": str(run_dir), "steps": 6, "eval_every": 0, "checkpoint_every": 0},
+        "model": {"path": str(model)},
+        "task": {"name": "arith"},
+        "rollout": {"group_size": 4, "max_new_tokens": 4},
+        "trainer": {"batch_prompts": 4},
+        "buffer": {"max_staleness": 1},
+        "publish": {"every": 1},
+        "server": {"port": 0, "token": "test-token", "lease_ttl": 3.0, "heartbeat_interval": 0.5},
+        "workers": {"spawn": 0},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in base.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class LearnerProcess:
+    def __init__(self, config: Path, run_root: Path, token: str = "test-token"):
+        self.token = token
+        self.run_root = run_root
+        self.log = open(run_root.parent / "learner.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "learner.main", "--config", str(config), "--json"],
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not list(run_root.glob("*/url")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"learner did not start:\n{self.output()}")
+            time.sleep(0.1)
+        self.run_dir = next(run_root.glob("*/url")).parent
+        self.url = (self.run_dir / "url").read_text().strip()
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.run_root.parent / "learner.log").read_text()
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None, token: str | None = "default",
+                content_type: str = "application/json") -> tuple[int, dict | str]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {self.token if token == 'default' else token}")
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                raw, status = resp.read(), resp.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw) if raw else {}
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def status(self) -> dict:
+        return self.request("GET", "/v1/status")[1]
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line] if path.exists() else []
+
+    def wait_until(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{self.output()[-3000:]}")
+            for w in getattr(self, "workers", []):
+                if (w.poll() or 0) > 0:  # a crash; tests kill workers with signals on purpose
+                    raise AssertionError(f"a worker died ({w.returncode}) before {what}: {w.args}")
+            if self.proc.poll() is not None and not predicate():
+                raise AssertionError(f"learner exited ({self.proc.returncode}) before {what}\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def start_worker(url: str, token: str, name: str, log: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "worker.main", "join", url, "--token", token, "--config", "configs/worker.toml",
+           "--worker.name", name, "--worker.cache_dir", str(log.parent / "cache"), *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture
+def learner_factory(tmp_path, tiny_model):
+    started: list[tuple[LearnerProcess, list[subprocess.Popen]]] = []
+
+    def make(**sections) -> LearnerProcess:
+        config = write_config(tmp_path / f"learner{len(started)}.toml", tiny_model, tmp_path / f"runs{len(started)}",
+                              **sections)
+        lp = LearnerProcess(config, tmp_path / f"runs{len(started)}")
+        lp.workers = []
+        lp.worker = lambda name, *o: lp.workers.append(
+            start_worker(lp.url, lp.token, name, tmp_path / f"{name}.log", *o)) or lp.workers[-1]
+        started.append(lp)
+        return lp
+
+    yield make
+    for lp in started:
+        lp.stop()
+        for w in lp.workers:
+            if w.poll() is None:
+                w.kill()

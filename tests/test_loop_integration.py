@@ -1,0 +1,96 @@
+"""The whole loop with real processes on loopback: a learner, worker processes, HTTP, torch."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import msgpack
+import zstandard
+
+from echo.wire import CONTENT_TYPE, GroupMsg, SampleMsg, Submission, encode_submission
+
+
+def test_two_workers_train_within_the_staleness_bound_and_survive_a_killed_worker(learner_factory):
+    S = 1
+    steps = 30
+    lp = learner_factory(run={"steps": steps}, buffer={"max_staleness": S})
+    fast = lp.worker("fast", "--worker.max_rollouts_per_s", "40")  # ~0.4 s/step: the run outlives the lease TTL
+    slow = lp.worker("slow", "--worker.max_rollouts_per_s", "3")  # holds each lease for ~5 s
+    lp.wait_until(lambda: any(w["name"] == "slow" and w["leased_prompts"] > 0 for w in lp.status()["workers"]),
+                  90, "the slow worker to hold a lease")
+    held = next(w["leased_prompts"] for w in lp.status()["workers"] if w["name"] == "slow")
+    slow.send_signal(signal.SIGKILL)  # dies holding prompts: nobody will submit them
+    lp.wait_until(lambda: lp.status()["leases"]["expired_prompts"] >= held, 30,
+                  "the dead worker's lease to expire")
+
+    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    records = lp.records()
+    assert summary["steps"] == steps and [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(0 <= s <= S for r in records for s in r["staleness"]), [r["staleness"] for r in records]
+    assert summary["leases_reissued"] >= held  # the dead worker's prompts went back out
+    assert summary["groups_trained"] == steps * 4
+    assert (lp.run_dir / "checkpoints" / "latest" / "model.safetensors").exists()
+    assert fast.wait(30) == 0  # told the run finished, it exits cleanly
+
+
+def _group(prompt_id: str, version: int, n: int = 4, logprob: float = -1.0) -> GroupMsg:
+    return GroupMsg(prompt_id, version, [SampleMsg([5, 2], [logprob, logprob], 1.0) for _ in range(n)])
+
+
+def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(learner_factory):
+    S = 1
+    lp = learner_factory(run={"steps": 100000}, buffer={"max_staleness": S}, server={"max_body_mb": 1.0})
+    lp.worker("w", "--worker.max_rollouts_per_s", "200")
+
+    status, body = lp.request("POST", "/v1/join", {"name": "intruder"}, token=None)
+    assert status == 401 and "token" in body["message"]
+    status, body = lp.request("POST", "/v1/join", {"name": "intruder"}, token="guess")
+    assert status == 401 and body["error"] == "unauthorized"
+
+    status, joined = lp.request("POST", "/v1/join", {"name": "probe"})
+    assert status == 200
+    wid = joined["worker_id"]
+    lp.wait_until(lambda: lp.status()["published_version"] >= 0, 30, "a published snapshot")
+    status, lease = lp.request("POST", "/v1/lease", {"worker_id": wid, "max_prompts": 2})
+    assert status == 200, lease
+    version = lease["snapshot"]["version"]
+    p0, p1 = (p["id"] for p in lease["prompts"])
+
+    def submit(sub: Submission | bytes, content_type=CONTENT_TYPE):
+        body = sub if isinstance(sub, bytes) else encode_submission(sub)
+        return lp.request("POST", "/v1/trajectories", body, content_type=content_type)
+
+    assert submit(b"\x00garbage")[1]["error"] == "malformed"
+    assert submit(b"\x00garbage")[0] == 400
+    assert submit(encode_submission(Submission(wid, lease["lease_id"], [_group(p0, version)])), "text/plain")[0] == 415
+    status, body = submit(Submission(wid, lease["lease_id"], [_group(p0, version, logprob=float("nan"))]))
+    assert (status, body["error"]) == (422, "nonfinite-logprobs")
+    status, body = submit(Submission(wid, lease["lease_id"], [_group(p0, version, n=3)]))
+    assert (status, body["error"]) == (422, "wrong-group-size")
+    status, body = submit(Submission(wid, "no-such-lease", [_group(p0, version)]))
+    assert (status, body["error"]) == (409, "unknown-lease")
+    status, body = submit(Submission(wid, lease["lease_id"], [_group(p0, version + 1000)]))
+    assert (status, body["error"]) == (422, "future-version")
+    huge = zstandard.ZstdCompressor(level=1).compress(msgpack.packb({"x": __import__("os").urandom(2 << 20)}))
+    status, body = submit(huge)
+    assert (status, body["error"]) == (413, "oversized") and "max_body_mb" in body["message"]
+
+    # A well-formed group becomes too stale once the learner moves S + 1 versions past it.
+    def past_window():
+        lp.request("POST", "/v1/heartbeat", {"worker_id": wid, "version": version})  # keep the lease alive
+        return lp.status()["learner_version"] > version + S
+
+    lp.wait_until(past_window, 90, "the learner to move past the staleness window")
+    status, body = submit(Submission(wid, lease["lease_id"], [_group(p1, version)]))
+    assert (status, body["error"]) == (409, "stale-version") and f"max staleness is {S}" in body["message"]
+
+    # Still serving and still training, and every refusal was counted by reason.
+    v = lp.status()["learner_version"]
+    lp.wait_until(lambda: lp.status()["learner_version"] > v, 60, "training to continue")
+    metrics = lp.request("GET", "/metrics", token=None)[1]
+    for reason in ("malformed", "nonfinite-logprobs", "wrong-group-size", "unknown-lease", "future-version",
+                   "oversized", "stale-version"):
+        assert f'echo_trajectories_rejected_total{{reason="{reason}"}}' in metrics, reason
+    assert "echo_joins_refused_total 2.0" in metrics

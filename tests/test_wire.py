@@ -1,0 +1,72 @@
+"""Trajectory codec: round trip, and every kind of bad upload refused with its reason."""
+
+import math
+
+import msgpack
+import pytest
+import zstandard
+
+from echo.wire import GroupMsg, Rejected, SampleMsg, Submission, decode_submission, encode_submission
+
+LIMITS = dict(vocab_size=20, max_tokens=4, group_size=2)
+
+
+def submission(**over) -> Submission:
+    samples = [SampleMsg([4, 5, 2], [-0.5, -0.25, -1.0], 1.0), SampleMsg([7], [-2.0], 0.0)]
+    return Submission("w1", "L1", [GroupMsg("p1", 3, over.get("samples", samples))])
+
+
+def raw(obj) -> bytes:
+    return zstandard.ZstdCompressor().compress(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_round_trip():
+    out = decode_submission(encode_submission(submission()), **LIMITS)
+    assert out.worker_id == "w1" and out.lease_id == "L1"
+    g = out.groups[0]
+    assert (g.prompt_id, g.version) == ("p1", 3)
+    assert g.samples[0].tokens == [4, 5, 2] and g.samples[0].logprobs == [-0.5, -0.25, -1.0]
+    assert [s.reward for s in g.samples] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("body,reason,status", [
+    (b"not zstd at all", "malformed", 400),
+    (zstandard.ZstdCompressor().compress(b"\xc1\xc1\xc1"), "malformed", 400),
+    (raw([1, 2, 3]), "malformed", 400),
+    (raw({"worker_id": "w", "lease_id": "L", "groups": []}), "malformed", 400),
+    (raw({"worker_id": "w", "lease_id": "L", "groups": [{"prompt_id": "p", "version": "3", "samples": []}]}), "malformed", 400),
+])
+def test_malformed_bodies(body, reason, status):
+    with pytest.raises(Rejected) as e:
+        decode_submission(body, **LIMITS)
+    assert (e.value.reason, e.value.status) == (reason, status)
+
+
+@pytest.mark.parametrize("samples,reason", [
+    ([SampleMsg([1], [-1.0], 1.0)], "wrong-group-size"),
+    ([SampleMsg([1] * 5, [-1.0] * 5, 1.0)] * 2, "oversized"),
+    ([SampleMsg([99], [-1.0], 1.0)] * 2, "bad-token"),
+    ([SampleMsg([1], [math.nan], 1.0)] * 2, "nonfinite-logprobs"),
+    ([SampleMsg([1], [math.inf], 1.0)] * 2, "nonfinite-logprobs"),
+    ([SampleMsg([1], [0.7], 1.0)] * 2, "nonfinite-logprobs"),
+    ([SampleMsg([1], [-1.0], math.nan)] * 2, "bad-reward"),
+])
+def test_invalid_samples(samples, reason):
+    with pytest.raises(Rejected) as e:
+        decode_submission(encode_submission(submission(samples=samples)), **LIMITS)
+    assert e.value.reason == reason
+    assert 400 <= e.value.status < 500 and e.value.message
+
+
+def test_token_and_logprob_counts_must_match():
+    body = raw({"worker_id": "w", "lease_id": "L", "groups": [{"prompt_id": "p", "version": 0, "samples": [
+        {"tokens": b"\x01\x00\x00\x00" * 2, "logprobs": b"\x00\x00\x80\xbf", "reward": 1.0}] * 2}]})
+    with pytest.raises(Rejected, match="2 tokens but 1 log-probs"):
+        decode_submission(body, **LIMITS)
+
+
+def test_decompression_bomb_is_refused():
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (80 << 20))
+    with pytest.raises(Rejected) as e:
+        decode_submission(bomb, **LIMITS)
+    assert e.value.reason == "malformed"
