@@ -1,0 +1,445 @@
+"""`echo-rl plan`: predict capacity, cost and staleness of a configuration before renting.
+
+    echo-rl plan [--config learner.toml] [--pool configs/pools/consumer-gpus.toml] [flags] [--json]
+    echo-rl plan staleness --concurrency 64 --batch 128 --queue-factor 1 --utilization 0.8 \\
+        --tailness-multiplier 1.5 [--simulate]
+    echo-rl plan sweep --out DIR
+
+The main form prints R_req, the workers greedy and exact activation choose and their cost, the
+worst-case staleness bound, mean staleness by closed form (PQS and IQS) and by the simulator
+(ECHO-2 pipeline: publication every I steps, broadcast delay), utilization ρ, the predicted
+bubble, $/step, and warnings. Values come from, in increasing priority: built-in defaults, the
+`--config` TOML, command-line flags. Keys read from `--config` (all optional):
+
+    [trainer]   batch_prompts          groups per step G (B = G · group_size)
+    [rollout]   group_size             n
+    [buffer]    max_staleness          S
+                queue_factor           q
+                type                   "queue-drop" | "queue-max"
+    [publish]   every                  I (default S − 1, at least 1)
+    [scheduler] pool, alpha, activation, learner_price_per_hour, t_train_s, t_bcast_s,
+                length_sigma, ...      (scheduler.config.SchedulerSection; unknown keys are errors)
+
+Other tables and keys of a learner config are ignored, so the learner's file can be passed as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from echo.config import ConfigError, read_toml
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_POOL = Path("configs/pools/consumer-gpus.toml")
+
+
+def cli(argv: list[str]) -> int:
+    """Entry point of `echo-rl plan`; returns the exit code (2 for an impossible configuration)."""
+    if argv and argv[0] == "staleness":
+        return _staleness_cli(argv[1:])
+    if argv and argv[0] == "sweep":
+        return _sweep_cli(argv[1:])
+    return _plan_cli(argv)
+
+
+# --- shared helpers ---------------------------------------------------------------------------
+
+def _resolve(path: str | Path, base: Path | None = None) -> Path:
+    """A path as given if it exists; else relative to `base` (a config's folder) or the repo."""
+    path = Path(path)
+    if path.is_absolute() or path.exists():
+        return path
+    for root in (base, REPO):
+        if root is not None and (root / path).exists():
+            return root / path
+    return path
+
+
+def _fail(message: str, as_json: bool, **extra: Any) -> int:
+    if as_json:
+        print(json.dumps({"error": message, **extra}, indent=2, ensure_ascii=False))
+    else:
+        print(f"echo-rl plan: {message}", file=sys.stderr)
+    return 2
+
+
+def _int_key(data: dict, table: str, key: str, source: str) -> int | None:
+    value = data.get(table, {}).get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"[{table}] {key} = {value!r} in {source}: expected a non-negative integer")
+    return value
+
+
+def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
+    """Plan inputs from a learner-style TOML (see the module docstring for the keys)."""
+    from pydantic import ValidationError
+
+    from scheduler.config import SchedulerSection
+    from scheduler.planner import PlanInputs
+
+    data = read_toml(path)
+    values: dict[str, Any] = {}
+    prompts = _int_key(data, "trainer", "batch_prompts", path)
+    n = _int_key(data, "rollout", "group_size", path)
+    if n is not None:
+        values["group_size"] = n
+    if prompts is not None:
+        values["batch"] = prompts * (n if n is not None else PlanInputs().group_size)
+    if (s := _int_key(data, "buffer", "max_staleness", path)) is not None:
+        values["max_staleness"] = s
+    if (i := _int_key(data, "publish", "every", path)) is not None:
+        values["publish_every"] = i
+    buffer = data.get("buffer", {})
+    if "queue_factor" in buffer:
+        values["queue_factor"] = float(buffer["queue_factor"])
+    if "type" in buffer:
+        values["buffer"] = buffer["type"]
+    try:
+        sched = SchedulerSection.model_validate(data.get("scheduler", {}))
+    except ValidationError as e:
+        bad = "; ".join(f"[scheduler] {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{path}: {bad}") from None
+    values.update(
+        alpha=sched.alpha, activation=sched.activation, learner_price=sched.learner_price_per_hour,
+        t_train=sched.t_train_s, t_bcast=sched.t_bcast_s, length_sigma=sched.length_sigma,
+    )
+    pool = _resolve(sched.pool, Path(path).parent) if sched.pool else None
+    return values, pool
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x:.3g}"
+
+
+# --- echo-rl plan -----------------------------------------------------------------------------
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="echo-rl plan",
+        description="Predict capacity (R_req), activation, cost and staleness of a configuration. "
+        "Subcommands: 'echo-rl plan staleness --help' (closed form for one operating point), "
+        "'echo-rl plan sweep --help' (PNG plots).",
+        epilog="Flags override --config, which overrides the defaults shown.",
+    )
+    p.add_argument("--config", help="learner TOML to read [trainer]/[rollout]/[buffer]/[publish]/[scheduler] from")
+    p.add_argument("--pool", help=f"pool file of candidate workers (default {DEFAULT_POOL})")
+    p.add_argument("--batch", type=int, help="B: rollouts per learner update (default 512)")
+    p.add_argument("--group-size", type=int, help="n: samples per prompt (default 16)")
+    p.add_argument("-S", "--max-staleness", type=int, help="S: staleness budget in updates (default 3)")
+    p.add_argument("-I", "--publish-every", type=int, help="I: publish a snapshot every I updates (default S − 1)")
+    p.add_argument("--t-train", type=float, help="T_train: seconds per update (default 120)")
+    p.add_argument("--t-bcast", type=float, help="T_bcast: learner-visible broadcast seconds (default 60)")
+    p.add_argument("--learner-price", type=float, help="learner node $/h (default 3.06)")
+    p.add_argument("--alpha", type=float, help="safety factor α: activation covers α·R_req (default 1.2)")
+    p.add_argument("--queue-factor", type=float, help="q: queue-drop capacity in batches (default 1)")
+    p.add_argument("--buffer", choices=["queue-drop", "queue-max"], help="buffer policy (default queue-drop)")
+    p.add_argument("--length-sigma", type=float, help="σ of the lognormal response-length model (default 0.6)")
+    p.add_argument("--activation", choices=["greedy", "exact"], help="which choice the predictions use (default exact)")
+    p.add_argument("--sim-steps", type=int, help="simulated learner updates (default 600)")
+    p.add_argument("--no-simulate", action="store_true", help="skip the simulator")
+    p.add_argument("--seed", type=int, help="simulator seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+_FLAG_TO_INPUT = {
+    "batch": "batch", "group_size": "group_size", "max_staleness": "max_staleness",
+    "publish_every": "publish_every", "t_train": "t_train", "t_bcast": "t_bcast",
+    "learner_price": "learner_price", "alpha": "alpha", "queue_factor": "queue_factor",
+    "buffer": "buffer", "length_sigma": "length_sigma", "activation": "activation",
+    "sim_steps": "sim_steps", "seed": "seed",
+}
+
+
+def _plan_cli(argv: list[str]) -> int:
+    from scheduler.errors import InfeasibleOverlap, SchedulerError
+    from scheduler.planner import PlanInputs, make_plan
+    from scheduler.pool import load_pool
+
+    args = _plan_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    pool_path: Path | None = None
+    try:
+        if args.config:
+            values, pool_path = _from_config(args.config)
+        for flag, key in _FLAG_TO_INPUT.items():
+            if getattr(args, flag) is not None:
+                values[key] = getattr(args, flag)
+        if args.no_simulate:
+            values["simulate"] = False
+        pool_path = _resolve(args.pool) if args.pool else pool_path or _resolve(DEFAULT_POOL)
+        inputs = PlanInputs(**values)
+        pool = load_pool(pool_path)
+        plan = make_plan(inputs, pool)
+    except InfeasibleOverlap as e:
+        return _fail(str(e), args.json, smallest_feasible_period=e.smallest_feasible_period)
+    except (SchedulerError, ConfigError) as e:
+        return _fail(str(e), args.json)
+    plan["inputs"]["pool_file"] = str(pool_path)
+    print(json.dumps(plan, indent=2, ensure_ascii=False) if args.json else render_plan(plan))
+    return 0
+
+
+def render_plan(plan: dict) -> str:
+    inp, capd, actd = plan["inputs"], plan["capacity"], plan["activation"]
+    pipe, stale, cost = plan["pipeline"], plan["staleness"], plan["cost"]
+    B, n, I, S = inp["batch"], inp["group_size"], inp["publish_every"], inp["max_staleness"]
+    cf = stale["closed_form"]
+    lines = [
+        f"echo-rl plan: pool {inp['pool']} ({inp['pool_size']} machines), learner ${inp['learner_price']:.2f}/h",
+        (f"  B = {B} rollouts/update ({B // n} groups × {n}), T_train = {inp['t_train']:g} s, "
+         f"T_bcast = {inp['t_bcast']:g} s, I = {I}, S = {S}, α = {inp['alpha']:g}, q = {inp['queue_factor']:g} "
+         f"({inp['buffer']}), length σ = {inp['length_sigma']:g} (M_tail = {cf['m_tail']:.2f})"),
+        "",
+        f"capacity   R_req = I·B/(I·T − T_b) = {capd['r_req']:.3f} rollouts/s; target α·R_req = {capd['target']:.3f}",
+        "",
+    ]
+    width = max(9, *(len(actd[m]["summary"]) + 2 for m in ("greedy", "exact")))
+    lines.append(f"  {'activation':<12}{'workers':<{width}}{'rollouts/s':>11}{'$/h':>8}{'solve':>10}")
+    for name in ("greedy", "exact"):
+        a = actd[name]
+        mark = " ← used" if actd["used"] == name else ""
+        opt = "" if a["optimal"] else " (time limit)"
+        lines.append(f"  {name:<12}{a['summary']:<{width}}{a['rate']:>11.3f}{a['cost_per_hour']:>8.3f}"
+                     f"{a['solve_s'] * 1e3:>8.1f}ms{opt}{mark}")
+    lines += [
+        f"  gap: greedy costs ${actd['gap_per_hour']:.3f}/h ({actd['gap_rel']:.1%}) more than the exact optimum",
+        "",
+        (f"pipeline   R = {pipe['rate']:.3f} rollouts/s, ρ = R·T/B = {pipe['rho']:.2f} ({pipe['regime']}), "
+         f"C = {pipe['concurrency']} slots (C/B = {pipe['c_over_b']:.2f})"),
+        (f"           overlap I·B/R + T_b ≤ I·T: {'holds' if pipe['overlap_holds'] else 'FAILS'}; predicted wait "
+         f"{pipe['wait_per_period_s']:.1f} s per period, bubble {pipe['bubble']:.1%}"),
+        (f"cost       ${cost['dollars_per_step']:.4f}/step = (T + wait/I)·${cost['dollars_per_hour']:.3f}/h / 3600 "
+         f"(learner {cost['learner_per_hour']:.2f} + workers {cost['workers_per_hour']:.3f})"),
+        "",
+        (f"staleness  worst case s_max ≤ I − 1 + ⌈(T_b + B/R)/T⌉ = {stale['bound']} "
+         f"(under overlap: I + ⌈(1 − 1/I)·T_b/T⌉ = {stale['bound_under_overlap']}; budget S = {S})"),
+        f"  {'mean staleness':<34}{'PQS':>7}{'IQS':>7}{'total':>7}{'max':>5}",
+        f"  {'closed form (I = 1, instant sync)':<34}{cf['pqs']:>7.2f}{cf['iqs']:>7.2f}{cf['total']:>7.2f}",
+        (f"  {'  + snapshot lag (I−1)/2 + T_b/T_eff':<34}{'':>14}{stale['closed_form_with_lag']:>7.2f}"
+         f"   (lag ≈ {stale['snapshot_lag']:.2f}, an approximation)"),
+    ]
+    sim = stale.get("simulator")
+    if sim:
+        lines += [
+            (f"  {'simulator (I, T_bcast, S applied)':<34}{sim['pqs']:>7.2f}{sim['iqs']:>7.2f}{sim['total']:>7.2f}"
+             f"{sim['max_staleness']:>5}"),
+            (f"  simulator: bubble {sim['bubble']:.1%}, dropped {sim['dropped_overflow']} overflow + "
+             f"{sim['dropped_stale']} stale of {sim['started']} groups, mean length sampled "
+             f"{sim['sampled_mean_length']:.0f} / trained {sim['trained_mean_length']:.0f} tokens "
+             f"({sim['steps']} steps, {sim['rollouts_per_s'] / 1e6:.2f} M rollouts/s)"),
+        ]
+    if plan["warnings"]:
+        lines.append("")
+        lines += [f"warning: {w}" for w in plan["warnings"]]
+    return "\n".join(lines)
+
+
+# --- echo-rl plan staleness -------------------------------------------------------------------
+
+def _staleness_cli(argv: list[str]) -> int:
+    from scheduler import staleness as st
+    from scheduler.errors import SchedulerError
+    from scheduler.simulator import blog_config, simulate
+
+    p = argparse.ArgumentParser(
+        prog="echo-rl plan staleness",
+        description="Mean staleness of fully async RL with a queue-drop buffer (closed form: "
+        "PQS = M_tail·(C/B)·min(1, 1/ρ); IQS = ρ if ρ ≤ 1 else (2q − 1)/(2ρ) + 1/2).",
+    )
+    p.add_argument("--concurrency", type=int, default=64, help="C: concurrent generation slots (default 64)")
+    p.add_argument("--batch", type=int, default=128, help="B: rollouts per update (default 128)")
+    p.add_argument("--queue-factor", type=float, default=1.0, help="q = Q/B (default 1)")
+    p.add_argument("--utilization", type=float, default=0.8, help="ρ = Θ_R/Θ_T (default 0.8)")
+    tail = p.add_mutually_exclusive_group()
+    tail.add_argument("--tailness-multiplier", type=float, help="M_tail = E[max of a group]/E[length] (default: from --sigma)")
+    tail.add_argument("--sigma", type=float, help="lognormal σ of lengths (default 0.6 when M_tail is not given)")
+    p.add_argument("--group-size", type=int, default=16, help="n: samples per group (for M_tail from σ and the simulator; default 16)")
+    p.add_argument("--simulate", action="store_true", help="also run the event-driven simulator")
+    p.add_argument("--steps", type=int, default=2000, help="simulated updates (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="simulator seed")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    args = p.parse_args(argv)
+    try:
+        if args.tailness_multiplier is not None:
+            m_tail = args.tailness_multiplier
+            sigma = st.sigma_for_tail_multiplier(m_tail, args.group_size) if args.simulate else None
+        else:
+            sigma = 0.6 if args.sigma is None else args.sigma
+            m_tail = st.tail_multiplier(sigma, args.group_size)
+        pred = st.predict(args.utilization, args.concurrency / args.batch, args.queue_factor, m_tail)
+        out: dict[str, Any] = {"closed_form": pred.as_dict(), "sigma": sigma, "group_size": args.group_size}
+        if args.simulate:
+            sim = simulate(blog_config(args.utilization, args.concurrency, args.batch, args.group_size,
+                                       args.queue_factor, sigma, steps=args.steps,
+                                       warmup_steps=max(20, args.steps // 10), seed=args.seed))
+            out["simulator"] = sim.as_dict()
+    except SchedulerError as e:
+        return _fail(str(e), args.json)
+    if args.json:
+        print(json.dumps(out, indent=2, ensure_ascii=False))
+        return 0
+    print(f"ρ = {pred.rho:g} ({pred.regime}), C/B = {pred.c_over_b:g}, q = {pred.q:g}, M_tail = {pred.m_tail:.3f}"
+          + (f" (σ = {sigma:.3f}, n = {args.group_size})" if sigma is not None else ""))
+    print(f"  {'':<12}{'PQS':>7}{'IQS':>7}{'total':>7}")
+    print(f"  {'closed form':<12}{pred.pqs:>7.3f}{pred.iqs:>7.3f}{pred.total:>7.3f}")
+    if args.simulate:
+        s = out["simulator"]
+        print(f"  {'simulator':<12}{s['pqs']:>7.3f}{s['iqs']:>7.3f}{s['total']:>7.3f}   max {s['max_staleness']}, "
+              f"trainer busy {s['trainer_busy']:.1%}, {s['steps']} steps, {s['rollouts_per_s'] / 1e6:.2f} M rollouts/s")
+    return 0
+
+
+# --- echo-rl plan sweep -----------------------------------------------------------------------
+
+def _sweep_cli(argv: list[str]) -> int:
+    from scheduler import staleness as st
+    from scheduler.errors import SchedulerError
+    from scheduler.pool import load_pool
+
+    p = argparse.ArgumentParser(
+        prog="echo-rl plan sweep",
+        description="Write PNGs: the staleness vs step-time frontier under a fixed GPU budget "
+        "(frontier.png) and bubble ratio and $/step vs pool size (bubble_vs_pool.png).",
+    )
+    p.add_argument("--out", required=True, help="directory for the PNGs (created)")
+    p.add_argument("--pool", default=str(DEFAULT_POOL), help=f"pool file (default {DEFAULT_POOL})")
+    p.add_argument("--batch", type=int, default=512, help="B rollouts per update (default 512)")
+    p.add_argument("--group-size", type=int, default=16, help="n (default 16)")
+    p.add_argument("--t-train", type=float, default=120.0, help="T_train seconds (default 120)")
+    p.add_argument("--t-bcast", type=float, default=60.0, help="T_bcast seconds (default 60)")
+    p.add_argument("--learner-price", type=float, default=3.06, help="learner $/h (default 3.06)")
+    p.add_argument("--c-over-b", type=float, default=0.5, help="C/B at ρ = 1 for the frontier (default 0.5)")
+    p.add_argument("--sigma", type=float, default=0.6, help="lognormal σ of lengths (default 0.6)")
+    p.add_argument("--r", default="0.25,1,4", help="comma-separated r = θ_T/θ_R values (default 0.25,1,4)")
+    p.add_argument("--no-simulate", action="store_true", help="skip the simulated markers")
+    p.add_argument("--json", action="store_true", help="print the data and file names as JSON")
+    args = p.parse_args(argv)
+    try:
+        rs = [float(x) for x in args.r.split(",") if x.strip()]
+        pool = load_pool(_resolve(args.pool))
+        m_tail = st.tail_multiplier(args.sigma, args.group_size)
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        data = {
+            "frontier": _plot_frontier(out_dir / "frontier.png", rs, args, m_tail),
+            "pool": _plot_pool(out_dir / "bubble_vs_pool.png", pool, args),
+        }
+    except (SchedulerError, ConfigError, ValueError) as e:
+        return _fail(str(e), args.json)
+    files = [str(out_dir / "frontier.png"), str(out_dir / "bubble_vs_pool.png")]
+    if args.json:
+        print(json.dumps({"files": files, **data}, indent=2, ensure_ascii=False))
+    else:
+        print("\n".join(f"wrote {f}" for f in files))
+    return 0
+
+
+def _plot_frontier(path: Path, rs: list[float], args: argparse.Namespace, m_tail: float) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from scheduler.planner import frontier
+    from scheduler.simulator import blog_config, simulate
+    from scheduler.staleness import length_mean
+
+    rhos = [float(x) for x in np.geomspace(0.3, 3.0, 121)]
+    data: dict[str, Any] = {"m_tail": m_tail, "c_over_b": args.c_over_b, "curves": {}, "simulated": []}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, q in zip(axes, (1.0, 2.0)):
+        for k, r in enumerate(rs):
+            pts = frontier(r, args.c_over_b, m_tail, q, rhos)
+            data["curves"][f"q={q:g},r={r:g}"] = pts
+            color = f"C{k}"
+            lo = [p for p in pts if p["rho"] <= 1]
+            hi = [p for p in pts if p["rho"] >= 1]
+            ax.plot([p["t_eff_ratio"] for p in lo], [p["total"] for p in lo], color=color, label=f"r = {r:g}, ρ ≤ 1")
+            ax.plot([p["t_eff_ratio"] for p in hi], [p["total"] for p in hi], color=color, ls="--", label=f"r = {r:g}, ρ ≥ 1")
+        if not args.no_simulate and 1.0 in rs:
+            # Simulated points for r = 1: concurrency scales with the rollout share of the budget.
+            B, n = args.batch, args.group_size
+            c1 = args.c_over_b * B
+            for rho in (0.4, 0.6, 0.8, 1.25, 1.6, 2.2):
+                c = max(1, round(c1 * rho * 2 / (1 + rho)))
+                sim = simulate(blog_config(rho, c, B, n, q, args.sigma, mu0=1000.0, speed=50.0,
+                                           steps=600, warmup_steps=60))
+                x = sim.t_eff / (B * length_mean(1000.0, args.sigma) / (c1 * 50.0))  # ÷ T_eff at ρ = 1
+                data["simulated"].append({"q": q, "rho": rho, "t_eff_ratio": x, "total": sim.total})
+                ax.plot([x], [sim.total], "ko", ms=4, label="simulator (r = 1)" if rho == 0.4 else None)
+        ax.set_title(f"queue factor q = {q:g}")
+        ax.set_xlabel("step time T_eff / T_eff(ρ = 1)")
+        ax.set_xlim(1, 3)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean staleness (steps)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"Staleness vs step time, fixed GPU budget (C/B = {args.c_over_b:g} at ρ = 1, M_tail = {m_tail:.2f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return data
+
+
+def _plot_pool(path: Path, pool, args: argparse.Namespace) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from scheduler import capacity as cap
+    from scheduler.activation import unit_cost_order
+    from scheduler.cost import dollars_per_step
+    from scheduler.planner import bubble_by_pool_size
+    from scheduler.simulator import pipeline_config, simulate
+
+    B, T, Tb = args.batch, args.t_train, args.t_bcast
+    data: dict[str, Any] = {"series": {}, "simulated": []}
+    fig, (ax_b, ax_c) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = {}
+    for S in (2, 3, 4, 5):
+        I = cap.default_publish_every(S)
+        if I * T > Tb:
+            series[S] = (I, bubble_by_pool_size(pool, B, T, Tb, I))
+    # Show up to 3× the largest pool that still has a bubble: the transition is the story.
+    last_bubble = max((r["workers"] for _, rows in series.values() for r in rows if r["bubble"] > 0), default=1)
+    limit = min(pool.size, 3 * last_bubble + 1)
+    for k, (S, (I, rows)) in enumerate(series.items()):
+        rows = rows[:limit]
+        for r in rows:
+            r["dollars_per_step"] = dollars_per_step(T, r["wait_per_period_s"], I, args.learner_price, [r["cost_per_hour"]])
+        data["series"][f"S={S}"] = rows
+        xs = [r["workers"] for r in rows]
+        ax_b.plot(xs, [r["bubble"] for r in rows], f"C{k}-", label=f"S = {S} (I = {I}), R_req = {cap.required_rate(B, T, Tb, I):.2f}/s")
+        ax_c.plot(xs, [r["dollars_per_step"] for r in rows], f"C{k}-", label=f"S = {S}")
+    if not args.no_simulate and 3 in series:
+        S, I = 3, series[3][0]
+        order = unit_cost_order(pool.candidates())
+        for k in range(1, limit + 1, max(1, limit // 12)):
+            chosen = order[:k]
+            slots = [pool.kind_of(c.id).slots for c in chosen]
+            sim = simulate(pipeline_config([c.rate for c in chosen], slots, B, args.group_size, T, publish_every=I,
+                                           t_bcast=Tb, max_staleness=S, sigma=args.sigma, steps=150, warmup_steps=20))
+            data["simulated"].append({"S": S, "workers": k, "bubble": sim.bubble})
+            ax_b.plot([k], [sim.bubble], "ko", ms=4, label="simulator (S = 3)" if k == 1 else None)
+    ax_b.set_xlabel("active workers (cheapest unit cost first)")
+    ax_b.set_ylabel("learner bubble ratio")
+    ax_b.set_title(f"Bubble vs pool size (T = {T:g} s, T_bcast = {Tb:g} s, B = {B})")
+    ax_b.legend(fontsize=7)
+    ax_b.grid(alpha=0.3)
+    ax_c.set_xlabel("active workers (cheapest unit cost first)")
+    ax_c.set_ylabel("\\$ per learner step")
+    ax_c.set_title(f"\\$/step (learner \\${args.learner_price:g}/h + workers)")
+    ax_c.legend(fontsize=7)
+    ax_c.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return data

@@ -1,0 +1,34 @@
+"""`[scheduler]`: the scheduler's table in the learner config (and what `echo-rl plan
+--config` reads). The learner embeds `SchedulerSection` as `scheduler`; everything else the
+plan needs comes from tables the learner already has (see `echo/plan.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from echo.config import Section
+from scheduler.controller import ControllerParams
+
+
+class SchedulerSection(Section):
+    pool: Path | None = Field(None, description="[scheduler] pool: pool file of candidate workers (configs/pools/*.toml); none = whoever joins")
+    alpha: float = Field(1.2, ge=1.0, le=10.0, description="[scheduler] alpha: safety factor α; activation targets α·R_req")
+    activation: Literal["greedy", "exact"] = Field("exact", description="[scheduler] activation: initial choice of workers, 'greedy' by unit cost or 'exact' min-cost ILP")
+    learner_price_per_hour: float = Field(3.06, ge=0.0, le=1000.0, description="[scheduler] learner_price_per_hour: $/h of the learner node (cost accounting)")
+    t_train_s: float = Field(120.0, gt=0.0, le=1e6, description="[scheduler] t_train_s: expected seconds per update until measured (plan + first activation)")
+    t_bcast_s: float = Field(60.0, ge=0.0, le=1e6, description="[scheduler] t_bcast_s: expected learner-visible broadcast seconds until measured")
+    length_sigma: float = Field(0.6, ge=0.0, le=3.0, description="[scheduler] length_sigma: tailness σ of the lognormal response-length model used by plan")
+    window_s: float = Field(60.0, ge=0.0, description="[scheduler] window_s: a capacity deviation must last this long before workers are (de)activated")
+    release_margin: float = Field(0.3, ge=0.0, le=10.0, description="[scheduler] release_margin: release workers only when R_eff > (1 + margin)·α·R_req")
+    heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="[scheduler] heartbeat_timeout_s: a worker silent this long is unavailable")
+    ewma: float = Field(0.2, gt=0.0, le=1.0, description="[scheduler] ewma: weight of each throughput report in the smoothed rate r̂")
+    warmup_s: float = Field(30.0, ge=0.0, description="[scheduler] warmup_s: a freshly activated worker counts at its declared rate this long")
+
+    def controller_params(self) -> ControllerParams:
+        return ControllerParams(
+            alpha=self.alpha, window_s=self.window_s, release_margin=self.release_margin,
+            heartbeat_timeout_s=self.heartbeat_timeout_s, ewma=self.ewma, warmup_s=self.warmup_s,
+        )

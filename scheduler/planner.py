@@ -1,0 +1,201 @@
+"""Everything `echo-rl plan` predicts for one configuration, as plain data.
+
+`make_plan(PlanInputs, Pool)` chains the pieces: capacity rule → activation (greedy and exact)
+→ utilization, bubble and $/step of the chosen set → staleness bound (App. A), closed form
+(PQS, IQS) and the simulator in ECHO-2's pipeline mode → warnings. `echo/plan.py` parses the
+command line and prints; this module only computes, so tests call it directly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from scheduler import activation as act
+from scheduler import capacity as cap
+from scheduler import staleness as st
+from scheduler.cost import dollars_per_step
+from scheduler.errors import SchedulerError
+from scheduler.pool import Pool
+from scheduler.simulator import pipeline_config, simulate
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    batch: int = 512  # B rollouts per update
+    group_size: int = 16  # n
+    max_staleness: int = 3  # S
+    publish_every: int | None = None  # I; None = S − 1 (at least 1)
+    t_train: float = 120.0  # s per update
+    t_bcast: float = 60.0  # learner-visible broadcast time, s
+    learner_price: float = 3.06  # $/h
+    alpha: float = 1.2
+    queue_factor: float = 1.0  # q
+    buffer: Literal["queue-drop", "queue-max"] = "queue-drop"
+    length_sigma: float = 0.6  # σ of the response-length model
+    activation: Literal["greedy", "exact"] = "exact"  # which choice the predictions use
+    simulate: bool = True
+    sim_steps: int = 600
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.group_size < 1 or self.batch % self.group_size:
+            raise SchedulerError(
+                f"batch B = {self.batch} rollouts must be a positive multiple of the group size n = "
+                f"{self.group_size} (B = groups per step × n)"
+            )
+        if self.max_staleness < 1:
+            raise SchedulerError(f"the staleness budget S must be ≥ 1, got {self.max_staleness}")
+        if self.publish_every is not None and self.publish_every < 1:
+            raise SchedulerError(f"the publication period I must be ≥ 1, got {self.publish_every}")
+        if self.queue_factor < 1:
+            raise SchedulerError(f"the queue factor q must be ≥ 1, got {self.queue_factor}")
+
+    @property
+    def period(self) -> int:
+        return self.publish_every if self.publish_every is not None else cap.default_publish_every(self.max_staleness)
+
+
+def describe(chosen: list[act.Candidate], pool: Pool) -> str:
+    """'3 × rtx4080 + 1 × rtx4090' in unit-cost order."""
+    counts = Counter(pool.kind_of(c.id).name for c in chosen)
+    order = sorted(counts, key=lambda name: next(w.unit_cost for w in pool.workers if w.name == name))
+    return " + ".join(f"{counts[name]} × {name}" for name in order) or "(none)"
+
+
+def _activation_dict(a: act.Activation, pool: Pool) -> dict:
+    return {
+        "workers": a.ids, "summary": describe(list(a.chosen), pool), "count": len(a.chosen),
+        "rate": a.capacity, "cost_per_hour": a.cost, "solve_s": a.solve_s, "optimal": a.optimal,
+    }
+
+
+def make_plan(inp: PlanInputs, pool: Pool) -> dict:
+    """The whole prediction as a JSON-able dict. Raises `InfeasibleOverlap` or
+    `InsufficientCapacity` (typed, with what to do) when there is nothing to plan."""
+    I = inp.period
+    B, T, Tb = inp.batch, inp.t_train, inp.t_bcast
+    capacity = cap.plan_capacity(B, T, Tb, I, inp.alpha)
+    cands = pool.candidates()
+    cmp = act.compare(cands, capacity.target)
+    used = cmp.exact if inp.activation == "exact" else cmp.greedy
+    R = used.capacity
+    kinds = {c.id: pool.kind_of(c.id) for c in used.chosen}
+    concurrency = sum(kinds[c.id].slots for c in used.chosen)
+    rho = R * T / B
+    wait, bub = cap.bubble(B, T, Tb, I, R)
+    bound = cap.staleness_bound(B, T, Tb, I, R)
+    bound_overlap = cap.staleness_bound_under_overlap(T, Tb, I)
+    m_tail = st.tail_multiplier(inp.length_sigma, inp.group_size)
+    closed = st.predict(rho, concurrency / B, inp.queue_factor, m_tail)
+    t_eff = T + wait / I
+    snapshot_lag = (I - 1) / 2 + Tb / t_eff
+    worker_prices = [c.price for c in used.chosen]
+    out: dict = {
+        "inputs": {**asdict(inp), "publish_every": I, "pool": pool.name, "pool_size": pool.size},
+        "capacity": {"r_req": capacity.r_req, "target": capacity.target, "alpha": inp.alpha},
+        "activation": {
+            "greedy": _activation_dict(cmp.greedy, pool), "exact": _activation_dict(cmp.exact, pool),
+            "gap_per_hour": cmp.gap, "gap_rel": cmp.gap_rel, "used": inp.activation,
+        },
+        "pipeline": {
+            "rate": R, "rho": rho, "regime": closed.regime, "concurrency": concurrency,
+            "c_over_b": concurrency / B, "overlap_holds": cap.overlap_holds(B, T, Tb, I, R),
+            "wait_per_period_s": wait, "bubble": bub, "t_eff_s": t_eff,
+        },
+        "staleness": {
+            "bound": bound, "bound_under_overlap": bound_overlap, "budget": inp.max_staleness,
+            "closed_form": {**closed.as_dict(), "note": "blog closed form: publication every step, instant sync"},
+            "snapshot_lag": snapshot_lag,
+            "closed_form_with_lag": closed.total + snapshot_lag,
+        },
+        "cost": {
+            "learner_per_hour": inp.learner_price, "workers_per_hour": used.cost,
+            "dollars_per_hour": inp.learner_price + used.cost,
+            "dollars_per_step": dollars_per_step(T, wait, I, inp.learner_price, worker_prices),
+        },
+    }
+    sim = None
+    if inp.simulate:
+        sim = simulate(pipeline_config(
+            [c.rate for c in used.chosen], [kinds[c.id].slots for c in used.chosen], B, inp.group_size, T,
+            publish_every=I, t_bcast=Tb,
+            queue_factor=inp.queue_factor if inp.buffer == "queue-drop" else None,
+            max_staleness=inp.max_staleness, sigma=inp.length_sigma,
+            steps=inp.sim_steps, warmup_steps=max(10, inp.sim_steps // 10), seed=inp.seed,
+        ))
+        out["staleness"]["simulator"] = sim.as_dict()
+    out["warnings"] = warnings(inp, out, sim)
+    return out
+
+
+def warnings(inp: PlanInputs, plan: dict, sim) -> list[str]:
+    """What the user should know before launching this configuration."""
+    msgs: list[str] = []
+    I, S = plan["inputs"]["publish_every"], inp.max_staleness
+    stale = plan["staleness"]
+    if stale["bound"] > S:
+        msgs.append(
+            f"worst-case staleness bound {stale['bound']} exceeds the budget S = {S}: rollouts older than S "
+            f"will be discarded and the learner may wait; lower I (now {I}), speed up the broadcast, or raise S"
+        )
+    if inp.t_bcast > inp.t_train:
+        msgs.append(
+            f"T_bcast = {inp.t_bcast:g} s exceeds T_train = {inp.t_train:g} s, so the corollary s_max ≤ I + 1 "
+            "does not apply and I = S − 1 no longer guarantees s_max ≤ S"
+        )
+    rho, q = plan["pipeline"]["rho"], inp.queue_factor
+    if rho > 1 and inp.learner_price > 0:
+        # Blog's fixed-budget frontier in dollars: r = rollout $/h at balance / learner $/h.
+        r = plan["cost"]["workers_per_hour"] / rho / inp.learner_price
+        if r >= st.r_star(q):
+            rho_rb = st.matching_rollout_bound_rho(rho, r)
+            gap = st.iqs(rho, q) - st.iqs(rho_rb, q)
+            if gap > 0:
+                msgs.append(
+                    f"train-bound (ρ = {rho:.2f} > 1) with rollouts not cheap relative to the learner "
+                    f"(r = rollout $/h at balance ÷ learner $/h = {r:.2f} ≥ r*(q={q:g}) = {st.r_star(q):.3f}): "
+                    f"a rollout-bound split with the same step time (ρ' = {rho_rb:.2f}) would be {gap:.2f} "
+                    "steps less stale; fewer workers or a smaller α moves toward it (the learner then waits)"
+                )
+    if sim is not None and sim.max_staleness > stale["bound"]:
+        msgs.append(
+            f"the simulated max staleness {sim.max_staleness} exceeds the App. A bound {stale['bound']}: the "
+            "bound assumes rollouts appear at rate R as soon as a snapshot lands and ignores generation "
+            f"latency (groups take ~{stale['closed_form']['pqs']:.2f} train steps to generate here)"
+        )
+    if plan["pipeline"]["bubble"] > 0:
+        msgs.append(f"the overlap condition fails: predicted bubble {plan['pipeline']['bubble']:.1%}")
+    return msgs
+
+
+# --- sweeps (data for `echo-rl plan sweep`) ----------------------------------------------------
+
+def frontier(r: float, c_over_b: float, m_tail: float, q: float, rhos: list[float]) -> list[dict]:
+    """Staleness vs step time under a fixed GPU budget (`r = θ_T/θ_R`), one point per ρ.
+
+    Concurrency scales with the rollout share, so `PQS = PQS(1)/T_eff ratio` (`c_over_b` is
+    C/B at ρ = 1): the PQS is the same at equal step times, as in the blog's appendix."""
+    out = []
+    for rho in rhos:
+        ratio = st.t_eff_ratio(rho, r)
+        p = m_tail * c_over_b / ratio
+        out.append({"rho": rho, "t_eff_ratio": ratio, "pqs": p, "iqs": st.iqs(rho, q), "total": p + st.iqs(rho, q)})
+    return out
+
+
+def bubble_by_pool_size(pool: Pool, batch: int, t_train: float, t_bcast: float, period: int) -> list[dict]:
+    """Overlap-model bubble as the cheapest-first pool grows one machine at a time."""
+    order = act.unit_cost_order(pool.candidates())
+    out, rate, price = [], 0.0, 0.0
+    for k, c in enumerate(order, start=1):
+        rate += c.rate
+        price += c.price
+        wait, bub = cap.bubble(batch, t_train, t_bcast, period, rate)
+        out.append({"workers": k, "rate": rate, "cost_per_hour": price, "wait_per_period_s": wait, "bubble": bub})
+    return out
+
+
+def smallest_pool_without_bubble(rows: list[dict]) -> int | None:
+    return next((r["workers"] for r in rows if r["bubble"] <= 0), None)
