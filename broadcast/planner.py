@@ -1,0 +1,277 @@
+"""Broadcast planning: predict star and chain times from measured links, pick the fastest.
+
+Pure functions of plain numbers (bytes, bytes/s, seconds); no I/O. See
+`/work/shared/spec/broadcast.md` for the physics. Symbols: snapshot `M` bytes, learner uplink
+`U`, worker `i` download `d_i`, upload `u_i`, one-way latency `l_i` of the hop into it, chunk `c`.
+
+- Star (learner pushes to every worker, links shared fairly):
+  `T_star = max(M / min_i d_i, N·M / U) + max_i l_i`. Per-worker arrival times come from
+  max-min fair sharing of `U` capped by each `d_i` (the last finisher reproduces the formula).
+- K disjoint pipelined chains, each carrying the whole snapshot. The source feeds chain `k` at
+  `s_k` (`chain_feed_rates`: a max-min fair share of `U`, capped first at the chain's bottleneck
+  `b_k` = min of every member's `d` and every non-tail member's `u`). Member `p` (1-based)
+  receives at the prefix rate `r_p = min(s_k, d_1..d_p, u_1..u_{p-1})` — relays write into a
+  buffer of the whole snapshot, so a slow member delays only those after it — and finishes at
+  `M/r_p + Σ_{q≤p} l_q + Σ_{1<q≤p} c/r_q` (store-and-forward per chunk: a relay forwards a
+  chunk once it is whole and verified). For identical workers this is the spec's
+  `M/r + h·L + (h − 1)·c/r` with `r = min(U/K, d, u)`.
+- Fluid lower bound: `T* = max(M/U, M/min_i d_i, N·M/(U + Σ_i u_i)) + min_i l_i`.
+
+Chain formation for a given K (bandwidth-sorted): the K workers with the lowest upload become
+the tails (a tail's upload is never used); the others are sorted by `min(d, u)`, fastest first,
+and cut into K contiguous groups, so workers of similar bandwidth share a chain (one slow worker
+slows one chain, not all) and faster workers sit nearer the learner; faster chains get the
+larger groups and the faster tails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Literal, Sequence
+
+from broadcast.manifest import BroadcastError
+
+
+class PlanError(BroadcastError, ValueError):
+    """Planner input is invalid (no workers, non-positive bandwidth, bad fraction)."""
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """A worker's measured links: bytes/s down and up, one-way latency (s) of the hop into it."""
+
+    id: str
+    down: float
+    up: float
+    latency: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted dissemination of one design: per-worker arrival times and the makespan."""
+
+    name: str
+    chains: tuple[tuple[str, ...], ...]
+    rates: tuple[float, ...]
+    arrivals: dict[str, float]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.arrivals.values())
+
+    def time_to_fraction(self, fraction: float) -> float:
+        """Time until `fraction` of the workers hold the snapshot (the paper's target fraction)."""
+        if not 0.0 < fraction <= 1.0:
+            raise PlanError(f"fraction {fraction} must be in (0, 1]")
+        times = sorted(self.arrivals.values())
+        return times[max(0, math.ceil(fraction * len(times)) - 1)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen design, serialisable to publish with a version.
+
+    `chains` are ordered worker ids, learner side first; a star is N chains of one worker.
+    `rates` are the source's pacing rates per chain (bytes/s). `alternatives` maps every design
+    considered ("star", "chains:K") to its predicted time for the same objective.
+    """
+
+    kind: Literal["star", "chains"]
+    chains: tuple[tuple[str, ...], ...]
+    rates: tuple[float, ...]
+    predicted_s: float
+    lower_bound_s: float
+    fraction: float
+    snapshot_bytes: int
+    chunk_bytes: int
+    arrivals: dict[str, float] = field(default_factory=dict)
+    alternatives: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def k(self) -> int:
+        return len(self.chains)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["chains"] = [list(c) for c in self.chains]
+        d["rates"] = list(self.rates)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        d = dict(d)
+        d["chains"] = tuple(tuple(c) for c in d["chains"])
+        d["rates"] = tuple(d["rates"])
+        return cls(**d)
+
+
+def _check(M: float, U: float, peers: Sequence[PeerLink]) -> None:
+    if M <= 0 or U <= 0:
+        raise PlanError(f"snapshot size ({M}) and learner uplink ({U}) must be positive")
+    if not peers:
+        raise PlanError("no workers to plan for")
+    if len({p.id for p in peers}) != len(peers):
+        raise PlanError("worker ids must be unique")
+    for p in peers:
+        if p.down <= 0 or p.up < 0 or p.latency < 0:
+            raise PlanError(f"worker {p.id}: download must be > 0, upload and latency >= 0 (got {p})")
+
+
+def water_fill(capacity: float, caps: Sequence[float]) -> list[float]:
+    """Max-min fair shares of `capacity` among flows each capped at `caps[i]`."""
+    shares = [0.0] * len(caps)
+    left, remaining = capacity, sorted(range(len(caps)), key=lambda i: caps[i])
+    while remaining:
+        fair = left / len(remaining)
+        i = remaining[0]
+        if caps[i] <= fair:
+            shares[i] = caps[i]
+            left -= caps[i]
+            remaining.pop(0)
+        else:
+            for j in remaining:
+                shares[j] = fair
+            break
+    return shares
+
+
+def lower_bound(M: float, U: float, peers: Sequence[PeerLink]) -> float:
+    """Fluid lower bound T* for peer-assisted distribution (Kumar & Ross 2006)."""
+    _check(M, U, peers)
+    n = len(peers)
+    return max(M / U, M / min(p.down for p in peers), n * M / (U + sum(p.up for p in peers))) + min(
+        p.latency for p in peers)
+
+
+def predict_star(M: float, U: float, peers: Sequence[PeerLink]) -> Prediction:
+    """Star push under max-min fair sharing of `U`: as workers finish, the rest speed up."""
+    _check(M, U, peers)
+    left = {p.id: float(M) for p in peers}
+    caps = {p.id: p.down for p in peers}
+    lat = {p.id: p.latency for p in peers}
+    arrivals: dict[str, float] = {}
+    t = 0.0
+    while left:
+        ids = list(left)
+        rates = dict(zip(ids, water_fill(U, [caps[i] for i in ids])))
+        dt = min(left[i] / rates[i] for i in ids)
+        t += dt
+        for i in ids:
+            left[i] -= rates[i] * dt
+            if left[i] <= 1e-9 * M:
+                arrivals[i] = t + lat[i]
+                del left[i]
+    initial = water_fill(U, [p.down for p in peers])
+    return Prediction("star", tuple((p.id,) for p in peers), tuple(initial), arrivals)
+
+
+def star_time(M: float, U: float, peers: Sequence[PeerLink]) -> float:
+    """Closed form of the star makespan: `max(M / min d, N·M / U) + max l`."""
+    _check(M, U, peers)
+    return max(M / min(p.down for p in peers), len(peers) * M / U) + max(p.latency for p in peers)
+
+
+def form_chains(peers: Sequence[PeerLink], k: int) -> list[list[PeerLink]]:
+    """Bandwidth-sorted K chains (see the module docstring); learner side first in each chain."""
+    n = len(peers)
+    if not 1 <= k <= n:
+        raise PlanError(f"K={k} chains for {n} workers: need 1 <= K <= N")
+    by_upload = sorted(peers, key=lambda p: (p.up, p.down, p.id))
+    tails = sorted(by_upload[:k], key=lambda p: (-p.down, p.id))
+    relays = sorted(by_upload[k:], key=lambda p: (-min(p.down, p.up), -p.down, p.id))
+    sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]  # larger groups first
+    chains, pos = [], 0
+    for size, tail in zip(sizes, tails):
+        chains.append(relays[pos:pos + size - 1] + [tail])
+        pos += size - 1
+    return chains
+
+
+def predict_chains(M: float, U: float, chains: Sequence[Sequence[PeerLink]], chunk: float,
+                   name: str | None = None) -> Prediction:
+    """Pipelined chains fed by a pacing source; see the module docstring for the model."""
+    flat = [p for c in chains for p in c]
+    _check(M, U, flat)
+    if chunk <= 0 or any(not c for c in chains):
+        raise PlanError("chunk size must be positive and chains non-empty")
+    feeds = chain_feed_rates(U, chains)
+    arrivals: dict[str, float] = {}
+    for chain, s in zip(chains, feeds):
+        rate, lat, lag = s, 0.0, 0.0
+        for pos, p in enumerate(chain):
+            if pos > 0:
+                rate = min(rate, chain[pos - 1].up)
+                lag += chunk / rate if rate > 0 else math.inf
+            rate = min(rate, p.down)
+            lat += p.latency
+            arrivals[p.id] = M / rate + lat + lag if rate > 0 else math.inf
+    return Prediction(name or f"chains:{len(chains)}", tuple(tuple(p.id for p in c) for c in chains),
+                      tuple(feeds), arrivals)
+
+
+def chain_feed_rates(U: float, chains: Sequence[Sequence[PeerLink]]) -> list[float]:
+    """The source's pacing rate per chain (bytes/s).
+
+    First every chain gets its max-min fair share of `U` capped at its bottleneck `b_k` (what
+    its last member can use: this minimises the makespan). Uplink left over then goes, again
+    max-min fair, to chains whose head can take more (it speeds up the members before the
+    bottleneck, since relays buffer the whole snapshot).
+    """
+    bottlenecks = [min(min(p.down for p in c), min((p.up for p in c[:-1]), default=math.inf)) for c in chains]
+    feeds = water_fill(U, bottlenecks)
+    left = U - sum(feeds)
+    if left > 1e-9 * U:
+        extra = water_fill(left, [max(0.0, c[0].down - f) for c, f in zip(chains, feeds)])
+        feeds = [f + e for f, e in zip(feeds, extra)]
+    return feeds
+
+
+def candidate_ks(n: int, dense_up_to: int = 64) -> list[int]:
+    """Every K up to `dense_up_to`, then a geometric ladder, always including N (cheap for big N)."""
+    ks = set(range(1, min(n, dense_up_to) + 1))
+    k = float(dense_up_to)
+    while k < n:
+        k *= 1.25
+        ks.add(min(n, int(k)))
+    ks.add(n)
+    return sorted(ks)
+
+
+def plan_broadcast(
+    M: int,
+    U: float,
+    peers: Iterable[PeerLink],
+    chunk: int,
+    *,
+    fraction: float = 1.0,
+    ks: Iterable[int] | None = None,
+) -> Plan:
+    """Predict the star and K chains for every sensible K; return the fastest as a `Plan`.
+
+    The objective is the time until `fraction` of the workers hold the snapshot (1.0 = all).
+    Ties go to the star (fewest hops, nothing to repair), then to fewer chains.
+    """
+    peers = list(peers)
+    _check(M, U, peers)
+    star = predict_star(M, U, peers)
+    best, best_t = star, star.time_to_fraction(fraction)
+    alternatives = {"star": best_t}
+    for k in ks if ks is not None else candidate_ks(len(peers)):
+        pred = predict_chains(M, U, form_chains(peers, k), chunk)
+        t = pred.time_to_fraction(fraction)
+        alternatives[pred.name] = t
+        if t < best_t * (1 - 1e-9):
+            best, best_t = pred, t
+    return Plan(
+        kind="star" if best is star else "chains",
+        chains=best.chains,
+        rates=best.rates,
+        predicted_s=best_t,
+        lower_bound_s=lower_bound(M, U, peers),
+        fraction=fraction,
+        snapshot_bytes=int(M),
+        chunk_bytes=int(chunk),
+        arrivals=dict(best.arrivals),
+        alternatives=alternatives,
+    )

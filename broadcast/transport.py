@@ -1,0 +1,174 @@
+"""Wire format and stream plumbing shared by every broadcast stream (push and pull alike).
+
+A stream is a sequence of frames over one HTTP body (chunked POST for a push, a streamed GET
+response for a pull):
+
+    frame  := u32 big-endian header length | msgpack header | payload
+    stream := frame{stream header, no payload} frame{"i": index, "n": length} payload ...
+
+The payload follows its small header as raw bytes: msgpack would copy a bulk payload, and the
+receiver reads it straight into its preallocated buffer. Also here: a token bucket (the
+userspace shaper used when `tc` is unavailable) and a stall guard (no progress for `timeout`
+seconds cancels the transfer, so a silent peer is detected without per-chunk round trips).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Iterator, Protocol, TypeVar
+
+import msgpack
+
+from broadcast.manifest import BroadcastError
+
+MAX_HEADER_BYTES = 16 << 20  # a stream header carries the signed manifest (~100 B per chunk)
+PIECE = 256 << 10  # read/write granularity: fine enough for smooth shaping and stall checks
+
+T = TypeVar("T")
+
+
+class ProtocolError(BroadcastError):
+    """A peer sent bytes that do not follow the broadcast wire format (or stopped mid-frame)."""
+
+
+class Stalled(BroadcastError):
+    """A stream made no progress for longer than the stall timeout."""
+
+
+class Reader(Protocol):
+    """What we need from aiohttp's StreamReader (request.content / response.content)."""
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A peer on a route: its id and the base URL of its broadcast server."""
+
+    id: str
+    url: str
+
+    def to_wire(self) -> list[str]:
+        return [self.id, self.url]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "Hop":
+        if not (isinstance(raw, (list, tuple)) and len(raw) == 2 and all(isinstance(x, str) for x in raw)):
+            raise ProtocolError(f"bad hop {raw!r}: expected [id, url]")
+        return cls(raw[0], raw[1].rstrip("/"))
+
+
+def frame_header(obj: dict) -> bytes:
+    """Length-prefixed msgpack header of one frame."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    return len(body).to_bytes(4, "big") + body
+
+
+async def read_header(reader: Reader, limit: int = MAX_HEADER_BYTES) -> dict:
+    """Read one frame header; `ProtocolError` on EOF, oversize or non-map headers."""
+    try:
+        size = int.from_bytes(await reader.readexactly(4), "big")
+        if size > limit:
+            raise ProtocolError(f"frame header of {size} B exceeds the {limit} B limit")
+        obj = msgpack.unpackb(await reader.readexactly(size), raw=False)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolError(f"stream ended before a frame header ({len(e.partial)} B read)") from e
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"frame header is not valid msgpack: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame header must be a msgpack map")
+    return obj
+
+
+async def read_into(reader: Reader, view: memoryview, guard: "StallGuard | None" = None,
+                    bucket: "TokenBucket | None" = None) -> None:
+    """Fill `view` from the stream (one copy, straight into the destination buffer)."""
+    pos, n = 0, len(view)
+    while pos < n:
+        data = await reader.read(min(n - pos, PIECE))
+        if not data:
+            raise ProtocolError(f"stream ended inside a payload ({pos} of {n} B)")
+        view[pos:pos + len(data)] = data
+        pos += len(data)
+        if guard is not None:
+            guard.touch()
+        if bucket is not None:
+            await bucket.take(len(data))
+
+
+def pieces(view: memoryview, size: int = PIECE) -> Iterator[memoryview]:
+    for off in range(0, len(view), size):
+        yield view[off:off + size]
+
+
+class TokenBucket:
+    """Async token bucket: at most `rate` bytes/s on average, bursts up to `burst` bytes.
+
+    Shared by every stream of a node (one upload cap); the lock makes waiting FIFO, so the
+    streams share the rate fairly.
+    """
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(PIECE, 0.02 * rate))
+        self._tokens = self.burst
+        self._t = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def take(self, n: int) -> None:
+        async with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
+            self._t = now
+            self._tokens -= n
+            if self._tokens < 0:  # in debt: wait until the debt is repaid
+                await asyncio.sleep(-self._tokens / self.rate)
+
+
+class StallGuard:
+    """Cancels a transfer that makes no progress for `timeout` seconds.
+
+    The transfer calls `touch()` whenever bytes move, and wraps waits that are not the peer's
+    fault (our own upstream is slower) in `paused()`.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._last = time.monotonic()
+        self._paused = 0
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.touch()
+
+    async def run(self, aw: Awaitable[T]) -> T:
+        """Await `aw`; raise `Stalled` (after cancelling it) if it stops making progress."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.timeout / 4)
+                if done:
+                    return task.result()
+                if not self._paused and time.monotonic() - self._last > self.timeout:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    raise Stalled(f"no progress for {self.timeout:.1f} s")
+        finally:
+            if not task.done():
+                task.cancel()
