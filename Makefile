@@ -1,0 +1,35 @@
+# echo: the two commands are `make demo` and `make test`; both create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo model test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0    # the CPU wheel; any other torch is a multi-GB CUDA build
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install           ## build the tiny demo model (skipped when it exists)
+	$(BIN)/echo-rl build-model --config configs/demo.toml
+
+demo: model              ## learner + 3 local workers learn arithmetic with GRPO on this machine
+	$(BIN)/echo-learner --config configs/demo.toml
+
+test: install            ## the default suite (< 15 min on 2 cores); slow scenarios are excluded
+	$(BIN)/python -m pytest
+
+test-slow: install       ## long scenarios and benchmark-style tests
+	$(BIN)/python -m pytest -m slow
+
+bench: install           ## every benchmark whose table is in the README
+	$(BIN)/echo-rl bench activation
+	$(BIN)/echo-rl bench staleness
+	$(BIN)/echo-rl bench simspeed
+
+clean:
+	rm -rf $(VENV) runs models .echo-cache

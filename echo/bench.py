@@ -1,0 +1,30 @@
+"""`echo-rl bench NAME`: the benchmarks whose tables are in the README.
+
+Each prints a table that compares against a bound or a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "activation": ("scheduler.bench:activation_cli", "greedy vs exact (ILP) activation on random pools: cost gap, solve time"),
+    "staleness": ("scheduler.bench:staleness_cli", "closed-form staleness vs the discrete-event simulator on a grid"),
+    "simspeed": ("scheduler.bench:speed_cli", "simulator throughput in simulated rollouts/s"),
+}
+
+
+def cli(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        width = max(map(len, BENCHMARKS))
+        print("usage: echo-rl bench NAME [ARGS...]\n\nbenchmarks:")
+        for name, (_, help_) in BENCHMARKS.items():
+            print(f"  {name:<{width}}  {help_}")
+        print("\nRun 'echo-rl bench NAME --help' for its options.")
+        return 0
+    if argv[0] not in BENCHMARKS:
+        print(f"echo-rl bench: unknown benchmark {argv[0]!r}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    module, _, func = BENCHMARKS[argv[0]][0].partition(":")
+    return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
