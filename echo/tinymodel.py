@@ -92,7 +92,7 @@ def warm_start(model, tokenizer, examples: list[tuple[str, str]], *, steps: int,
         opt.step()
         losses.append(loss.item())
         if progress is not None:
-            progress(float(loss))
+            progress(loss.item())
     model.eval()
     return losses
 

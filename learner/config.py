@@ -66,6 +66,9 @@ class TrainerSection(Section):
     batch_prompts: int = Field(8, ge=1, description="[trainer] batch_prompts: groups per update (G); B = G * group_size rollouts")
     lr: float = Field(3e-4, gt=0.0, le=1.0, description="[trainer] lr: Adam learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="[trainer] betas: Adam betas")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="[trainer] schedule: learning-rate decay over [run] steps after warm-up")
+    warmup_steps: int = Field(0, ge=0, description="[trainer] warmup_steps: linear learning-rate warm-up steps")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="[trainer] min_lr_ratio: final learning rate as a fraction of lr (linear/cosine)")
     weight_decay: float = Field(0.0, ge=0.0, description="[trainer] weight_decay: AdamW decoupled weight decay")
     max_grad_norm: float = Field(1.0, gt=0.0, description="[trainer] max_grad_norm: gradient clipping norm")
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="[trainer] clip_eps: PPO ratio clip ε")
@@ -79,6 +82,7 @@ class BufferSection(Section):
     type: Literal["queue-drop", "queue-max"] = Field("queue-drop", description="[buffer] type: 'queue-drop' (capacity q·B, drop oldest) or 'queue-max' (drop only what exceeds S)")
     max_staleness: int = Field(2, ge=0, le=1000, description="[buffer] max_staleness: S; a rollout of version v is trained at version t only if t - v <= S")
     queue_factor: float = Field(2.0, ge=1.0, le=100.0, description="[buffer] queue_factor: q; queue-drop capacity is q·G groups")
+    backpressure: bool = Field(True, description="[buffer] backpressure: lease no prompts while q·G groups are queued, so workers idle instead of generating rollouts that would be dropped")
 
 
 class PublishSection(Section):
@@ -123,7 +127,7 @@ class LearnerConfig(Section):
         return self.trainer.batch_prompts * self.rollout.group_size
 
     def resolve_token(self) -> str:
-        return self.server.token or os.environ.get("ECHO_TOKEN", "") or secrets.token_urlsafe(18)
+        return self.server.token or os.environ.get("ECHO_TOKEN", "") or secrets.token_hex(16)
 
 
 def load_learner_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:

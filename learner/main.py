@@ -127,8 +127,9 @@ class Learner:
             f"  model {cfg.model.path} ({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M params), "
             f"task {cfg.task.name}, B = {G}×{cfg.rollout.group_size} = {cfg.batch_rollouts} rollouts/step, "
             f"S = {S}, I = {I}, buffer {cfg.buffer.type}\n"
-            f"  status: v = newest published snapshot, stale = avg/max staleness of the batch, "
-            f"queue = groups waiting, recycled = groups dropped as too stale, idle = trainer waiting for data")
+            f"  status: v = newest published snapshot, idle = share of wall time the trainer waited for data, "
+            f"recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
+            f"of what workers sampled vs what was trained")
         (self.run_dir / "url").write_text(url + "\n")
 
         await self._publish(state, trainer)
@@ -220,7 +221,7 @@ class Learner:
         logs = self.run_dir / "workers"
         logs.mkdir(exist_ok=True)
         for i in range(cfg.workers.spawn):
-            cmd = [sys.executable, "-m", "worker.main", "join", url, "--token", self.token,
+            cmd = [sys.executable, "-m", "worker.main", "join", url, f"--token={self.token}",
                    "--config", str(cfg.workers.config), "--worker.name", f"local-{i}",
                    "--worker.seed", str(cfg.run.seed * 100 + i), *cfg.workers.overrides]
             out = open(logs / f"local-{i}.log", "w")

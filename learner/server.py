@@ -162,7 +162,9 @@ def build_app(state: LearnerState) -> web.Application:
             max_prompts = max(1, min(int(data.get("max_prompts", 1)), 1024))
         except (TypeError, ValueError):
             raise web.HTTPBadRequest(text="max_prompts must be an integer") from None
-        got = state.leases.lease(worker.id, max_prompts, time.monotonic())
+        buf = state.buffer.buffer
+        full = cfg.buffer.backpressure and len(buf) >= buf.capacity
+        got = None if full else state.leases.lease(worker.id, max_prompts, time.monotonic())
         if got is None:
             return web.Response(status=204)
         prompts = []

@@ -8,10 +8,13 @@ from rich.table import Table
 
 
 def status_line(r: dict, eval_accuracy: float | None) -> str:
+    """One line per step; the `Staleness stats:` part keeps the format other async RL stacks log."""
     acc = f"{eval_accuracy:.3f}" if eval_accuracy is not None else "-"
     return (f"step {r['step']:>4} v{r['published_version']:<4} reward {r['reward_mean']:.3f} eval {acc} "
-            f"stale {r['avg_staleness']:.2f}/{r['max_staleness']} queue {r['queue_size']:>3} "
-            f"recycled {r['recycled']:>3} idle {100 * r['idle_ratio']:3.0f}% workers {r['workers']}")
+            f"idle {100 * r['idle_ratio']:3.0f}% workers {r['workers']} | "
+            f"Staleness stats: recycled={r['recycled']}, avg_staleness={r['avg_staleness']:.2f}, "
+            f"max_staleness={r['max_staleness']} | queue {r['queue_size']} | "
+            f"length sampled {r['sampled_mean_length']:.2f} trained {r['trained_mean_length']:.2f}")
 
 
 class StatusDisplay:
@@ -26,7 +29,7 @@ class StatusDisplay:
 
     def banner(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(text, soft_wrap=True)
 
     def start(self, done: int) -> None:
         self.task = self.progress.add_task("train", total=self.total, completed=done)
@@ -35,7 +38,7 @@ class StatusDisplay:
     def step(self, record: dict, eval_accuracy: float | None) -> None:
         if not self.enabled:
             return
-        self.progress.console.print(status_line(record, eval_accuracy))
+        self.progress.console.print(status_line(record, eval_accuracy), soft_wrap=True)
         self.progress.update(self.task, completed=record["step"])
 
     def stop(self) -> None:

@@ -20,6 +20,18 @@ from learner.config import LearnerConfig
 from learner.losses import LossStats, group_advantages, grpo_loss
 
 
+def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base learning rate after `step` updates."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
 class Trainer:
     def __init__(self, cfg: LearnerConfig, model_path: Path | None = None):
         self.cfg = cfg
@@ -27,6 +39,8 @@ class Trainer:
         self.model, self.tokenizer = load_model_dir(model_path or cfg.model.path, cfg.model.dtype, cfg.model.device)
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
+            step, t.schedule, t.warmup_steps, cfg.run.steps, t.min_lr_ratio))
         self.reference = copy.deepcopy(self.model).requires_grad_(False) if t.kl_coef > 0 else None
         self.version = 0  # number of updates applied
 
@@ -80,6 +94,7 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
             self.optimizer.step()
             stats.append(st)
+        self.scheduler.step()
         self.model.eval()
         self.version += 1
         mean = lambda name: sum(getattr(s, name) for s in stats) / len(stats)  # noqa: E731
@@ -95,6 +110,7 @@ class Trainer:
             "mismatch_kl": mean("mismatch_kl"),
             "kl_ref": mean("kl_ref"),
             "tokens": total_tokens,
+            "lr": self.scheduler.get_last_lr()[0],
         }
 
     @property
@@ -129,7 +145,8 @@ class Trainer:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
-        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   path / "optimizer.pt")
         (path / "learner_state.json").write_text(json.dumps({"version": self.version, **extra}, indent=2))
         latest = directory / "latest"
         latest.unlink(missing_ok=True)
@@ -139,6 +156,8 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> dict:
         """Resume from a `save_checkpoint` directory (the model was loaded from it already)."""
         state = json.loads((path / "learner_state.json").read_text())
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        saved = torch.load(path / "optimizer.pt", weights_only=True)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
         self.version = int(state["version"])
         return state

@@ -94,3 +94,36 @@ def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(lear
                    "oversized", "stale-version"):
         assert f'echo_trajectories_rejected_total{{reason="{reason}"}}' in metrics, reason
     assert "echo_joins_refused_total 2.0" in metrics
+
+
+def test_resume_continues_from_the_last_checkpoint(learner_factory):
+    lp = learner_factory(run={"steps": 4, "checkpoint_every": 2})
+    lp.worker("w")
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    first = json.loads((lp.run_dir / "summary.json").read_text())
+    assert first["steps"] == 4
+
+    import subprocess
+    import sys
+
+    from conftest import ROOT, start_worker
+
+    resumed = subprocess.Popen([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--run.steps", "7",
+                                "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        url_file = lp.run_dir / "url"
+        old_url = lp.url
+        while url_file.read_text().strip() == old_url and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker = start_worker(url_file.read_text().strip(), lp.token, "w2", lp.run_dir.parent / "w2.log")
+        out, _ = resumed.communicate(timeout=120)
+    finally:
+        resumed.kill()
+    assert resumed.returncode == 0, out[-3000:]
+    steps = [r["step"] for r in lp.records()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7]  # the log continues; nothing is retrained from zero
+    assert json.loads((lp.run_dir / "checkpoints" / "latest" / "learner_state.json").read_text())["version"] == 7
+    assert worker.wait(30) == 0

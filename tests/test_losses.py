@@ -63,3 +63,13 @@ def test_kl_to_reference_is_zero_at_the_reference_and_positive_away():
     # k3 = exp(d) - d - 1 with d = log(0.25/0.5)
     d = math.log(0.5)
     assert st1.kl_ref == pytest.approx(math.exp(d) - d - 1)
+
+
+def test_learning_rate_schedules():
+    from learner.trainer import lr_factor
+
+    assert lr_factor(0, "constant", 0, 100, 0.1) == 1.0
+    assert lr_factor(0, "linear", 10, 110, 0.1) == pytest.approx(0.1)  # warm-up from lr/10
+    assert lr_factor(60, "linear", 10, 110, 0.1) == pytest.approx(0.55)
+    assert lr_factor(110, "cosine", 10, 110, 0.1) == pytest.approx(0.1)
+    assert lr_factor(60, "cosine", 10, 110, 0.1) == pytest.approx(0.55)

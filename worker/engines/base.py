@@ -7,6 +7,7 @@ when chosen, so a worker without vLLM never imports it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,6 @@ from echo.hf import Sample
 
 ENGINES = {
     "transformers": "worker.engines.transformers:TransformersEngine",
-    "vllm": "worker.engines.vllm:VLLMEngine",
 }
 
 
@@ -49,6 +49,11 @@ class Engine(ABC):
     def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[list[Sample]]:
         """A group of `params.n` samples per prompt, with per-token behaviour log-probs."""
 
+    @abstractmethod
+    def score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+        """Teacher-forced log-probs of `completion` after `prompt` under the installed weights
+        (used to check an install against the learner's own numbers for that version)."""
+
     def close(self) -> None:
         pass
 
@@ -62,7 +67,8 @@ def resolve_engine_type(kind: str, device: str) -> str:
         has_gpu = torch.cuda.is_available() and device in ("auto", "cuda") or device.startswith("cuda")
     except ImportError:
         has_gpu = False
-    return "vllm" if has_gpu and importlib.util.find_spec("vllm") is not None else "transformers"
+    vllm_ready = "vllm" in ENGINES and importlib.util.find_spec("vllm") is not None
+    return "vllm" if has_gpu and vllm_ready else "transformers"
 
 
 def make_engine(kind: str, model_dir: Path, device: str, dtype: str, threads: int, seed: int) -> Engine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from echo.hf import Sample, sample
+from echo.hf import Sample, completion_logprobs, sample
 from worker.engines.base import Engine, EngineError, GenerationParams
 
 
@@ -50,3 +50,8 @@ class TransformersEngine(Engine):
                       pad_id=params.pad_id, temperature=params.temperature, top_p=params.top_p,
                       generator=self.generator)
         return [outs[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def score(self, prompt, completion, temperature):
+        logp, _ = completion_logprobs(self.model, [prompt], [completion], pad_id=0, temperature=temperature)
+        return logp[0, : len(completion)].tolist()
