@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from echo.config import Section, load_config
 from echo.tasks import Task, TaskError, load_task
+from scheduler.config import SchedulerSection
 
 
 class RunSection(Section):
@@ -116,6 +117,12 @@ class LearnerConfig(Section):
     publish: PublishSection = PublishSection()
     server: ServerSection = ServerSection()
     workers: WorkersSection = WorkersSection()
+    scheduler: SchedulerSection = SchedulerSection()
+
+    @property
+    def scheduled(self) -> bool:
+        """Does a controller decide which workers generate (else every joined worker does)?"""
+        return self.scheduler.pool is not None or self.scheduler.provider != "static"
 
     @property
     def publish_every(self) -> int:

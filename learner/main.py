@@ -33,6 +33,10 @@ from learner.leases import LeaseBook
 from learner.metrics import RunLog
 from learner.server import LearnerState, build_app, reaper
 from learner.status import StatusDisplay
+from scheduler.cost import CostMeter
+from scheduler.fleet import Fleet
+from scheduler.pool import load_pool
+from scheduler.providers import CommandProvider, LocalProvider, Provider
 
 DEFAULT_CONFIG = "configs/demo.toml"
 
@@ -86,6 +90,7 @@ class Learner:
         self.resume = resume
         self.token = cfg.resolve_token()
         self.procs: list[subprocess.Popen] = []
+        self.published_at: dict[int, float] = {}
 
     async def run(self) -> int:
         import torch
@@ -118,6 +123,14 @@ class Learner:
         port = site._server.sockets[0].getsockname()[1]
         url = f"http://{cfg.server.host}:{port}"
         reap = asyncio.create_task(reaper(state, min(1.0, cfg.server.lease_ttl / 4)))
+        self.cost = CostMeter(cfg.scheduler.learner_price_per_hour)
+        self.provider = self._make_provider(url) if cfg.scheduled else None
+        if self.provider is not None:
+            pool = load_pool(cfg.scheduler.pool) if cfg.scheduler.pool else None
+            sc = cfg.scheduler
+            state.fleet = Fleet(pool, self.provider, sc.controller_params(), batch=cfg.batch_rollouts,
+                                publish_every=cfg.publish_every, t_train_prior=sc.t_train_s,
+                                t_bcast_prior=sc.t_bcast_s, launch_timeout_s=sc.launch_timeout_s)
 
         I = cfg.publish_every
         display = StatusDisplay(cfg.run.steps, enabled=not self.as_json)
@@ -138,9 +151,11 @@ class Learner:
             acc0 = await asyncio.to_thread(trainer.evaluate, task, evals)
         first_acc = resumed.get("first_eval_accuracy", acc0)
         log.write({"event": "eval", "step": trainer.version, "eval_accuracy": acc0})
+        self.cost.record_eval(acc0)
         state.metrics.eval_accuracy.set(acc0)
         self._spawn_workers(url, cfg)
         watch = asyncio.create_task(self._watch_workers())
+        schedule = asyncio.create_task(self._schedule(state, log, display)) if state.fleet else None
 
         t_start, waited, last_acc = time.monotonic(), 0.0, acc0
         display.start(trainer.version)
@@ -157,10 +172,12 @@ class Learner:
                     await self._publish(state, trainer)
                 record = self._record(trainer, batch, stats, state, wait=t1 - t0, train=t2 - t1,
                                       idle=waited / max(1e-9, time.monotonic() - t_start))
+                record.update(self._account(state, wait=t1 - t0, train=t2 - t1))
                 due = cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0
                 if due or trainer.version == cfg.run.steps:
                     last_acc = record["eval_accuracy"] = await asyncio.to_thread(trainer.evaluate, task, evals)
                     state.metrics.eval_accuracy.set(last_acc)
+                    self.cost.record_eval(last_acc)
                 log.write(record)
                 display.step(record, last_acc)
                 if self.as_json:
@@ -173,9 +190,13 @@ class Learner:
             state.finished = True
             reap.cancel()
             watch.cancel()
+            if schedule is not None:
+                schedule.cancel()
         await asyncio.to_thread(trainer.save_checkpoint, self.run_dir / "checkpoints",
                                 {"eval_accuracy": last_acc, "first_eval_accuracy": first_acc})
         await self._stop_workers(state, grace=2 * cfg.server.heartbeat_interval + 3)
+        if self.provider is not None:
+            self.provider.close()
         await runner.cleanup()
         summary = self._summary(state, first_acc, last_acc, time.monotonic() - t_start, waited)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -191,6 +212,71 @@ class Learner:
         blob = await asyncio.to_thread(trainer.snapshot)
         state.blobs.add(trainer.version, blob)
         state.metrics.published.set(trainer.version)
+        self.published_at[trainer.version] = time.monotonic()
+
+    def _broadcast_times(self, state: LearnerState) -> dict[int, float]:
+        """T_bcast of each version every active worker has now installed: publication until the
+        last of them had it (or a newer one). Each version is reported once."""
+        active = [w for w in state.alive_workers(time.monotonic()) if w.active and w.installs]
+        done = {}
+        for version, published in list(self.published_at.items()):
+            arrivals = [next((t for v, t in w.installs if v >= version), None) for w in active]
+            if active and None not in arrivals:
+                done[version] = max(0.0, max(arrivals) - published)
+                del self.published_at[version]
+        return done
+
+    def _account(self, state: LearnerState, *, wait: float, train: float) -> dict:
+        """Cost of the step and the fleet's view of capacity (ECHO-2 §3, formulas.md §1)."""
+        if state.fleet is not None:
+            state.fleet.trained(train)
+            prices = state.fleet.active_prices()
+        else:
+            prices = [w.price_per_hour for w in state.alive_workers(time.monotonic()) if w.active]
+        cost = self.cost.step(train, wait, prices)
+        out = {"dollars_step": round(cost.dollars, 8), "dollars_total": round(cost.cumulative, 6),
+               "workers_price_per_hour": round(cost.workers_price, 4), "bubble": round(cost.bubble, 4)}
+        bcast = self._broadcast_times(state)
+        if bcast:
+            out["t_bcast"] = round(max(bcast.values()), 4)
+            state.metrics.t_bcast.set(out["t_bcast"])
+            if state.fleet is not None:
+                for t in bcast.values():
+                    state.fleet.broadcast(t)
+        if state.fleet is not None and state.fleet.status is not None:
+            st = state.fleet.status
+            out.update(r_req=round(st.r_req, 3), r_eff=round(st.r_eff, 3), active_workers=len(st.active))
+        return out
+
+    def _make_provider(self, url: str):
+        sc = self.cfg.scheduler
+        if sc.provider == "local":
+            return LocalProvider(url, self.token, self.cfg.workers.config, self.run_dir / "workers",
+                                 self.cfg.workers.overrides)
+        if sc.provider == "command":
+            return CommandProvider(sc.launch_command, sc.release_command, url, self.token, self.run_dir / "workers")
+        return Provider()
+
+    async def _schedule(self, state: LearnerState, log: RunLog, display) -> None:
+        """The closed loop: every tick, re-evaluate the capacity rule and (de)activate workers."""
+        while True:
+            now = time.monotonic()
+            try:
+                st = state.fleet.tick(now)
+            except Exception as e:  # a broken scheduler must not stop training; say so, keep going
+                display.note(f"scheduler error: {e}")
+                await asyncio.sleep(self.cfg.scheduler.tick_s)
+                continue
+            for w in state.workers.values():
+                w.active = state.fleet.is_active(w.name)
+            if st.infeasible and st.infeasible != getattr(self, "_said", ""):
+                self._said = st.infeasible
+                display.note(f"scheduler: {st.infeasible}; activating every available worker")
+            for d in st.decisions:
+                log.write({"event": "scheduler", "action": d.action, "worker": d.worker_id, "reason": d.reason,
+                           "r_req": st.r_req, "r_eff": st.r_eff, "t_train": st.t_train, "t_bcast": st.t_bcast})
+                display.note(f"scheduler: {d.action} {d.worker_id} ({d.reason})")
+            await asyncio.sleep(self.cfg.scheduler.tick_s)
 
     def _record(self, trainer, batch, stats, state: LearnerState, *, wait, train, idle) -> dict:
         buf = state.buffer.buffer.metrics()
@@ -278,6 +364,7 @@ class Learner:
             "sampled_mean_length": round(buf["sampled_mean_length"], 3),
             "trained_mean_length": round(buf["trained_mean_length"], 3),
             "workers": [{"id": w.id, "name": w.name, "groups": w.groups_accepted} for w in state.workers.values()],
+            "cost": self.cost.summary(),
         }
 
 

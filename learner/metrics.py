@@ -31,6 +31,7 @@ class LearnerMetrics:
         self.eval_accuracy = Gauge("echo_eval_accuracy", "Greedy eval accuracy (last evaluation)", registry=r)
         self.idle = Gauge("echo_learner_idle_ratio", "Fraction of wall time the trainer waited for data", registry=r)
         self.workers = Gauge("echo_workers_alive", "Workers heard from within the liveness window", registry=r)
+        self.t_bcast = Gauge("echo_broadcast_seconds", "Learner-visible broadcast time of the last completed version", registry=r)
         self.leases_expired = Counter("echo_leases_expired", "Leases expired (their prompts re-issued)", registry=r)
 
     def exposition(self) -> bytes:

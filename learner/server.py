@@ -52,6 +52,8 @@ class WorkerInfo:
     engine: str = ""
     groups_accepted: int = 0
     told_finished: bool = False
+    active: bool = True  # the scheduler may idle a worker: it then gets no prompts
+    installs: list[tuple[int, float]] = field(default_factory=list)  # (version, monotonic time installed)
     extra: dict = field(default_factory=dict)
 
 
@@ -73,6 +75,7 @@ class LearnerState:
         self.learner_version = 0
         self.finished = False
         self.prompt_ids: dict[str, list[int]] = {}
+        self.fleet = None  # scheduler.fleet.Fleet when a scheduler decides who generates
         self._worker_ids = itertools.count(1)
 
     @property
@@ -128,6 +131,9 @@ def build_app(state: LearnerState) -> web.Application:
         info = WorkerInfo(id=wid, name=str(data.get("name") or wid)[:64], joined=now, last_seen=now)
         _update_worker(info, data)
         state.workers[wid] = info
+        if state.fleet is not None:
+            state.fleet.joined(now, info.name, info.price_per_hour, _number(data.get("expected_rollouts_per_s", 0)))
+            info.active = state.fleet.is_active(info.name)
         latest = state.blobs.latest
         return web.json_response({
             "worker_id": wid,
@@ -143,11 +149,15 @@ def build_app(state: LearnerState) -> web.Application:
         data = await body_json(request)
         worker = worker_of(data)
         _update_worker(worker, data)
+        _record_installs(worker, data.get("installs", []))
         state.leases.renew(worker.id, worker.last_seen)
+        if state.fleet is not None:
+            state.fleet.heartbeat(worker.last_seen, worker.name, worker.rollouts_per_s)
+            worker.active = state.fleet.is_active(worker.name)
         worker.told_finished = state.finished
         latest = state.blobs.latest
         return web.json_response({
-            "state": "stop" if state.finished else "active",
+            "state": "stop" if state.finished else "active" if worker.active else "idle",
             "snapshot": latest.to_json() if latest else None,
         })
 
@@ -164,7 +174,7 @@ def build_app(state: LearnerState) -> web.Application:
             raise web.HTTPBadRequest(text="max_prompts must be an integer") from None
         buf = state.buffer.buffer
         full = cfg.buffer.backpressure and len(buf) >= buf.capacity
-        got = None if full else state.leases.lease(worker.id, max_prompts, time.monotonic())
+        got = None if full or not worker.active else state.leases.lease(worker.id, max_prompts, time.monotonic())
         if got is None:
             return web.Response(status=204)
         prompts = []
@@ -260,6 +270,28 @@ def _admit(state: LearnerState, sub) -> list[Group]:
             completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
             rewards=[s.reward for s in g.samples], worker_id=sub.worker_id))
     return groups
+
+
+def _record_installs(worker: WorkerInfo, installs) -> None:
+    """Install times the worker reports as (version, seconds ago); kept for T_bcast."""
+    if not isinstance(installs, list):
+        raise web.HTTPBadRequest(text="installs must be a list of [version, seconds_ago]")
+    known = worker.installs[-1][0] if worker.installs else -1
+    for item in installs[-64:]:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise web.HTTPBadRequest(text="installs must be a list of [version, seconds_ago]")
+        version, ago = int(_number(item[0])), max(0.0, _number(item[1]))
+        if version > known:
+            worker.installs.append((version, worker.last_seen - ago))
+            known = version
+    del worker.installs[:-64]
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise web.HTTPBadRequest(text=f"expected a number, got {value!r}") from None
 
 
 def _update_worker(w: WorkerInfo, data: dict) -> None:

@@ -14,7 +14,8 @@ def status_line(r: dict, eval_accuracy: float | None) -> str:
             f"idle {100 * r['idle_ratio']:3.0f}% workers {r['workers']} | "
             f"Staleness stats: recycled={r['recycled']}, avg_staleness={r['avg_staleness']:.2f}, "
             f"max_staleness={r['max_staleness']} | queue {r['queue_size']} | "
-            f"length sampled {r['sampled_mean_length']:.2f} trained {r['trained_mean_length']:.2f}")
+            f"length sampled {r['sampled_mean_length']:.2f} trained {r['trained_mean_length']:.2f} | "
+            f"${r['dollars_step']:.5f}/step" + (f" R_eff {r['r_eff']:.0f}/{r['r_req']:.0f} rollouts/s" if "r_req" in r else ""))
 
 
 class StatusDisplay:
@@ -41,6 +42,10 @@ class StatusDisplay:
         self.progress.console.print(status_line(record, eval_accuracy), soft_wrap=True)
         self.progress.update(self.task, completed=record["step"])
 
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.progress.console.print(text, soft_wrap=True)
+
     def stop(self) -> None:
         self.progress.stop()
 
@@ -54,6 +59,9 @@ class StatusDisplay:
             ("uploads rejected", ", ".join(f"{k}={v}" for k, v in s["rejected"].items()) or "none"),
             ("prompts re-issued", str(s["leases_reissued"])),
             ("mean length sampled / trained", f"{s['sampled_mean_length']} / {s['trained_mean_length']}"),
+            ("cost", f"${s['cost']['dollars']:.4f} total, ${s['cost']['dollars_per_step']:.6f}/step"
+                     + (f", ${s['cost']['dollars_per_improvement']:.4f} per unit of eval improvement"
+                        if s['cost'].get('dollars_per_improvement') else "")),
             ("workers", ", ".join(f"{w['name']}: {w['groups']} groups" for w in s["workers"])),
             ("run directory", s["run_dir"]),
         ]

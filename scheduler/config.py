@@ -27,6 +27,12 @@ class SchedulerSection(Section):
     ewma: float = Field(0.2, gt=0.0, le=1.0, description="[scheduler] ewma: weight of each throughput report in the smoothed rate r̂")
     warmup_s: float = Field(30.0, ge=0.0, description="[scheduler] warmup_s: a freshly activated worker counts at its declared rate this long")
 
+    provider: Literal["local", "command", "static"] = Field("static", description="[scheduler] provider: how machines come and go: 'local' spawns worker processes here, 'command' runs launch/release commands, 'static' only uses workers that joined by themselves")
+    launch_command: str = Field("", description="[scheduler] launch_command: shell command that brings up machine {id} (placeholders {id} {gpu} {price} {rate} {url} {token}); provider 'command'")
+    release_command: str = Field("", description="[scheduler] release_command: shell command that tears machine {id} down; provider 'command'")
+    launch_timeout_s: float = Field(180.0, gt=0.0, description="[scheduler] launch_timeout_s: a launched machine that has not joined by then counts as unavailable")
+    tick_s: float = Field(1.0, gt=0.0, le=3600.0, description="[scheduler] tick_s: seconds between controller evaluations")
+
     def controller_params(self) -> ControllerParams:
         return ControllerParams(
             alpha=self.alpha, window_s=self.window_s, release_margin=self.release_margin,

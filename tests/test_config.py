@@ -28,7 +28,7 @@ def test_learner_configs_shipped_load():
 def test_override_beats_file_and_dry_run_output_round_trips(tmp_path):
     cfg = load_learner_config(ROOT / "configs/demo.toml", ["--trainer.lr", "1e-3", "--buffer.max_staleness", "5"])
     assert cfg.trainer.lr == 1e-3 and cfg.buffer.max_staleness == 5
-    assert cfg.publish_every == 1  # demo sets it explicitly
+    assert cfg.publish_every == 4  # S - 1 by default
     (tmp_path / "resolved.toml").write_text(dump_toml(cfg))
     assert load_learner_config(tmp_path / "resolved.toml") == cfg
 

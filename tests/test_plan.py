@@ -59,8 +59,9 @@ def test_infeasible_overlap_exits_2_with_smallest_period(capsys: pytest.CaptureF
 
 
 def test_not_enough_capacity_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run_json(capsys, ["--pool", str(REPO / "configs/pools/demo-local.toml"), "--t-train", "5",
-                                  "--t-bcast", "1", "--no-simulate"])
+    # The whole demo pool declares 3,500 rollouts/s; B = 512 every 0.1 s needs more.
+    code, out = run_json(capsys, ["--pool", str(REPO / "configs/pools/demo-local.toml"), "--t-train", "0.1",
+                                  "--t-bcast", "0.01", "--no-simulate"])
     assert code == 2 and "not enough rollout capacity" in out["error"]
 
 

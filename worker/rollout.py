@@ -13,11 +13,12 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from pathlib import Path
 
 import aiohttp
 
-from broadcast.star import BlobInfo
+from broadcast.star import BlobError, BlobInfo
 from echo.tasks import Prompt, load_task
 from echo.wire import GroupMsg, SampleMsg, Submission
 from worker.client import LearnerClient, LearnerError, RunFinished
@@ -56,6 +57,9 @@ class Worker:
         self.meter = RateMeter()
         self.rollouts = 0
         self.stopped = asyncio.Event()
+        self.active = asyncio.Event()  # the learner's scheduler may idle this worker
+        self.active.set()
+        self.installs: deque[tuple[int, float]] = deque(maxlen=32)  # (version, monotonic time) for T_bcast
 
     def _info(self) -> dict:
         w = self.cfg.worker
@@ -64,6 +68,9 @@ class Worker:
             "rollouts_per_s": round(self.meter.rate, 4), "price_per_hour": w.price_per_hour,
             "gpu": w.gpu or _gpu_name(), "device": self.cfg.engine.device, "engine": self.cfg.engine.type,
             "download_mbit": w.download_mbit, "upload_mbit": w.upload_mbit,
+            "expected_rollouts_per_s": w.max_rollouts_per_s,
+            # When each recent version was installed, as "seconds ago" (clocks differ between machines).
+            "installs": [[v, round(time.monotonic() - t, 4)] for v, t in self.installs],
         }
 
     async def run(self) -> int:
@@ -72,29 +79,31 @@ class Worker:
             client = LearnerClient(session, self.url, self.token)
             joined = await client.join(self._info())
             log.info("%s joined %s as %s", self.name, self.url, client.worker_id)
-            self.task = load_task(joined["task"]["name"], joined["task"]["options"])
-            model_dir = await self._fetch_model_dir(client)
-            e = self.cfg.engine
-            self.engine = await asyncio.to_thread(make_engine, e.type, model_dir, e.device, e.dtype, e.threads,
-                                                  self.cfg.worker.seed + hash(client.worker_id) % 10_000)
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            r = joined["rollout"]
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-            self.params = GenerationParams(n=r["group_size"], max_new_tokens=r["max_new_tokens"],
-                                           temperature=r["temperature"], top_p=r["top_p"],
-                                           eos_id=self.tokenizer.eos_token_id, pad_id=pad)
-            if joined["snapshot"]:
-                await self._download(client, BlobInfo(**joined["snapshot"]))
+            # Beat from the start: loading the engine can take long, and silence means dead.
             beats = asyncio.create_task(self._heartbeats(client, joined["heartbeat_interval"]))
             try:
+                self.task = load_task(joined["task"]["name"], joined["task"]["options"])
+                model_dir = await self._fetch_model_dir(client)
+                e = self.cfg.engine
+                self.engine = await asyncio.to_thread(make_engine, e.type, model_dir, e.device, e.dtype, e.threads,
+                                                      self.cfg.worker.seed * 1000 + int(client.worker_id.lstrip("w") or 0))
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+                r = joined["rollout"]
+                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+                self.params = GenerationParams(n=r["group_size"], max_new_tokens=r["max_new_tokens"],
+                                               temperature=r["temperature"], top_p=r["top_p"],
+                                               eos_id=self.tokenizer.eos_token_id, pad_id=pad)
+                if joined["snapshot"]:
+                    await self._download(client, BlobInfo(**joined["snapshot"]))
                 await self._loop(client)
             except RunFinished:
                 pass
             finally:
                 beats.cancel()
-                self.engine.close()
+                if self.engine is not None:
+                    self.engine.close()
         log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
         return 0
 
@@ -110,20 +119,33 @@ class Worker:
         return path
 
     async def _download(self, client: LearnerClient, info: BlobInfo) -> None:
+        """Fetch and verify one version. A failure (the learner already dropped that version,
+        a broken transfer) is logged; the next announcement starts a fresh download."""
         self.downloading = info.version
         try:
             blob = await client.snapshot(info)
-            if self.pending is None or info.version > self.pending[0]:
-                self.pending = (info.version, blob)
+        except (BlobError, LearnerError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("%s: download of v%d failed: %s", self.name, info.version, e)
+            return
         finally:
             self.downloading = None
+        if self.pending is None or info.version > self.pending[0]:
+            self.pending = (info.version, blob)
 
     async def _heartbeats(self, client: LearnerClient, interval: float) -> None:
         while True:
             try:
                 reply = await client.heartbeat(self._info())
-                if reply.get("state") == "stop":
+                state = reply.get("state")
+                if state == "stop":
                     self.stopped.set()
+                    self.active.set()  # wake the loop so it can exit
+                elif state == "idle" and self.active.is_set():
+                    log.info("%s: idled by the learner's scheduler", self.name)
+                    self.active.clear()
+                elif state == "active" and not self.active.is_set():
+                    log.info("%s: activated by the learner's scheduler", self.name)
+                    self.active.set()
                 self._notice(client, reply.get("snapshot"))
             except (aiohttp.ClientError, LearnerError, asyncio.TimeoutError) as e:
                 log.warning("%s: heartbeat failed: %s", self.name, e)
@@ -131,6 +153,8 @@ class Worker:
 
     def _notice(self, client: LearnerClient, snapshot: dict | None) -> None:
         """Start downloading an announced version newer than anything installed or on its way."""
+        if self.engine is None:
+            return  # still starting; the snapshot announced at join is fetched then
         newest_known = max(self.engine.version, self.pending[0] if self.pending else -1,
                            self.downloading if self.downloading is not None else -1)
         if snapshot and snapshot["version"] > newest_known:
@@ -145,11 +169,13 @@ class Worker:
             return
         t0 = time.perf_counter()
         await asyncio.to_thread(self.engine.install, version, blob)
+        self.installs.append((version, time.monotonic()))
         log.info("%s: installed v%d in %.3f s", self.name, version, time.perf_counter() - t0)
 
     async def _loop(self, client: LearnerClient) -> None:
         throttle = self.cfg.worker.max_rollouts_per_s
         while not self.stopped.is_set():
+            await self.active.wait()
             await self._install_pending()
             if self.engine.version < 0:
                 await asyncio.sleep(0.1)

@@ -1,0 +1,138 @@
+"""The thin adapter between the learner and the controller: which workers generate.
+
+The learner tells it who joined, who beat and what the trainer measured; it answers whether a
+worker should generate (`is_active`) and, on each `tick`, turns the controller's decisions
+into provider actions. Candidates come from the pool file (machines a provider can bring up,
+identified by the pool ids `name-k`) and from workers that joined by themselves (identified
+by the name they gave, priced at what they declared).
+
+Invariant (asserted): a worker is active only if the controller lists it as active.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.capacity import required_rate, smallest_feasible_period
+from scheduler.controller import Controller, ControllerParams, Decision
+from scheduler.errors import SchedulerError
+from scheduler.pool import Pool
+from scheduler.providers import Machine, Provider
+
+
+@dataclass
+class _Candidate:
+    machine: Machine
+    launched_at: float | None = None  # by our provider
+    joined: bool = False
+    last_seen: float = -math.inf
+
+
+@dataclass
+class FleetStatus:
+    r_req: float
+    target: float
+    r_eff: float
+    active: list[str]
+    active_price: float
+    t_train: float
+    t_bcast: float
+    infeasible: str = ""
+    decisions: list[Decision] = field(default_factory=list)
+
+
+class Fleet:
+    def __init__(self, pool: Pool | None, provider: Provider, params: ControllerParams, *, batch: int,
+                 publish_every: int, t_train_prior: float, t_bcast_prior: float, launch_timeout_s: float):
+        self.provider = provider
+        self.controller = Controller(params)
+        self.batch, self.publish_every = batch, publish_every
+        self.t_train_prior, self.t_bcast_prior = t_train_prior, t_bcast_prior
+        self.launch_timeout_s = launch_timeout_s
+        self.candidates: dict[str, _Candidate] = {}
+        self._train_times: deque[float] = deque(maxlen=20)
+        self._bcast_times: deque[float] = deque(maxlen=5)
+        self.status: FleetStatus | None = None
+        if pool is not None and provider.launches_machines:
+            for c in pool.candidates():
+                kind = pool.kind_of(c.id)
+                self._add(0.0, Machine(c.id, kind.gpu, kind.price_per_hour, kind.rollouts_per_s))
+
+    def _add(self, now: float, machine: Machine) -> None:
+        self.candidates[machine.id] = _Candidate(machine)
+        self.controller.join(now, machine.id, machine.price_per_hour, machine.rollouts_per_s)
+
+    # --- what the learner reports --------------------------------------------------------
+
+    def joined(self, now: float, name: str, price: float, declared_rate: float) -> None:
+        cand = self.candidates.get(name)
+        if cand is None:  # joined by itself: a candidate at its declared price
+            self._add(now, Machine(name, "", price, declared_rate if declared_rate > 0 else 1.0))
+            cand = self.candidates[name]
+        cand.joined, cand.last_seen = True, now
+        self.controller.observe(now, name, alive=True)
+
+    def heartbeat(self, now: float, name: str, rollouts_per_s: float) -> None:
+        cand = self.candidates.get(name)
+        if cand is not None:
+            cand.last_seen = now
+            self.controller.observe(now, name, alive=True, rollouts_per_s=rollouts_per_s)
+
+    def trained(self, seconds: float) -> None:
+        self._train_times.append(seconds)
+
+    def broadcast(self, seconds: float) -> None:
+        self._bcast_times.append(seconds)
+
+    # --- decisions -----------------------------------------------------------------------
+
+    @property
+    def t_train(self) -> float:
+        return statistics.median(self._train_times) if self._train_times else self.t_train_prior
+
+    @property
+    def t_bcast(self) -> float:
+        return statistics.median(self._bcast_times) if self._bcast_times else self.t_bcast_prior
+
+    def is_active(self, name: str) -> bool:
+        return name in self.controller.active
+
+    def tick(self, now: float) -> FleetStatus:
+        """Refresh availability, re-evaluate the capacity rule, act on the decisions."""
+        for cand in self.candidates.values():
+            if cand.joined:
+                continue  # heartbeats speak for it; the controller times it out
+            waiting = cand.launched_at is not None and now - cand.launched_at > self.launch_timeout_s
+            # A machine the provider can still bring up is available; one that never joined is not.
+            self.controller.observe(now, cand.machine.id, alive=not waiting)
+        infeasible = ""
+        try:
+            r_req = required_rate(self.batch, self.t_train, self.t_bcast, self.publish_every)
+        except SchedulerError:
+            smallest = smallest_feasible_period(self.t_train, self.t_bcast)
+            infeasible = (f"infeasible: I·T_train = {self.publish_every * self.t_train:.3g} s ≤ T_bcast = "
+                          f"{self.t_bcast:.3g} s; publish every ≥ {smallest} updates")
+            r_req = math.inf
+        decisions = self.controller.tick(now, r_req if math.isfinite(r_req) else 1e12)
+        for d in decisions:
+            cand = self.candidates[d.worker_id]
+            if d.action == "activate" and not cand.joined and self.provider.launches_machines:
+                if cand.launched_at is None or now - cand.launched_at > self.launch_timeout_s:
+                    cand.launched_at = now
+                    self.provider.launch(cand.machine)
+            elif d.action == "release" and self.provider.kind == "command":
+                self.provider.release(cand.machine)
+                cand.joined, cand.launched_at = False, None
+        st = self.controller.status()
+        active = list(self.controller.active)
+        assert all(a in self.candidates for a in active)
+        self.status = FleetStatus(r_req=r_req, target=st.target, r_eff=st.r_eff, active=active,
+                                  active_price=st.active_price, t_train=self.t_train, t_bcast=self.t_bcast,
+                                  infeasible=infeasible, decisions=decisions)
+        return self.status
+
+    def active_prices(self) -> list[float]:
+        return [self.candidates[a].machine.price_per_hour for a in self.controller.active]

@@ -1,0 +1,101 @@
+"""Providers bring machines up and down when the controller activates or releases them.
+
+- `static`: nothing to do; only workers that joined by themselves are used.
+- `local`: a worker process on this machine per candidate, throttled to the pool's declared
+  rollouts/s and announcing the pool's price (the demo and tests).
+- `command`: user-given shell commands, e.g. a cloud CLI (`launch_command = "mycloud up
+  --name {id} --gpu '{gpu}' -- echo-worker join {url} --token {token}"`).
+
+A provider never blocks the learner: commands run as background processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Machine:
+    id: str
+    gpu: str
+    price_per_hour: float
+    rollouts_per_s: float
+
+
+class Provider:
+    kind = "static"
+    launches_machines = False
+
+    def launch(self, machine: Machine) -> None:
+        """Bring `machine` up; it joins the learner under its id as name."""
+
+    def release(self, machine: Machine) -> None:
+        """Tear `machine` down (a released local worker just idles, so it can be reactivated)."""
+
+    def close(self) -> None:
+        """Stop everything this provider started."""
+
+
+class LocalProvider(Provider):
+    kind = "local"
+    launches_machines = True
+
+    def __init__(self, url: str, token: str, worker_config: Path, log_dir: Path, overrides: list[str]):
+        self.url, self.token, self.worker_config = url, token, worker_config
+        self.log_dir, self.overrides = log_dir, overrides
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def launch(self, machine: Machine) -> None:
+        if machine.id in self.procs and self.procs[machine.id].poll() is None:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "worker.main", "join", self.url, f"--token={self.token}",
+               "--config", str(self.worker_config), "--worker.name", machine.id,
+               "--worker.price_per_hour", repr(machine.price_per_hour),
+               "--worker.max_rollouts_per_s", repr(machine.rollouts_per_s), "--worker.gpu", machine.gpu,
+               *self.overrides]
+        log = open(self.log_dir / f"{machine.id}.log", "a")
+        self.procs[machine.id] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+class CommandProvider(Provider):
+    kind = "command"
+    launches_machines = True
+
+    def __init__(self, launch_command: str, release_command: str, url: str, token: str, log_dir: Path):
+        if not launch_command:
+            raise ValueError("[scheduler] provider = 'command' needs launch_command (and usually release_command)")
+        self.launch_command, self.release_command = launch_command, release_command
+        self.url, self.token, self.log_dir = url, token, log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def _run(self, template: str, machine: Machine, what: str) -> None:
+        fields = {"id": machine.id, "gpu": machine.gpu, "price": machine.price_per_hour,
+                  "rate": machine.rollouts_per_s, "url": self.url, "token": self.token}
+        command = template.format(**{k: shlex.quote(str(v)) for k, v in fields.items()})
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{machine.id}.{what}.log", "a")
+        self.procs.append(subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT))
+
+    def launch(self, machine: Machine) -> None:
+        self._run(self.launch_command, machine, "launch")
+
+    def release(self, machine: Machine) -> None:
+        if self.release_command:
+            self._run(self.release_command, machine, "release")

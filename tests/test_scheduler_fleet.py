@@ -1,0 +1,77 @@
+"""The learner-side adapter: pool candidates, provider launches, heartbeats, replacement."""
+
+from scheduler.controller import ControllerParams
+from scheduler.fleet import Fleet
+from scheduler.pool import parse_pool
+from scheduler.providers import Provider
+
+POOL = parse_pool({"workers": [
+    {"name": "cheap", "price_per_hour": 0.1, "rollouts_per_s": 10, "count": 2},
+    {"name": "mid", "price_per_hour": 0.3, "rollouts_per_s": 15},
+    {"name": "pricey", "price_per_hour": 1.0, "rollouts_per_s": 20},
+]})
+
+
+class RecordingProvider(Provider):
+    """Stands in for a cloud: records what it was asked to bring up or down."""
+
+    kind = "command"
+    launches_machines = True
+
+    def __init__(self):
+        self.launched, self.released = [], []
+
+    def launch(self, machine):
+        self.launched.append(machine.id)
+
+    def release(self, machine):
+        self.released.append(machine.id)
+
+
+def fleet(provider, **params):
+    # B = 100 rollouts, T = 4 s, T_b = 0 -> R_req = 25/s, target α·R_req = 30/s
+    return Fleet(POOL, provider, ControllerParams(alpha=1.2, window_s=5, warmup_s=0, heartbeat_timeout_s=3, **params),
+                 batch=100, publish_every=1, t_train_prior=4.0, t_bcast_prior=0.0, launch_timeout_s=20)
+
+
+def test_cheapest_sufficient_set_is_launched_first():
+    p = RecordingProvider()
+    f = fleet(p)
+    st = f.tick(0.0)
+    assert st.r_req == 25.0 and st.target == 30.0
+    assert sorted(p.launched) == ["cheap-0", "cheap-1", "mid"]  # 10 + 10 + 15 ≥ 30 at the lowest $/h per rollout/s
+    assert not f.is_active("pricey")
+
+
+def test_dead_worker_is_replaced_and_capacity_recomputed():
+    p = RecordingProvider()
+    f = fleet(p)
+    f.tick(0.0)
+    for name in ("cheap-0", "cheap-1", "mid"):
+        f.joined(1.0, name, 0.0, 0.0)
+    for t in range(2, 6):
+        for name in ("cheap-1", "mid"):  # cheap-0 died after joining: no more heartbeats
+            f.heartbeat(float(t), name, 10.0 if name.startswith("cheap") else 15.0)
+        st = f.tick(float(t))
+    assert "cheap-0" not in st.active and "pricey" in p.launched
+    assert p.released == ["cheap-0"]
+
+
+def test_measured_step_time_moves_the_requirement_and_infeasibility_is_reported():
+    f = fleet(RecordingProvider())
+    for _ in range(5):
+        f.trained(2.0)
+    assert f.tick(0.0).r_req == 50.0
+    f.broadcast(3.0)  # I·T = 2 s ≤ T_bcast: no number of workers can keep up
+    st = f.tick(1.0)
+    assert "publish every ≥ 2" in st.infeasible
+
+
+def test_self_joined_workers_are_candidates_at_their_declared_price():
+    f = Fleet(None, Provider(), ControllerParams(alpha=1.2, window_s=0, warmup_s=0), batch=100,
+              publish_every=1, t_train_prior=4.0, t_bcast_prior=0.0, launch_timeout_s=20)
+    f.joined(0.0, "a", price=0.5, declared_rate=40)
+    f.joined(0.0, "b", price=0.1, declared_rate=40)
+    f.tick(0.0)
+    assert f.is_active("b") and not f.is_active("a")  # b alone covers 30/s, and is cheaper
+    assert f.active_prices() == [0.1]
