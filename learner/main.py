@@ -220,8 +220,12 @@ class Learner:
         active = [w for w in state.alive_workers(time.monotonic()) if w.active and w.installs]
         done = {}
         for version, published in list(self.published_at.items()):
-            arrivals = [next((t for v, t in w.installs if v >= version), None) for w in active]
-            if active and None not in arrivals:
+            # Workers that joined after the publication measure their start-up, not the broadcast.
+            present = [w for w in active if w.joined <= published]
+            arrivals = [next((t for v, t in w.installs if v >= version), None) for w in present]
+            if not present and time.monotonic() - published > 60:
+                del self.published_at[version]  # nobody to measure it on
+            elif present and None not in arrivals:
                 done[version] = max(0.0, max(arrivals) - published)
                 del self.published_at[version]
         return done

@@ -56,7 +56,7 @@ class Fleet:
         self._train_times: deque[float] = deque(maxlen=20)
         self._bcast_times: deque[float] = deque(maxlen=5)
         self.status: FleetStatus | None = None
-        if pool is not None and provider.launches_machines:
+        if pool is not None:  # a static provider's pool entries become available when they join
             for c in pool.candidates():
                 kind = pool.kind_of(c.id)
                 self._add(0.0, Machine(c.id, kind.gpu, kind.price_per_hour, kind.rollouts_per_s))
@@ -68,6 +68,7 @@ class Fleet:
     # --- what the learner reports --------------------------------------------------------
 
     def joined(self, now: float, name: str, price: float, declared_rate: float) -> None:
+        """A worker joined; a pool machine is known by its pool id, anyone else by its name."""
         cand = self.candidates.get(name)
         if cand is None:  # joined by itself: a candidate at its declared price
             self._add(now, Machine(name, "", price, declared_rate if declared_rate > 0 else 1.0))
@@ -107,7 +108,7 @@ class Fleet:
                 continue  # heartbeats speak for it; the controller times it out
             waiting = cand.launched_at is not None and now - cand.launched_at > self.launch_timeout_s
             # A machine the provider can still bring up is available; one that never joined is not.
-            self.controller.observe(now, cand.machine.id, alive=not waiting)
+            self.controller.observe(now, cand.machine.id, alive=self.provider.launches_machines and not waiting)
         infeasible = ""
         try:
             r_req = required_rate(self.batch, self.t_train, self.t_bcast, self.publish_every)

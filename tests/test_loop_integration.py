@@ -127,3 +127,23 @@ def test_resume_continues_from_the_last_checkpoint(learner_factory):
     assert steps == [1, 2, 3, 4, 5, 6, 7]  # the log continues; nothing is retrained from zero
     assert json.loads((lp.run_dir / "checkpoints" / "latest" / "learner_state.json").read_text())["version"] == 7
     assert worker.wait(30) == 0
+
+
+def test_scheduler_activates_the_cheapest_sufficient_worker_and_idles_the_other(learner_factory, tmp_path):
+    pool = tmp_path / "pool.toml"
+    pool.write_text('[[workers]]\nname = "cheap"\nprice_per_hour = 0.1\nrollouts_per_s = 1000\n'
+                    '[[workers]]\nname = "pricey"\nprice_per_hour = 1.0\nrollouts_per_s = 1000\n')
+    # T_train prior 10 s -> R_req = 16 rollouts / 10 s: one machine covers it. A long window keeps
+    # the first decision for the whole (short) run.
+    lp = learner_factory(run={"steps": 6}, scheduler={"pool": str(pool), "provider": "static", "t_train_s": 10.0,
+                                                      "t_bcast_s": 0.0, "window_s": 1000.0})
+    lp.worker("pricey")
+    lp.worker("cheap")
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    groups = {w["name"]: w["groups"] for w in summary["workers"]}
+    assert groups["pricey"] == 0 and groups["cheap"] >= 6 * 4
+    assert "idled by the learner's scheduler" in (lp.run_root.parent / "pricey.log").read_text()
+    records = lp.records()
+    assert all(r["workers_price_per_hour"] == 0.1 for r in records)
+    assert summary["cost"]["dollars"] > 0 and records[-1]["dollars_total"] == round(summary["cost"]["dollars"], 6)
