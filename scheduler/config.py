@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from echo.config import Section
 from scheduler.controller import ControllerParams
@@ -32,6 +32,11 @@ class SchedulerSection(Section):
     release_command: str = Field("", description="[scheduler] release_command: shell command that tears machine {id} down; provider 'command'")
     launch_timeout_s: float = Field(180.0, gt=0.0, description="[scheduler] launch_timeout_s: a launched machine that has not joined by then counts as unavailable")
     tick_s: float = Field(1.0, gt=0.0, le=3600.0, description="[scheduler] tick_s: seconds between controller evaluations")
+
+    @field_validator("pool", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value):
+        return None if value == "" else value  # `--scheduler.pool ""` turns a config's pool off
 
     def controller_params(self) -> ControllerParams:
         return ControllerParams(
