@@ -91,6 +91,15 @@ class PublishSection(Section):
     keep: int = Field(4, ge=1, description="[publish] keep: snapshots kept for download")
 
 
+class BroadcastSection(Section):
+    mode: Literal["chain", "star"] = Field("chain", description="[broadcast] mode: 'chain' (signed, chunked, pipelined chains planned from links) or 'star' (every worker downloads from the learner)")
+    chunk_mib: float = Field(1.0, ge=0.0625, le=64.0, description="[broadcast] chunk_mib: chunk size in MiB (1-4 MiB suits wide-area links)")
+    deltas: bool = Field(True, description="[broadcast] deltas: send XOR+zstd deltas on the previous version when smaller")
+    uplink_mbit: float = Field(1000.0, gt=0.0, description="[broadcast] uplink_mbit: the learner's upload bandwidth (Mbit/s), for planning and pacing")
+    key_file: Path | None = Field(None, description="[broadcast] key_file: ed25519 signing key (PEM; created if missing; default: in the run directory)")
+    fallback_s: float = Field(10.0, gt=0.0, description="[broadcast] fallback_s: a worker not reached by the push within this many seconds pulls the version from the learner")
+
+
 class ServerSection(Section):
     host: str = Field("127.0.0.1", description="[server] host: address the control API binds to")
     port: int = Field(8650, ge=0, le=65535, description="[server] port: control API port (0 = pick a free one)")
@@ -116,6 +125,7 @@ class LearnerConfig(Section):
     buffer: BufferSection = BufferSection()
     publish: PublishSection = PublishSection()
     server: ServerSection = ServerSection()
+    broadcast: BroadcastSection = BroadcastSection()
     workers: WorkersSection = WorkersSection()
     scheduler: SchedulerSection = SchedulerSection()
 

@@ -31,6 +31,7 @@ from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig, load_learner_config
 from learner.leases import LeaseBook
 from learner.metrics import RunLog
+from learner.publisher import Publisher
 from learner.server import LearnerState, build_app, reaper
 from learner.status import StatusDisplay
 from scheduler.cost import CostMeter
@@ -132,6 +133,14 @@ class Learner:
                                 publish_every=cfg.publish_every, t_train_prior=sc.t_train_s,
                                 t_bcast_prior=sc.t_bcast_s, launch_timeout_s=sc.launch_timeout_s)
 
+        b = cfg.broadcast
+        self.publisher = Publisher(state.blobs, b.mode, chunk_bytes=int(b.chunk_mib * (1 << 20)), deltas=b.deltas,
+                                   uplink_mbit=b.uplink_mbit, key_file=b.key_file or self.run_dir / "learner.key",
+                                   host=cfg.server.host)
+        source_url = await self.publisher.start()
+        state.broadcast = {"mode": b.mode, "public_key": self.publisher.public_key, "source": source_url,
+                           "fallback_s": b.fallback_s}
+
         I = cfg.publish_every
         display = StatusDisplay(cfg.run.steps, enabled=not self.as_json)
         display.banner(
@@ -197,6 +206,7 @@ class Learner:
         await self._stop_workers(state, grace=2 * cfg.server.heartbeat_interval + 3)
         if self.provider is not None:
             self.provider.close()
+        await self.publisher.stop()
         await runner.cleanup()
         summary = self._summary(state, first_acc, last_acc, time.monotonic() - t_start, waited)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -210,9 +220,10 @@ class Learner:
 
     async def _publish(self, state: LearnerState, trainer) -> None:
         blob = await asyncio.to_thread(trainer.snapshot)
-        state.blobs.add(trainer.version, blob)
-        state.metrics.published.set(trainer.version)
         self.published_at[trainer.version] = time.monotonic()
+        workers = [w for w in state.alive_workers(time.monotonic()) if w.active]
+        state.announcement = await self.publisher.publish(trainer.version, blob, workers)
+        state.metrics.published.set(trainer.version)
 
     def _broadcast_times(self, state: LearnerState) -> dict[int, float]:
         """T_bcast of each version every active worker has now installed: publication until the
@@ -240,6 +251,8 @@ class Learner:
         cost = self.cost.step(train, wait, prices)
         out = {"dollars_step": round(cost.dollars, 8), "dollars_total": round(cost.cumulative, 6),
                "workers_price_per_hour": round(cost.workers_price, 4), "bubble": round(cost.bubble, 4)}
+        for version in sorted(self.publisher.wire_bytes):  # bytes on the wire of what was published
+            out["snapshot_bytes"] = {"version": version, **self.publisher.wire_bytes.pop(version)}
         bcast = self._broadcast_times(state)
         if bcast:
             out["t_bcast"] = round(max(bcast.values()), 4)

@@ -53,6 +53,7 @@ class WorkerInfo:
     groups_accepted: int = 0
     told_finished: bool = False
     active: bool = True  # the scheduler may idle a worker: it then gets no prompts
+    relay_url: str = ""  # where this worker's broadcast relay listens (chain mode)
     installs: list[tuple[int, float]] = field(default_factory=list)  # (version, monotonic time installed)
     extra: dict = field(default_factory=dict)
 
@@ -76,6 +77,8 @@ class LearnerState:
         self.finished = False
         self.prompt_ids: dict[str, list[int]] = {}
         self.fleet = None  # scheduler.fleet.Fleet when a scheduler decides who generates
+        self.announcement: dict | None = None  # the newest version as workers are told of it
+        self.broadcast: dict = {"mode": "star"}  # how versions travel (learner.publisher)
         self._worker_ids = itertools.count(1)
 
     @property
@@ -134,14 +137,14 @@ def build_app(state: LearnerState) -> web.Application:
         if state.fleet is not None:
             state.fleet.joined(now, info.name, info.price_per_hour, _number(data.get("expected_rollouts_per_s", 0)))
             info.active = state.fleet.is_active(info.name)
-        latest = state.blobs.latest
         return web.json_response({
             "worker_id": wid,
+            "broadcast": state.broadcast,
             "heartbeat_interval": cfg.server.heartbeat_interval,
             "lease_ttl": cfg.server.lease_ttl,
             "task": {"name": cfg.task.name, "options": cfg.task.options},
             "rollout": cfg.rollout.model_dump(),
-            "snapshot": latest.to_json() if latest else None,
+            "snapshot": state.announcement,
         })
 
     async def heartbeat(request: web.Request) -> web.Response:
@@ -155,10 +158,9 @@ def build_app(state: LearnerState) -> web.Application:
             state.fleet.heartbeat(worker.last_seen, worker.name, worker.rollouts_per_s)
             worker.active = state.fleet.is_active(worker.name)
         worker.told_finished = state.finished
-        latest = state.blobs.latest
         return web.json_response({
             "state": "stop" if state.finished else "active" if worker.active else "idle",
-            "snapshot": latest.to_json() if latest else None,
+            "snapshot": state.announcement,
         })
 
     async def lease(request: web.Request) -> web.Response:
@@ -181,9 +183,9 @@ def build_app(state: LearnerState) -> web.Application:
         for p in got.prompts.values():
             ids = state.prompt_ids.setdefault(p.id, state.encode(p.text))
             prompts.append({"id": p.id, "text": p.text, "answer": p.answer, "prompt_ids": ids})
-        latest = state.blobs.latest  # workers learn of new versions here, without waiting for a heartbeat
+        # Workers learn of new versions here too, without waiting for a heartbeat.
         return web.json_response({"lease_id": got.id, "prompts": prompts, "expires_in": cfg.server.lease_ttl,
-                                  "snapshot": latest.to_json() if latest else None})
+                                  "snapshot": state.announcement})
 
     async def trajectories(request: web.Request) -> web.Response:
         authorize(request)
@@ -305,6 +307,11 @@ def _update_worker(w: WorkerInfo, data: dict) -> None:
     for key in ("device", "gpu", "engine"):
         if key in data:
             setattr(w, key, str(data[key])[:64])
+    if "relay_url" in data:
+        url = str(data["relay_url"])
+        if url and not url.startswith(("http://", "https://")):
+            raise web.HTTPBadRequest(text="relay_url must be an http(s) URL")
+        w.relay_url = url[:256]
 
 
 @web.middleware

@@ -123,8 +123,8 @@ class Trainer:
 
         # clone() breaks weight tying, so a tied model ships both names (safetensors refuses
         # shared storage) and an engine can never keep a stale head.
-        return save({k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()},
-                    metadata={"version": str(self.version)})
+        # No per-version metadata: consecutive snapshots keep one byte layout, so deltas apply.
+        return save({k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()})
 
     @torch.no_grad()
     def evaluate(self, task: Task, prompts: list[Prompt]) -> float:

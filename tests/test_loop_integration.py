@@ -97,7 +97,7 @@ def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(lear
 
 
 def test_resume_continues_from_the_last_checkpoint(learner_factory):
-    lp = learner_factory(run={"steps": 4, "checkpoint_every": 2})
+    lp = learner_factory(run={"steps": 4, "checkpoint_every": 2}, broadcast={"mode": "star"})  # the star path too
     lp.worker("w")
     assert lp.proc.wait(120) == 0, lp.output()[-3000:]
     first = json.loads((lp.run_dir / "summary.json").read_text())

@@ -23,6 +23,9 @@ class WorkerSection(Section):
     download_mbit: float = Field(0.0, ge=0.0, description="[worker] download_mbit: declared download bandwidth (Mbit/s, 0: unknown)")
     upload_mbit: float = Field(0.0, ge=0.0, description="[worker] upload_mbit: declared upload bandwidth (Mbit/s, 0: unknown)")
     cache_dir: Path = Field(Path(".echo-cache"), description="[worker] cache_dir: where the model directory from the learner is kept")
+    relay_host: str = Field("127.0.0.1", description="[worker] relay_host: address this worker's broadcast relay binds to (chain mode)")
+    relay_port: int = Field(0, ge=0, le=65535, description="[worker] relay_port: relay port (0 = any free port)")
+    advertise_url: str = Field("", description="[worker] advertise_url: URL other workers reach the relay at, when not http://relay_host:port (NAT, port forwarding)")
     seed: int = Field(0, description="[worker] seed: sampling seed (mixed with the worker id)")
 
 

@@ -53,6 +53,9 @@ class Worker:
         self.name = cfg.worker.name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine: Engine | None = None
         self.pending: tuple[int, bytes] | None = None  # downloaded, waiting to be installed
+        self.pending_manifest = None  # chain mode: the manifest of `pending` (the base of the next delta)
+        self.base: tuple | None = None  # chain mode: (manifest, blob) of the installed version
+        self.relay = None  # chain mode: broadcast.relay.Relay
         self.downloading: int | None = None
         self.meter = RateMeter()
         self.rollouts = 0
@@ -71,6 +74,7 @@ class Worker:
             "expected_rollouts_per_s": w.max_rollouts_per_s,
             # When each recent version was installed, as "seconds ago" (clocks differ between machines).
             "installs": [[v, round(time.monotonic() - t, 4)] for v, t in self.installs],
+            "relay_url": self.relay.url if self.relay is not None else "",
         }
 
     async def run(self) -> int:
@@ -82,6 +86,9 @@ class Worker:
             # Beat from the start: loading the engine can take long, and silence means dead.
             beats = asyncio.create_task(self._heartbeats(client, joined["heartbeat_interval"]))
             try:
+                self.broadcast = joined.get("broadcast") or {"mode": "star"}
+                if self.broadcast["mode"] == "chain":
+                    await self._start_relay(client.worker_id)
                 self.task = load_task(joined["task"]["name"], joined["task"]["options"])
                 model_dir = await self._fetch_model_dir(client)
                 e = self.cfg.engine
@@ -95,8 +102,8 @@ class Worker:
                 self.params = GenerationParams(n=r["group_size"], max_new_tokens=r["max_new_tokens"],
                                                temperature=r["temperature"], top_p=r["top_p"],
                                                eos_id=self.tokenizer.eos_token_id, pad_id=pad)
-                if joined["snapshot"]:
-                    await self._download(client, BlobInfo(**joined["snapshot"]))
+                if joined["snapshot"]:  # a late joiner pulls the newest version whole
+                    await self._fetch(client, joined["snapshot"], wait_for_push=False)
                 await self._loop(client)
             except RunFinished:
                 pass
@@ -104,6 +111,8 @@ class Worker:
                 beats.cancel()
                 if self.engine is not None:
                     self.engine.close()
+                if self.relay is not None:
+                    await self.relay.stop()
         log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
         return 0
 
@@ -117,6 +126,58 @@ class Worker:
                 raise LearnerError(0, "bad-model-file", f"refusing model file name {name!r}")
             (path / name).write_bytes(data)
         return path
+
+    async def _start_relay(self, worker_id: str) -> None:
+        from broadcast.relay import Relay
+        from broadcast.signing import VerifyKey
+
+        w = self.cfg.worker
+        self.relay = Relay(worker_id, VerifyKey.from_text(self.broadcast["public_key"]), host=w.relay_host,
+                           port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received)
+        await self.relay.start()
+        log.info("%s: relay listening at %s", self.name, self.relay.url)
+
+    async def _received(self, received) -> None:
+        """A version arrived whole and verified (pushed down a chain or pulled): decode, stage."""
+        from broadcast.delta import DeltaError, decode_async
+
+        m = received.manifest
+        base_manifest, base_blob = self.base if self.base else (None, None)
+        try:
+            blob = await decode_async(m, received.data, base_blob, base_manifest)
+        except DeltaError as e:  # not our base after all: the full version is one pull away
+            log.warning("%s: %s", self.name, e)
+            return
+        if self.pending is None or m.version > self.pending[0]:
+            self.pending, self.pending_manifest = (m.version, bytes(blob)), m
+
+    async def _fetch(self, client: LearnerClient, snapshot: dict, wait_for_push: bool = True) -> None:
+        """Get an announced version: by star download, or in chain mode from the push — and if the
+        push does not arrive within `fallback_s`, by pulling the full version from the source."""
+        if self.relay is None:
+            return await self._download(client, BlobInfo(**{k: snapshot[k] for k in ("version", "size", "sha256")}))
+        from broadcast.relay import BroadcastError
+        from broadcast.transport import Hop
+
+        version = snapshot["version"]
+        self.downloading = version
+        try:
+            keys = [k for k in (snapshot.get("delta_key"), snapshot["key"]) if k]
+            if wait_for_push:
+                waits = [asyncio.create_task(self.relay.wait(k)) for k in keys]
+                done, waiting = await asyncio.wait(waits, timeout=self.broadcast["fallback_s"],
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for t in waiting:
+                    t.cancel()
+                if any(not t.cancelled() and t.exception() is None for t in done):
+                    return  # on_complete staged it
+            if self.pending is None or self.pending[0] < version:
+                log.info("%s: pulling v%d from the learner", self.name, version)
+                await self.relay.fetch(snapshot["key"], [Hop("source", snapshot["source"])])
+        except (BroadcastError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("%s: v%d did not arrive: %s", self.name, version, e)
+        finally:
+            self.downloading = None
 
     async def _download(self, client: LearnerClient, info: BlobInfo) -> None:
         """Fetch and verify one version. A failure (the learner already dropped that version,
@@ -158,17 +219,19 @@ class Worker:
         newest_known = max(self.engine.version, self.pending[0] if self.pending else -1,
                            self.downloading if self.downloading is not None else -1)
         if snapshot and snapshot["version"] > newest_known:
-            self._download_task = asyncio.create_task(self._download(client, BlobInfo(**snapshot)))
+            self._download_task = asyncio.create_task(self._fetch(client, snapshot))
 
     async def _install_pending(self) -> None:
         if self.pending is None:
             return
         version, blob = self.pending
-        self.pending = None
+        manifest, self.pending, self.pending_manifest = self.pending_manifest, None, None
         if version <= self.engine.version:
             return
         t0 = time.perf_counter()
         await asyncio.to_thread(self.engine.install, version, blob)
+        if manifest is not None:
+            self.base = (manifest, blob)
         self.installs.append((version, time.monotonic()))
         log.info("%s: installed v%d in %.3f s", self.name, version, time.perf_counter() - t0)
 

@@ -2,26 +2,57 @@
 
 The whole lifecycle is here; backends register by name in `ENGINES` and are imported only
 when chosen, so a worker without vLLM never imports it.
+
+Version contract (what the rollout loop relies on to stamp trajectories):
+
+- `install(v, blob)` either makes every later `generate` run on exactly snapshot `v` and sets
+  `version = v`, or raises `EngineError`. A snapshot that does not match the model (a missing,
+  extra or misshapen tensor) is refused *before* anything is touched, so the engine keeps its
+  previous version and can go on generating.
+- `generate` runs entirely on the weights present when it started. The worker reads
+  `engine.version` before calling it and stamps the whole batch with that number.
+- `install` is never called while `generate` runs: the rollout loop installs between two
+  batches. Engines enforce this (`EngineBusy`) instead of trusting it, because a violation
+  would silently mix two versions in one batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from echo.hf import Sample
 
+if TYPE_CHECKING:
+    import torch
+
 ENGINES = {
     "transformers": "worker.engines.transformers:TransformersEngine",
+    "vllm": "worker.engines.vllm:VLLMEngine",
 }
 
 
 class EngineError(RuntimeError):
     """The engine cannot do what was asked (bad weights, missing backend); the message says why."""
+
+
+class SnapshotMismatch(EngineError):
+    """A snapshot's tensors do not match the model; nothing was installed, the old version stays."""
+
+
+class InstallVerificationError(EngineError):
+    """The engine's log-probs after an install disagree with the trainer's for that snapshot."""
+
+
+class EngineBusy(EngineError):
+    """`install` was called while `generate` ran (the rollout loop must install between batches)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +71,7 @@ class Engine(ABC):
     def __init__(self, model_dir: Path, device: str, dtype: str, threads: int, seed: int):
         self.model_dir, self.device, self.dtype, self.threads, self.seed = model_dir, device, dtype, threads, seed
         self.version = -1  # nothing installed yet: generate() refuses
+        self._busy = threading.Lock()  # held by generate and install: the two never overlap
 
     @abstractmethod
     def install(self, version: int, weights: bytes) -> None:
@@ -47,7 +79,8 @@ class Engine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[list[Sample]]:
-        """A group of `params.n` samples per prompt, with per-token behaviour log-probs."""
+        """A group of `params.n` samples per prompt, with per-token behaviour log-probs: those of
+        the distribution actually sampled from (temperature-scaled, top-p renormalised)."""
 
     @abstractmethod
     def score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
@@ -57,6 +90,99 @@ class Engine(ABC):
     def close(self) -> None:
         pass
 
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """Run `what` (install or generate) alone; a second caller fails instead of waiting."""
+        if not self._busy.acquire(blocking=False):
+            raise EngineBusy(f"{self.name} engine: {what} called while another install/generate runs; "
+                             "install snapshots between generation batches (see worker/rollout.py)")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+
+# --- snapshots: parsing, checking, and the trainer's reference numbers ---------------------------
+
+def load_snapshot(version: int, weights: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob, or `SnapshotMismatch` saying why it is unreadable."""
+    from safetensors.torch import load
+
+    try:
+        return load(weights)
+    except Exception as e:  # safetensors raises its own error types for truncated or bad headers
+        raise SnapshotMismatch(f"snapshot v{version} is not a readable safetensors blob ({e}); "
+                               "refusing to install") from e
+
+
+def check_snapshot(version: int, state: Mapping[str, torch.Tensor], expected: Mapping[str, Sequence[int]],
+                   current: int) -> None:
+    """Refuse a snapshot whose tensor names or shapes differ from the model's.
+
+    `expected` maps every state-dict name of the model (as the trainer's `snapshot()` writes
+    them, tied heads included) to its shape. Checked before any weight is touched, so a refused
+    snapshot leaves the engine on `current`.
+    """
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise SnapshotMismatch(f"snapshot v{version} does not match the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}; refusing to install (the engine keeps v{current}). "
+                               "Was it published for another model directory?")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise SnapshotMismatch(f"snapshot v{version}: {name} has shape {tuple(tensor.shape)}, model expects "
+                                   f"{tuple(expected[name])}; refusing to install (the engine keeps v{current})")
+
+
+class Reference:
+    """The trainer's own log-probs for a snapshot, to check what an engine computes from it.
+
+    Built from the model directory's config alone. `expected` lists the state-dict names and
+    shapes a snapshot must have (from a model on the meta device: no memory). `logprobs`
+    wraps the snapshot's tensors in a transformers model without copying them (tied heads
+    tied, as in the trainer) and runs `echo.hf.completion_logprobs`, the trainer's π.
+    """
+
+    PROBE_LEN = 8  # prompt and completion tokens of the probe
+
+    def __init__(self, model_dir: Path, seed: int = 0):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        self.config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.config)
+        self.expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+        self.model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
+        vocab = skeleton.get_output_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab, (2 * self.PROBE_LEN,), generator=g).tolist()
+        # A fixed probe: random tokens exercise the whole embedding and head, not one corner.
+        self.probe = (tokens[: self.PROBE_LEN], tokens[self.PROBE_LEN :])
+
+    def logprobs(self, state: Mapping[str, torch.Tensor], prompt: list[int], completion: list[int],
+                 temperature: float = 1.0) -> list[float]:
+        import torch
+
+        from echo.hf import completion_logprobs
+
+        dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+        model = self.model_cls.from_pretrained(None, config=self.config, state_dict=dict(state), dtype=dtype).eval()
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, [prompt], [completion], pad_id=0, temperature=temperature)
+        return logp[0, : len(completion)].float().tolist()
+
+
+def mismatch_kl(behaviour: Sequence[Sequence[float]], trainer: Sequence[Sequence[float]]) -> float:
+    """E_μ[log μ − log π]: the mean over tokens of engine minus trainer log-probs for the same
+    tokens and version (`mismatch_kl` of the run log; ≈0 when engine and trainer agree)."""
+    diffs = [b - t for bs, ts in zip(behaviour, trainer, strict=True) for b, t in zip(bs, ts, strict=True)]
+    return sum(diffs) / max(1, len(diffs))
+
+
+# --- choosing an engine --------------------------------------------------------------------------
 
 def resolve_engine_type(kind: str, device: str) -> str:
     if kind != "auto":
@@ -79,5 +205,7 @@ def make_engine(kind: str, model_dir: Path, device: str, dtype: str, threads: in
     try:
         engine_cls = getattr(importlib.import_module(module), cls)
     except ImportError as e:
-        raise EngineError(f"engine {kind!r} is not installed ({e}); install the extra: pip install '.[{kind}]'") from e
+        hint = ("create its venv with `make vllm-venv` and run .venv-vllm/bin/echo-worker"
+                if kind == "vllm" else f"install the extra: pip install '.[{kind}]'")
+        raise EngineError(f"engine {kind!r} is not installed ({e}); {hint}") from e
     return engine_cls(model_dir, device, dtype, threads, seed)

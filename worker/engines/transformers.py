@@ -1,11 +1,16 @@
-"""The transformers engine: batched, KV-cached sampling with echo.hf; weights swapped in place."""
+"""The transformers engine: batched, KV-cached sampling with echo.hf; weights swapped in place.
+
+It runs the trainer's own forward (`echo.hf`), so its behaviour log-probs equal the trainer's
+π for the same version up to float rounding (`mismatch_kl` ≈ 0); no probe is needed after an
+install, only the exact name and shape check.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from echo.hf import Sample, completion_logprobs, sample
-from worker.engines.base import Engine, EngineError, GenerationParams
+from worker.engines.base import Engine, EngineError, GenerationParams, check_snapshot, load_snapshot
 
 
 class TransformersEngine(Engine):
@@ -24,32 +29,24 @@ class TransformersEngine(Engine):
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def install(self, version: int, weights: bytes) -> None:
-        from safetensors.torch import load
-
-        state = load(weights)
-        expected = self.model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise EngineError(f"snapshot v{version} does not match the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}; refusing to install (the engine keeps v{self.version})")
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise EngineError(f"snapshot v{version}: {name} has shape {tuple(tensor.shape)}, "
-                                  f"model expects {tuple(expected[name].shape)}; refusing to install")
-        with torch.no_grad():  # copy into the existing parameters: no re-allocation, no restart
-            for name, tensor in state.items():
-                expected[name].copy_(tensor)
-        self.version = version
+        with self._exclusive("install"):
+            state = load_snapshot(version, weights)
+            expected = self.model.state_dict()  # tied models list the head too, as snapshots do
+            check_snapshot(version, state, {k: v.shape for k, v in expected.items()}, self.version)
+            with torch.no_grad():  # copy into the existing parameters: no re-allocation, no restart
+                for name, tensor in state.items():
+                    expected[name].copy_(tensor)
+            self.version = version
 
     def generate(self, prompts, params: GenerationParams) -> list[list[Sample]]:
-        if self.version < 0:
-            raise EngineError("no snapshot installed yet")
-        flat = [p for p in prompts for _ in range(params.n)]
-        outs = sample(self.model, flat, max_new_tokens=params.max_new_tokens, eos_id=params.eos_id,
-                      pad_id=params.pad_id, temperature=params.temperature, top_p=params.top_p,
-                      generator=self.generator)
-        return [outs[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+        with self._exclusive("generate"):
+            if self.version < 0:
+                raise EngineError("no snapshot installed yet: install one before generating")
+            flat = [p for p in prompts for _ in range(params.n)]
+            outs = sample(self.model, flat, max_new_tokens=params.max_new_tokens, eos_id=params.eos_id,
+                          pad_id=params.pad_id, temperature=params.temperature, top_p=params.top_p,
+                          generator=self.generator)
+            return [outs[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.no_grad()
     def score(self, prompt, completion, temperature):

@@ -1,0 +1,195 @@
+"""The vLLM engine: any Hugging Face model directory, in-place installs verified against the
+trainer's numbers, and behaviour log-probs of the distribution actually sampled from.
+
+- vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): a snapshot goes from the
+  downloaded bytes straight into the model with `reload_weights(weights_iterator=...)`, no
+  disk round trip and no restart, and vLLM's per-layer post-processing (CPU weight packing,
+  quantisation) reruns on the new weights.
+- `logprobs_mode="processed_logprobs"`: the sampled token's log-prob after temperature scaling
+  and top-p renormalisation, i.e. log μ exactly as `echo.hf.sample` defines it; with top_p = 1
+  it equals the trainer's `completion_logprobs(..., temperature)` for the same version.
+- `ignore_eos` + `stop_token_ids=[eos_id]`: stop exactly where echo's other engine stops, with
+  the end-of-sequence token kept in the completion (the policy chose it and is trained on it).
+- Every install is checked twice. Before: the snapshot's tensor names and shapes must be the
+  model's (vLLM itself only logs a warning for a missing tensor and keeps the old one). After:
+  the engine's teacher-forced log-probs of a fixed probe must match the trainer's, computed
+  from the same tensors with transformers. That catches what a name check cannot, e.g. a tied
+  head left stale by a reload. A refused snapshot leaves the old version in place; a failed
+  probe leaves the engine refusing to generate until a good snapshot installs.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+from echo.hf import Sample
+from worker.engines.base import (
+    Engine,
+    EngineError,
+    GenerationParams,
+    InstallVerificationError,
+    Reference,
+    check_snapshot,
+    load_snapshot,
+)
+
+log = logging.getLogger("echo.worker.vllm")
+
+# Mean |engine − trainer| log-prob over the probe tokens that an install may show. fp32 agrees
+# to ~1e-6; half precision differs in rounding, so it only catches gross errors there.
+PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
+CPU_KV_CACHE_GIB = 1  # default KV cache on CPU (vLLM would take a fraction of all memory)
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, threads: int, seed: int):
+        super().__init__(model_dir, device, dtype, threads, seed)
+        # In-process engine core: needed to hand tensors to reload_weights without pickling them.
+        # Read by vllm at import, so it must be set before the first `import vllm`.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise EngineError("the vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process weight "
+                              "installs); unset it or set it to 0")
+        try:
+            import torch
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            raise EngineError(f"vllm cannot be imported ({e}); create its venv with `make vllm-venv` and run "
+                              ".venv-vllm/bin/echo-worker, or use --engine.type transformers") from e
+
+        self.reference = Reference(model_dir, seed=0)
+        platform = current_platform.device_type  # "cuda", "cpu", ...: fixed by the vllm build installed
+        wanted = "cuda" if device.startswith("cuda") else device
+        if wanted not in ("auto", platform):
+            raise EngineError(f"engine.device={device!r} but this vllm build runs on {platform!r}; "
+                              f"set --engine.device {platform} or install the matching vllm build")
+        self.device = platform
+        kwargs: dict = {}
+        if platform == "cpu":
+            self._check_cpu_head_dim()
+            # vLLM keeps torch at 1 thread unless OMP_NUM_THREADS is set, then disables
+            # torch.set_num_threads; ask for ours up front and give the function back afterwards.
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+            torch.set_num_threads(threads)
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB << 30
+        set_num_threads = torch.set_num_threads
+        t0 = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(
+                model=str(model_dir), dtype=dtype, seed=seed,
+                load_format="dummy",  # the directory has no weights: they arrive as snapshots
+                logprobs_mode="processed_logprobs", max_logprobs=-1,  # -1: full rows for score(T != 1)
+                generation_config="vllm",  # no sampling defaults from the model dir: the learner's rule
+                enforce_eager=platform == "cpu",  # CPU graph compilation costs minutes, gains little
+                **kwargs,
+            )
+        except Exception as e:  # vLLM raises many types for a model it cannot serve
+            raise EngineError(f"vLLM cannot load {model_dir} ({type(e).__name__}: {e}); "
+                              "use --engine.type transformers for this model") from e
+        finally:
+            torch.set_num_threads = set_num_threads
+        log.info("vLLM %s engine on %s ready in %.1f s", vllm.__version__, platform, time.perf_counter() - t0)
+        self.last_install: dict[str, float] = {}
+
+    def _check_cpu_head_dim(self) -> None:
+        """vLLM's CPU attention supports a few head sizes; say so now, not at the first batch."""
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            supported = CPUAttentionBackend.get_supported_head_sizes()
+        except (ImportError, AttributeError):  # another vllm version: let vLLM decide
+            return
+        cfg = self.reference.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if head_dim not in supported:
+            raise EngineError(f"vLLM's CPU attention supports head sizes {supported}, this model has {head_dim}; "
+                              "use --engine.type transformers for it")
+
+    def install(self, version: int, weights: bytes) -> None:
+        with self._exclusive("install"):
+            t0 = time.perf_counter()
+            state = load_snapshot(version, weights)
+            check_snapshot(version, state, self.reference.expected, self.version)
+            t1 = time.perf_counter()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+            t2 = time.perf_counter()
+            prompt, completion = self.reference.probe
+            got = self._score(prompt, completion, 1.0)
+            want = self.reference.logprobs(state, prompt, completion)
+            error = sum(abs(a - b) for a, b in zip(got, want)) / len(want)
+            t3 = time.perf_counter()
+            self.last_install = {"check_s": t1 - t0, "load_s": t2 - t1, "verify_s": t3 - t2, "probe_error": error}
+            if not error <= PROBE_TOLERANCE[self.dtype]:  # `not <=` so that NaN fails too
+                previous, self.version = self.version, -1
+                raise InstallVerificationError(
+                    f"after installing v{version} the engine's log-probs differ from the trainer's by {error:.3g} "
+                    f"per token (tolerance {PROBE_TOLERANCE[self.dtype]}); it no longer holds v{previous} either "
+                    "and refuses to generate until a snapshot installs cleanly. Report this with the vllm version; "
+                    "--engine.type transformers works meanwhile")
+            self.version = version
+
+    def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        with self._exclusive("generate"):
+            if self.version < 0:
+                raise EngineError("no snapshot installed yet: install one before generating")
+            sampling = SamplingParams(
+                n=params.n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+                ignore_eos=True, stop_token_ids=[params.eos_id],  # echo's eos, kept in the completion
+                logprobs=0,  # the sampled token's log-prob only (processed: log μ)
+                detokenize=False,
+            )
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
+                                        use_tqdm=False)
+            return [[_sample(c) for c in out.outputs] for out in outputs]
+
+    def score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+        with self._exclusive("score"):
+            return self._score(prompt, completion, temperature)
+
+    def _score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+        """Teacher-forced log-probs via vLLM's prompt_logprobs (computed at temperature 1)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        rescale = temperature > 0 and temperature != 1.0
+        # At T != 1 the whole row is needed to renormalise: log_softmax(z / T) from log_softmax(z).
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if rescale else 0,
+                                  detokenize=False)
+        seq = prompt + completion
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=seq)], sampling, use_tqdm=False)[0]
+        rows = out.prompt_logprobs[len(prompt) :]  # row i scores token i (row 0 is None)
+        if not rescale:
+            return [row[token].logprob for row, token in zip(rows, completion)]
+        result = []
+        for row, token in zip(rows, completion):
+            scaled = {t: lp.logprob / temperature for t, lp in row.items()}
+            top = max(scaled.values())
+            norm = top + math.log(sum(math.exp(v - top) for v in scaled.values()))
+            result.append(scaled[token] - norm)
+        return result
+
+    def close(self) -> None:
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+def _sample(completion) -> Sample:
+    tokens = list(completion.token_ids)
+    logprobs = [row[token].logprob for row, token in zip(completion.logprobs, tokens)]
+    return Sample(tokens=tokens, logprobs=logprobs, finish="stop" if completion.finish_reason == "stop" else "length")
