@@ -33,6 +33,10 @@ def test_two_workers_train_within_the_staleness_bound_and_survive_a_killed_worke
     assert summary["groups_trained"] == steps * 4
     assert (lp.run_dir / "checkpoints" / "latest" / "model.safetensors").exists()
     assert fast.wait(30) == 0  # told the run finished, it exits cleanly
+    # Versions went out by the signed push (chain mode, the default), and their arrival was timed.
+    published = [r["snapshot_bytes"] for r in records if "snapshot_bytes" in r]
+    assert published and any(p["plans"] for p in published)
+    assert any("t_bcast" in r for r in records)
 
 
 def _group(prompt_id: str, version: int, n: int = 4, logprob: float = -1.0) -> GroupMsg:

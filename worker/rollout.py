@@ -107,6 +107,10 @@ class Worker:
                 await self._loop(client)
             except RunFinished:
                 pass
+            except aiohttp.ClientConnectionError:
+                if not self.stopped.is_set():
+                    raise
+                # Told the run finished, then the learner closed while a request was in flight: done.
             finally:
                 beats.cancel()
                 if self.engine is not None:
