@@ -138,15 +138,19 @@ def test_scheduler_activates_the_cheapest_sufficient_worker_and_idles_the_other(
     pool.write_text('[[workers]]\nname = "cheap"\nprice_per_hour = 0.1\nrollouts_per_s = 1000\n'
                     '[[workers]]\nname = "pricey"\nprice_per_hour = 1.0\nrollouts_per_s = 1000\n')
     # T_train prior 10 s -> R_req = 16 rollouts / 10 s: one machine covers it. A long window keeps
-    # the first decision for the whole (short) run.
-    lp = learner_factory(run={"steps": 6}, scheduler={"pool": str(pool), "provider": "static", "t_train_s": 10.0,
+    # that decision for the whole (short) run, even once the measured step time raises R_req.
+    # (Choosing the cheapest among several available machines is tested in test_scheduler_fleet.)
+    lp = learner_factory(run={"steps": 30}, scheduler={"pool": str(pool), "provider": "static", "t_train_s": 10.0,
                                                       "t_bcast_s": 0.0, "window_s": 1000.0})
-    lp.worker("pricey")
-    lp.worker("cheap")
+    lp.worker("cheap", "--worker.max_rollouts_per_s", "60")  # ~8 s for the run: time for pricey to join
+    lp.wait_until(lambda: any(w["name"] == "cheap" and w["active"] for w in lp.status()["workers"]), 60,
+                  "the cheap worker to be activated")
+    lp.worker("pricey")  # available too, but the cheap one already covers the target
+    lp.wait_until(lambda: any(w["name"] == "pricey" for w in lp.status()["workers"]), 60, "pricey to join")
     assert lp.proc.wait(120) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     groups = {w["name"]: w["groups"] for w in summary["workers"]}
-    assert groups["pricey"] == 0 and groups["cheap"] >= 6 * 4
+    assert groups["pricey"] == 0 and groups["cheap"] >= 30 * 4
     assert "idled by the learner's scheduler" in (lp.run_root.parent / "pricey.log").read_text()
     records = lp.records()
     assert all(r["workers_price_per_hour"] == 0.1 for r in records)

@@ -60,6 +60,8 @@ class Worker:
         self.meter = RateMeter()
         self.rollouts = 0
         self.stopped = asyncio.Event()
+        self.unreachable = False
+        self.give_up_s = 60.0  # no heartbeat answered this long: the learner is gone
         self.active = asyncio.Event()  # the learner's scheduler may idle this worker
         self.active.set()
         self.installs: deque[tuple[int, float]] = deque(maxlen=32)  # (version, monotonic time) for T_bcast
@@ -117,6 +119,8 @@ class Worker:
                     self.engine.close()
                 if self.relay is not None:
                     await self.relay.stop()
+        if self.unreachable:
+            return 1
         log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
         return 0
 
@@ -198,6 +202,7 @@ class Worker:
             self.pending = (info.version, blob)
 
     async def _heartbeats(self, client: LearnerClient, interval: float) -> None:
+        failing_since = None
         while True:
             try:
                 reply = await client.heartbeat(self._info())
@@ -212,8 +217,15 @@ class Worker:
                     log.info("%s: activated by the learner's scheduler", self.name)
                     self.active.set()
                 self._notice(client, reply.get("snapshot"))
+                failing_since = None
             except (aiohttp.ClientError, LearnerError, asyncio.TimeoutError) as e:
                 log.warning("%s: heartbeat failed: %s", self.name, e)
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > self.give_up_s:
+                    log.error("%s: the learner has not answered for %.0f s; leaving", self.name, self.give_up_s)
+                    self.unreachable = True
+                    self.stopped.set()
+                    self.active.set()
             await asyncio.sleep(interval)
 
     def _notice(self, client: LearnerClient, snapshot: dict | None) -> None:
