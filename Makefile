@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo model test test-slow bench clean
 
+include mk/vllm.mk
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0    # the CPU wheel; any other torch is a multi-GB CUDA build
@@ -20,8 +22,9 @@ model: install           ## build the tiny demo model (skipped when it exists)
 demo: model              ## learner + 3 local workers learn arithmetic with GRPO on this machine
 	$(BIN)/echo-learner --config configs/demo.toml
 
-test: install            ## the default suite (< 15 min on 2 cores); slow scenarios are excluded
+test: install            ## the default suite, then the vLLM engine tests in .venv-vllm (slow scenarios excluded)
 	$(BIN)/python -m pytest
+	$(MAKE) test-vllm
 
 test-slow: install       ## long scenarios and benchmark-style tests
 	$(BIN)/python -m pytest -m slow
@@ -30,6 +33,8 @@ bench: install           ## every benchmark whose table is in the README
 	$(BIN)/echo-rl bench activation
 	$(BIN)/echo-rl bench staleness
 	$(BIN)/echo-rl bench simspeed
+	$(BIN)/echo-rl bench overlap
+	$(BIN)/echo-rl bench engines --python $(VLLM_BIN)/python
 
 clean:
-	rm -rf $(VENV) runs models .echo-cache
+	rm -rf $(VENV) $(VLLM_VENV) runs models .echo-cache

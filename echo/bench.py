@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "activation": ("scheduler.bench:activation_cli", "greedy vs exact (ILP) activation on random pools: cost gap, solve time"),
     "staleness": ("scheduler.bench:staleness_cli", "closed-form staleness vs the discrete-event simulator on a grid"),
     "simspeed": ("scheduler.bench:speed_cli", "simulator throughput in simulated rollouts/s"),
+    "engines": ("worker.bench:cli", "rollout engines: generation tokens/s, install ms and mismatch_kl, transformers vs vLLM"),
     "overlap": ("learner.bench:cli", "the overlap capacity rule on the real system: bubble vs pool size and S"),
 }
 

@@ -269,7 +269,7 @@ class Learner:
         sc = self.cfg.scheduler
         if sc.provider == "local":
             return LocalProvider(url, self.token, self.cfg.workers.config, self.run_dir / "workers",
-                                 self.cfg.workers.overrides)
+                                 self.cfg.workers.overrides, python=self.cfg.workers.python or sys.executable)
         if sc.provider == "command":
             return CommandProvider(sc.launch_command, sc.release_command, url, self.token, self.run_dir / "workers")
         return Provider()
@@ -324,7 +324,7 @@ class Learner:
         logs = self.run_dir / "workers"
         logs.mkdir(exist_ok=True)
         for i in range(cfg.workers.spawn):
-            cmd = [sys.executable, "-m", "worker.main", "join", url, f"--token={self.token}",
+            cmd = [cfg.workers.python or sys.executable, "-m", "worker.main", "join", url, f"--token={self.token}",
                    "--config", str(cfg.workers.config), "--worker.name", f"local-{i}",
                    "--worker.seed", str(cfg.run.seed * 100 + i), *cfg.workers.overrides]
             out = open(logs / f"local-{i}.log", "w")

@@ -45,8 +45,9 @@ class LocalProvider(Provider):
     kind = "local"
     launches_machines = True
 
-    def __init__(self, url: str, token: str, worker_config: Path, log_dir: Path, overrides: list[str]):
-        self.url, self.token, self.worker_config = url, token, worker_config
+    def __init__(self, url: str, token: str, worker_config: Path, log_dir: Path, overrides: list[str],
+                 python: str = sys.executable):
+        self.url, self.token, self.worker_config, self.python = url, token, worker_config, python
         self.log_dir, self.overrides = log_dir, overrides
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -54,7 +55,7 @@ class LocalProvider(Provider):
         if machine.id in self.procs and self.procs[machine.id].poll() is None:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "worker.main", "join", self.url, f"--token={self.token}",
+        cmd = [self.python, "-m", "worker.main", "join", self.url, f"--token={self.token}",
                "--config", str(self.worker_config), "--worker.name", machine.id,
                "--worker.price_per_hour", repr(machine.price_per_hour),
                "--worker.max_rollouts_per_s", repr(machine.rollouts_per_s), "--worker.gpu", machine.gpu,

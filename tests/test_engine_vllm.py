@@ -14,11 +14,11 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported: in-process engine
 try:
     import vllm  # noqa: F401
-except Exception as e:  # ImportError, or a vllm whose compiled parts do not load here
+except Exception as e:  # noqa: BLE001  ImportError, or a vllm whose compiled parts do not load here
     pytest.skip(f"vllm cannot be imported in this interpreter ({type(e).__name__}: {e}); "
                 "run `make test-vllm` (creates .venv-vllm with `make vllm-venv`)", allow_module_level=True)
 
-from test_engines import (  # noqa: E402  (after the skip: these import torch and transformers)
+from test_engines import (  # after the skip: these import torch and transformers
     KL_BOUND,
     PROMPTS,
     Trainer,
@@ -32,7 +32,7 @@ from test_engines import (  # noqa: E402  (after the skip: these import torch an
     params,
 )
 
-from worker.engines.base import EngineError, InstallVerificationError, make_engine  # noqa: E402
+from worker.engines.base import EngineError, InstallVerificationError, make_engine
 
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
@@ -76,10 +76,14 @@ def test_mismatch_kl_bound(setup):
     assert abs(kl) < KL_BOUND["vllm"] and worst < 10 * KL_BOUND["vllm"]
 
 
+STALE = {"model.embed_tokens.weight", "lm_head.weight"}
+
+
 def test_a_reload_that_leaves_a_tensor_stale_is_caught(setup, monkeypatch):
-    """Simulate an engine whose reload silently skips the embedding (the stale tied head): the
-    post-install probe disagrees with the trainer, the install is refused, and the engine stops
-    generating until a snapshot installs cleanly."""
+    """Simulate a reload that silently leaves the embedding and head stale (vLLM loads a tied
+    head through either name, so both are held back): the post-install probe disagrees with the
+    trainer, the install is refused, and the engine stops generating until a snapshot installs
+    cleanly."""
     engine, trainer = setup
     engine.install(10, trainer.snapshot(10))
     reload = engine.llm.collective_rpc
@@ -87,7 +91,7 @@ def test_a_reload_that_leaves_a_tensor_stale_is_caught(setup, monkeypatch):
     def lossy(method, *args, kwargs=None, **kw):
         if method == "reload_weights":
             kwargs = {**kwargs, "weights_iterator": ((n, t) for n, t in kwargs["weights_iterator"]
-                                                     if n != "model.embed_tokens.weight")}
+                                                     if n not in STALE)}
         return reload(method, *args, kwargs=kwargs, **kw)
 
     monkeypatch.setattr(engine.llm, "collective_rpc", lossy)
@@ -99,3 +103,26 @@ def test_a_reload_that_leaves_a_tensor_stale_is_caught(setup, monkeypatch):
     monkeypatch.undo()
     engine.install(11, trainer.snapshot(11))
     assert engine.version == 11 and engine.last_install["probe_error"] < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """Overrides conftest's model for `learner_factory`: vLLM's CPU attention needs head_dim 32."""
+    return build_model_dir(tmp_path_factory.mktemp("loop-model"), tied=False)
+
+
+def test_a_vllm_worker_trains_a_run_on_policy(learner_factory):
+    """A learner and one `echo-worker --engine.type vllm` on loopback with S = 0: every trained
+    group is fresh, so the run log's mismatch_kl is the engine's mismatch alone (≈ 0). ~40 s."""
+    import json
+
+    steps = 8
+    lp = learner_factory(run={"steps": steps}, buffer={"max_staleness": 0}, publish={"every": 1})
+    lp.worker("vllm", "--engine.type", "vllm", "--engine.device", "cpu")
+    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    records = lp.records()
+    assert summary["steps"] == steps and [w["name"] for w in summary["workers"]] == ["vllm"]
+    assert all(s == 0 for r in records for s in r["staleness"])
+    print("run-log mismatch_kl per step:", [f"{r['mismatch_kl']:.1e}" for r in records])
+    assert all(abs(r["mismatch_kl"]) < KL_BOUND["vllm"] for r in records), [r["mismatch_kl"] for r in records]

@@ -179,9 +179,8 @@ def check_version_stamps(engine, trainer: Trainer, old: int, new: int) -> None:
                 mine = trainer.logprobs(stamp, prompt, s.tokens)
                 assert max(abs(a - b) for a, b in zip(s.logprobs, mine)) < 10 * KL_BOUND[engine.name]
                 assert s.logprobs != pytest.approx(trainer.logprobs(other, prompt, s.tokens), abs=1e-3)
-    with engine._exclusive("generate"):  # as if a generate were in flight
-        with pytest.raises(EngineBusy, match="between generation batches"):
-            engine.install(old, trainer.snapshot(old))
+    with engine._exclusive("generate"), pytest.raises(EngineBusy, match="between generation batches"):
+        engine.install(old, trainer.snapshot(old))  # as if a generate were in flight
     assert engine.version == new
 
 
@@ -262,7 +261,7 @@ def test_vllm_engine_unavailable_says_how_to_get_it(tmp_path):
     pytest.importorskip("torch")
     try:
         import vllm  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001  any failure to import is the case under test
         with pytest.raises(EngineError, match="make vllm-venv"):
             make_engine("vllm", build_model_dir(tmp_path, tied=False), "cpu", "float32", 1, 0)
     else:

@@ -23,7 +23,7 @@ from echo.tasks import Prompt, load_task
 from echo.wire import GroupMsg, SampleMsg, Submission
 from worker.client import LearnerClient, LearnerError, RunFinished
 from worker.config import WorkerConfig
-from worker.engines import Engine, GenerationParams, make_engine
+from worker.engines import Engine, EngineError, GenerationParams, make_engine
 
 log = logging.getLogger("echo.worker")
 
@@ -245,7 +245,11 @@ class Worker:
         if version <= self.engine.version:
             return
         t0 = time.perf_counter()
-        await asyncio.to_thread(self.engine.install, version, blob)
+        try:
+            await asyncio.to_thread(self.engine.install, version, blob)
+        except EngineError as e:  # refused (incomplete, or the engine did not take it): say so, keep going
+            log.error("%s: did not install v%d: %s", self.name, version, e)
+            return
         if manifest is not None:
             self.base = (manifest, blob)
         self.installs.append((version, time.monotonic()))

@@ -57,11 +57,11 @@ class EngineBusy(EngineError):
 
 @dataclass(frozen=True)
 class GenerationParams:
-    n: int
+    n: int  # samples per prompt (a group)
     max_new_tokens: int
-    temperature: float
+    temperature: float  # 0: greedy (log-probs then at temperature 1)
     top_p: float
-    eos_id: int
+    eos_id: int  # ends a sample and is kept in it; negative: no end token (benchmarks)
     pad_id: int
 
 

@@ -20,11 +20,13 @@ trainer's numbers, and behaviour log-probs of the distribution actually sampled 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from echo.hf import Sample
@@ -39,6 +41,9 @@ from worker.engines.base import (
 )
 
 log = logging.getLogger("echo.worker.vllm")
+# vLLM warns on every reload that the rotary embedding (no weights) "failed to load"; a layer
+# that really missed its weights cannot get that far, check_snapshot refuses the snapshot first.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 # Mean |engine − trainer| log-prob over the probe tokens that an install may show. fp32 agrees
 # to ~1e-6; half precision differs in rounding, so it only catches gross errors there.
@@ -51,8 +56,8 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_dir: Path, device: str, dtype: str, threads: int, seed: int):
         super().__init__(model_dir, device, dtype, threads, seed)
-        # In-process engine core: needed to hand tensors to reload_weights without pickling them.
-        # Read by vllm at import, so it must be set before the first `import vllm`.
+        # In-process engine core: needed to hand tensors to reload_weights without pickling them
+        # (and one process per worker is simpler to supervise). Must be set before vLLM reads it.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise EngineError("the vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process weight "
@@ -61,8 +66,8 @@ class VLLMEngine(Engine):
             import torch
             import vllm
             from vllm.platforms import current_platform
-        except ImportError as e:
-            raise EngineError(f"vllm cannot be imported ({e}); create its venv with `make vllm-venv` and run "
+        except Exception as e:  # ImportError, or a build whose compiled parts do not load here
+            raise EngineError(f"vllm cannot be imported ({type(e).__name__}: {e}); create its venv with `make vllm-venv` and run "
                               ".venv-vllm/bin/echo-worker, or use --engine.type transformers") from e
 
         self.reference = Reference(model_dir, seed=0)
@@ -100,6 +105,19 @@ class VLLMEngine(Engine):
         log.info("vLLM %s engine on %s ready in %.1f s", vllm.__version__, platform, time.perf_counter() - t0)
         self.last_install: dict[str, float] = {}
 
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """As `Engine._exclusive`, and on CPU with this engine's OpenMP thread count in the
+        calling thread: the rollout loop calls from a fresh thread each time, where OpenMP
+        starts at one thread per core, and vLLM's CPU attention refuses a thread count that
+        differs from the one its schedule was planned with."""
+        with super()._exclusive(what):
+            if self.device == "cpu":
+                import torch
+
+                torch.set_num_threads(self.threads)
+            yield
+
     def _check_cpu_head_dim(self) -> None:
         """vLLM's CPU attention supports a few head sizes; say so now, not at the first batch."""
         try:
@@ -120,7 +138,12 @@ class VLLMEngine(Engine):
             state = load_snapshot(version, weights)
             check_snapshot(version, state, self.reference.expected, self.version)
             t1 = time.perf_counter()
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+            except Exception as e:  # half-loaded: neither version is in the engine any more
+                previous, self.version = self.version, -1
+                raise EngineError(f"vLLM failed while loading v{version} ({type(e).__name__}: {e}); the engine no "
+                                  f"longer holds v{previous} and refuses to generate until a snapshot installs") from e
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
             t2 = time.perf_counter()
             prompt, completion = self.reference.probe
@@ -145,14 +168,19 @@ class VLLMEngine(Engine):
         with self._exclusive("generate"):
             if self.version < 0:
                 raise EngineError("no snapshot installed yet: install one before generating")
+            greedy = params.temperature <= 0  # vLLM wants n = 1 there; the n samples are identical anyway
             sampling = SamplingParams(
-                n=params.n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-                ignore_eos=True, stop_token_ids=[params.eos_id],  # echo's eos, kept in the completion
+                n=1 if greedy else params.n, temperature=max(0.0, params.temperature), top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                # echo's eos (kept in the completion), not the model's; a negative id: none
+                ignore_eos=True, stop_token_ids=[params.eos_id] if params.eos_id >= 0 else [],
                 logprobs=0,  # the sampled token's log-prob only (processed: log μ)
                 detokenize=False,
             )
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
                                         use_tqdm=False)
+            if greedy:
+                return [[_sample(out.outputs[0]) for _ in range(params.n)] for out in outputs]
             return [[_sample(c) for c in out.outputs] for out in outputs]
 
     def score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
