@@ -97,6 +97,16 @@ class LeaseBook:
         self._retry.append(prompt)
         self.stats.reissued += 1
 
+    def release(self, lease_id: str, worker_id: str) -> int:
+        """The worker hands a whole lease back unanswered: re-issue its prompts now."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.worker_id != worker_id:
+            raise UnknownLease(f"lease {lease_id!r} is not outstanding for this worker")
+        del self._leases[lease_id]
+        self._retry.extend(lease.prompts.values())
+        self.stats.reissued += len(lease.prompts)
+        return len(lease.prompts)
+
     def renew(self, worker_id: str, now: float) -> None:
         for lease in self._leases.values():
             if lease.worker_id == worker_id:

@@ -3,6 +3,7 @@
     POST /v1/join            run token -> worker id, sampling parameters, task, newest snapshot
     POST /v1/heartbeat       liveness + measurements; renews the worker's leases
     POST /v1/lease           prompts to generate (204: none right now, 410: run finished)
+    POST /v1/release         hand a lease back unanswered (its prompts are re-issued at once)
     POST /v1/trajectories    zstd msgpack groups (echo.wire); 4xx names the reason
     GET  /v1/model           the model directory minus weights (config, tokenizer)
     GET  /v1/snapshots/...   versioned weights (broadcast.star)
@@ -187,6 +188,16 @@ def build_app(state: LearnerState) -> web.Application:
         return web.json_response({"lease_id": got.id, "prompts": prompts, "expires_in": cfg.server.lease_ttl,
                                   "snapshot": state.announcement})
 
+    async def release(request: web.Request) -> web.Response:
+        authorize(request)
+        data = await body_json(request)
+        worker = worker_of(data)
+        try:
+            count = state.leases.release(str(data.get("lease_id", "")), worker.id)
+        except UnknownLease as e:
+            return json_error(409, "unknown-lease", str(e.args[0]))
+        return web.json_response({"released": count})
+
     async def trajectories(request: web.Request) -> web.Response:
         authorize(request)
         try:
@@ -242,6 +253,7 @@ def build_app(state: LearnerState) -> web.Application:
     app.router.add_post("/v1/join", join)
     app.router.add_post("/v1/heartbeat", heartbeat)
     app.router.add_post("/v1/lease", lease)
+    app.router.add_post("/v1/release", release)
     app.router.add_post("/v1/trajectories", trajectories)
     app.router.add_get("/v1/model", model_files)
     app.router.add_get("/v1/status", status)

@@ -16,7 +16,7 @@ from scheduler.controller import ControllerParams
 class SchedulerSection(Section):
     pool: Path | None = Field(None, description="[scheduler] pool: pool file of candidate workers (configs/pools/*.toml); none = whoever joins")
     alpha: float = Field(1.2, ge=1.0, le=10.0, description="[scheduler] alpha: safety factor α; activation targets α·R_req")
-    activation: Literal["greedy", "exact"] = Field("exact", description="[scheduler] activation: initial choice of workers, 'greedy' by unit cost or 'exact' min-cost ILP")
+    activation: Literal["greedy", "exact"] = Field("exact", description="[scheduler] activation: how echo-rl plan chooses workers, 'greedy' by unit cost or 'exact' min-cost ILP (the live controller adds and removes workers greedily, one decision at a time)")
     learner_price_per_hour: float = Field(3.06, ge=0.0, le=1000.0, description="[scheduler] learner_price_per_hour: $/h of the learner node (cost accounting)")
     t_train_s: float = Field(120.0, gt=0.0, le=1e6, description="[scheduler] t_train_s: expected seconds per update until measured (plan + first activation)")
     t_bcast_s: float = Field(60.0, ge=0.0, le=1e6, description="[scheduler] t_bcast_s: expected learner-visible broadcast seconds until measured")

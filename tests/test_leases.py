@@ -39,3 +39,14 @@ def test_outstanding_cap_and_give_back():
     assert len(a.prompts) == 3 and book.lease("w2", 1, now=0) is None
     book.give_back(a.id, "p0")
     assert list(book.lease("w2", 4, now=0).prompts) == ["p0"]
+
+
+def test_release_hands_a_whole_lease_back():
+    book = LeaseBook(prompts(), ttl=5, max_outstanding=10)
+    a = book.lease("w1", 2, now=0)
+    with pytest.raises(UnknownLease):
+        book.release(a.id, "w2")  # only the holder can
+    assert book.release(a.id, "w1") == 2
+    assert list(book.lease("w2", 3, now=0).prompts) == ["p0", "p1", "p2"]
+    s = book.stats
+    assert s.issued == s.completed + s.reissued + book.outstanding

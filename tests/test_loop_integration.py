@@ -155,3 +155,34 @@ def test_scheduler_activates_the_cheapest_sufficient_worker_and_idles_the_other(
     records = lp.records()
     assert all(r["workers_price_per_hour"] == 0.1 for r in records)
     assert summary["cost"]["dollars"] > 0 and records[-1]["dollars_total"] == round(summary["cost"]["dollars"], 6)
+
+
+def test_abort_policy_hands_stale_batches_back(learner_factory):
+    lp = learner_factory(run={"steps": 15})
+    lp.worker("finisher", "--worker.max_rollouts_per_s", "60")
+    aborter = lp.worker("aborter", "--engine.on_new_version", "abort", "--worker.max_rollouts_per_s", "20")
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert aborter.wait(30) == 0
+    log = (lp.run_root.parent / "aborter.log").read_text()
+    assert "handed" in log and "prompts back" in log  # a newer version arrived mid-batch: no stale submit
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    assert summary["leases_reissued"] > 0 and summary["steps"] == 15
+
+
+def test_command_provider_launches_machines_with_the_users_command(learner_factory, tmp_path):
+    import sys
+
+    from conftest import ROOT
+
+    pool = tmp_path / "pool.toml"
+    pool.write_text('[[workers]]\nname = "box"\nprice_per_hour = 0.2\nrollouts_per_s = 100\n')
+    launched = tmp_path / "launched.txt"
+    launch = (f"echo {{id}} {{price}} >> {launched}; cd {ROOT} && exec {sys.executable} -m worker.main join {{url}} "
+              f"--token {{token}} --config configs/worker.toml --worker.name {{id}} "
+              f"--worker.cache_dir {tmp_path / 'cache'}")
+    lp = learner_factory(run={"steps": 5}, scheduler={"pool": str(pool), "provider": "command",
+                                                      "launch_command": launch, "t_train_s": 1.0, "t_bcast_s": 0.0})
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert launched.read_text().split() == ["box", "0.2"]  # placeholders filled in, shell-quoted
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    assert [w["name"] for w in summary["workers"]] == ["box"] and summary["steps"] == 5

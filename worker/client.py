@@ -59,6 +59,10 @@ class LearnerClient:
     async def lease(self, max_prompts: int) -> dict[str, Any] | None:
         return await self._json("/v1/lease", {"worker_id": self.worker_id, "max_prompts": max_prompts})
 
+    async def release(self, lease_id: str) -> dict[str, Any]:
+        """Give a lease's prompts back unanswered (they are re-issued at once)."""
+        return await self._json("/v1/release", {"worker_id": self.worker_id, "lease_id": lease_id})
+
     async def submit(self, submission: Submission) -> dict[str, Any]:
         async with await self._call("POST", "/v1/trajectories", data=encode_submission(submission),
                                     headers={"Content-Type": CONTENT_TYPE}) as resp:

@@ -34,6 +34,7 @@ class EngineSection(Section):
     device: str = Field("auto", description="[engine] device: torch device ('cpu', 'cuda', 'auto')")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[engine] dtype: weights and compute dtype")
     threads: int = Field(1, ge=1, le=256, description="[engine] threads: torch CPU threads")
+    on_new_version: Literal["finish", "abort"] = Field("finish", description="[engine] on_new_version: a batch in flight when a newer version arrives is 'finish'ed and submitted stamped with the version that generated it, or 'abort'ed: its prompts go back to the learner for the new version")
 
 
 class WorkerConfig(Section):

@@ -280,6 +280,13 @@ class Worker:
             n_rollouts = sum(len(g.samples) for g in msgs)
             if throttle:  # emulate a slower machine: hold the results until the budgeted time
                 await asyncio.sleep(max(0.0, n_rollouts / throttle - (time.monotonic() - t0)))
+            if self.cfg.engine.on_new_version == "abort" and self.pending and self.pending[0] > version:
+                # A newer version arrived while this batch ran: hand the prompts back rather than
+                # submit work of the old weights (it is re-issued, and generated with the new one).
+                await client.release(lease["lease_id"])
+                log.info("%s: v%d arrived during a v%d batch; handed %d prompts back", self.name,
+                         self.pending[0], version, len(prompts))
+                continue
             try:
                 await client.submit(Submission(client.worker_id, lease["lease_id"], msgs))
             except LearnerError as e:
