@@ -27,7 +27,7 @@ larger groups and the faster tails.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable, Literal, Sequence
 
 from broadcast.manifest import BroadcastError
@@ -246,14 +246,28 @@ def plan_broadcast(
     *,
     fraction: float = 1.0,
     ks: Iterable[int] | None = None,
+    headroom: float = 1.0,
 ) -> Plan:
     """Predict the star and K chains for every sensible K; return the fastest as a `Plan`.
 
     The objective is the time until `fraction` of the workers hold the snapshot (1.0 = all).
     Ties go to the star (fewest hops, nothing to repair), then to fewer chains.
+
+    `headroom` (0 < h <= 1) plans every upload (the learner's `U`, each worker's `up`) at that
+    share of its measured rate, so chains are paced a little below their links' capacity.
+    Why: a link driven at exactly its capacity has no room for the ACKs of the traffic coming
+    the other way (a relay's full uplink queue slows its own download) and loses every dip for
+    good. Measured on netem (16 workers, 4x4 chains, U = 4b): 1.31x the bound unpaced, 1.17x
+    paced at exactly b, 1.10x with 0.95 (= the prediction). `lower_bound_s` uses the measured
+    rates.
     """
     peers = list(peers)
     _check(M, U, peers)
+    if not 0.0 < headroom <= 1.0:
+        raise PlanError(f"headroom {headroom} must be in (0, 1]")
+    bound = lower_bound(M, U, peers)
+    if headroom < 1.0:
+        U, peers = U * headroom, [replace(p, up=p.up * headroom) for p in peers]
     star = predict_star(M, U, peers)
     best, best_t = star, star.time_to_fraction(fraction)
     alternatives = {"star": best_t}
@@ -268,7 +282,7 @@ def plan_broadcast(
         chains=best.chains,
         rates=best.rates,
         predicted_s=best_t,
-        lower_bound_s=lower_bound(M, U, peers),
+        lower_bound_s=bound,
         fraction=fraction,
         snapshot_bytes=int(M),
         chunk_bytes=int(chunk),

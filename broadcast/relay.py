@@ -12,7 +12,10 @@ Roles (both are `Node`s: an aiohttp server holding versions as `VersionStore`s):
 
 HTTP endpoints of every node (prefix `/bcast/v1`):
 - `POST /push` — body is a stream (see `broadcast.transport`) whose header carries the signed
-  manifest, the route below (`[me, child, ...]`) and the ancestors above (`[parent, ..., source]`).
+  manifest, the route below (`[me, child, ...]`), the ancestors above (`[parent, ..., source]`)
+  and the chain's pacing rate (bytes/s or absent): every member forwards at that rate, in small
+  pieces, so no uplink of the chain runs flat out (a full uplink queue delays the ACKs of the
+  relay's own download, and a chain's hops then fall behind one another).
 - `GET /chunks/{key}?from=k` — stream chunks k.. of a version as they become available (repair,
   late joiners).
 - `GET /manifest/{key}` — the signed manifest (late joiners); `GET /status` — JSON stats.
@@ -59,6 +62,8 @@ from broadcast.signing import (
     verify_chunk,
 )
 from broadcast.transport import (
+    PACED_PIECE,
+    PIECE,
     Hop,
     ProtocolError,
     Stalled,
@@ -287,7 +292,7 @@ class Node:
             else:
                 view = await store.wait_chunk(i)
             yield frame_header({"i": i, "n": len(view)})
-            for piece in pieces(view):
+            for piece in pieces(view, PACED_PIECE if chain_rate or self.up else PIECE):
                 for bucket in (chain_rate, self.up):
                     if bucket is not None:
                         await bucket.take(len(piece))
@@ -326,7 +331,7 @@ class Node:
         """One push stream to `route[0]`: (HTTP status, reason); status 0 when the stream broke."""
         child = route[0]
         header = {"manifest": store.signed.to_wire(), "route": [h.to_wire() for h in route],
-                  "ancestors": [h.to_wire() for h in ancestors]}
+                  "ancestors": [h.to_wire() for h in ancestors], "rate": rate}
         guard = StallGuard(self.stall_timeout)
         bucket = TokenBucket(rate) if rate else None
 
@@ -475,6 +480,9 @@ class Relay(Node):
             signed = SignedManifest.from_wire(header["manifest"], self.verify_key)
             route = [Hop.from_wire(h) for h in header["route"]]
             ancestors = [Hop.from_wire(h) for h in header["ancestors"]]
+            rate = header.get("rate")  # the chain's pacing rate, passed down to every member
+            if rate is not None and not (isinstance(rate, (int, float)) and rate > 0):
+                raise ValueError(f"rate must be a positive number of bytes/s or absent, got {rate!r}")
         except SignatureError as e:
             self.emit("manifest_rejected", peer=request.remote, error=str(e))
             return self._abort(request, 403, str(e))
@@ -488,7 +496,7 @@ class Relay(Node):
         store = await self._new_store(signed)
         store.ancestors = ancestors
         if len(route) > 1:
-            self._spawn(store, self._push(store, route[1:], [self.hop, *ancestors]))
+            self._spawn(store, self._push(store, route[1:], [self.hop, *ancestors], rate))
         if await self._receive(store, reader, ancestors[0]):
             return web.json_response({"have": store.have})
         # Bad upstream: drop its connection (it stops sending) and fetch the rest elsewhere.
@@ -666,7 +674,9 @@ class Source(Node):
         """Push version `key` along a `broadcast.planner.Plan`; `hops` maps worker id → Hop.
 
         With `pace`, each chain is fed at the plan's rate for it (so a slow chain cannot take
-        uplink a faster one could use); a star is never paced (TCP shares the uplink fairly).
+        uplink a faster one could use) and its relays forward at that rate too; plan with
+        `headroom` < 1 (e.g. 0.95) so that rate stays below the links' capacity. A star is never
+        paced (TCP shares the uplink fairly).
         """
         missing = [w for chain in plan.chains for w in chain if w not in hops]
         if missing:

@@ -1,0 +1,601 @@
+"""py-libp2p streams for relay links, driven from asyncio (optional extra: `pip install echo-rl[p2p]`).
+
+Why libp2p at all: identity and reachability, not speed. A node's peer ID is derived from an
+ed25519 key — the learner's is the key that signs manifests, so a worker that holds the
+learner's public key text knows the learner's peer ID too (`peer_id`) and noise authenticates
+it; libp2p also brings relays and hole punching for workers behind NAT. Bulk bytes stay the same
+frames as over HTTP (`broadcast.transport`: u32 length + msgpack header, raw payload), verified
+chunk by chunk against the signed manifest, so a libp2p link is as safe as an aiohttp one.
+
+How it is bridged: py-libp2p runs on trio, echo on asyncio. A `Libp2pHost` runs trio in its own
+thread; calls cross with `run_sync_soon` (asyncio -> trio) and `call_soon_threadsafe`
+(trio -> asyncio). A `Libp2pStream` is what asyncio code sees: `read`/`readexactly` (so
+`read_header` and `read_into` work unchanged), `write`, `close`, `reset`.
+
+The yamux stall limit: py-libp2p's yamux *writer* resets a stream when the reader's window
+stays closed for 5 s ("Timed out waiting for window update"). Each inbound stream therefore
+has a pump in trio that keeps reading into a bounded buffer (`buffer_bytes`, 16 MiB by default)
+whatever the asyncio consumer does, so a consumer may pause for `buffer_bytes / rate` + 5 s
+before the sender gives up. The relay's receiver never pauses (it writes into the version's
+buffer and forwards at its own pace), so in practice only a dead or wedged peer hits the limit,
+and then the stall guard and repair handle it like any broken stream.
+
+Frame helpers: `send_version` writes exactly the push stream of `broadcast.relay` (stream
+header with the signed manifest, route and ancestors, then chunk frames) and reads a one-frame
+reply; `receive_version` reads such a stream, verifying the manifest and then every chunk
+before accepting it. `compare_transports` is the loopback throughput benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+
+from broadcast.manifest import BroadcastError, Buffer
+from broadcast.signing import SignedManifest, SigningKey, VerifyKey, verify_chunk
+from broadcast.transport import (
+    PIECE,
+    Hop,
+    ProtocolError,
+    frame_header,
+    pieces,
+    read_header,
+    read_into,
+)
+
+log = logging.getLogger("echo.broadcast.libp2p")
+PUSH_PROTOCOL = "/echo/bcast/push/1.0.0"
+DEFAULT_BUFFER_BYTES = 16 << 20
+
+
+class Libp2pUnavailable(BroadcastError):
+    """py-libp2p is not installed; install the extra (`pip install 'echo-rl[p2p]'`) or use aiohttp."""
+
+
+class Libp2pError(BroadcastError):
+    """A libp2p host or stream failed (dial, negotiation, reset); the message says which."""
+
+
+def _libp2p() -> Any:
+    try:
+        import libp2p
+    except ImportError as e:
+        raise Libp2pUnavailable(f"py-libp2p is not importable ({e}); `pip install 'libp2p>=0.2'` "
+                                "or keep the default aiohttp transport") from e
+    return libp2p
+
+
+def available() -> str | None:
+    """The installed py-libp2p version, or None."""
+    try:
+        _libp2p()
+    except Libp2pUnavailable:
+        return None
+    from importlib.metadata import version
+
+    return version("libp2p")
+
+
+# -- identity ------------------------------------------------------------------------------------
+def _raw_private(key: SigningKey | bytes) -> bytes:
+    if isinstance(key, (bytes, bytearray)):
+        if len(key) != 32:
+            raise ValueError(f"an ed25519 seed is 32 bytes, got {len(key)}")
+        return bytes(key)
+    return key._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                  serialization.NoEncryption())
+
+
+def _raw_public(key: SigningKey | VerifyKey | bytes) -> bytes:
+    if isinstance(key, SigningKey):
+        key = key.public_key()
+    if isinstance(key, VerifyKey):
+        return key._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    if len(key) != 32:
+        raise ValueError(f"an ed25519 public key is 32 bytes, got {len(key)}")
+    return bytes(key)
+
+
+def key_pair(key: SigningKey | bytes) -> Any:
+    """The libp2p `KeyPair` of an echo ed25519 key (a `SigningKey` or its 32-byte seed)."""
+    _libp2p()
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    return create_new_key_pair(_raw_private(key))
+
+
+def peer_id(key: SigningKey | VerifyKey | bytes) -> str:
+    """The libp2p peer ID ("12D3KooW...") of an ed25519 key; public keys suffice.
+
+    A worker computes the learner's peer ID from the public key text it was given at join.
+    """
+    _libp2p()
+    from libp2p.crypto.ed25519 import Ed25519PublicKey
+    from libp2p.peer.id import ID
+
+    return ID.from_pubkey(Ed25519PublicKey.from_bytes(_raw_public(key))).to_base58()
+
+
+# -- the stream, as asyncio sees it --------------------------------------------------------------
+class Libp2pStream:
+    """One libp2p stream: `read`/`readexactly` (a `broadcast.transport.Reader`), `write`, `close`.
+
+    Inbound bytes are pumped by a trio task into a buffer of at most `buffer_bytes` (see the
+    module docstring for why the pump never waits on the consumer until that fills).
+    """
+
+    def __init__(self, host: Libp2pHost, stream: Any, buffer_bytes: int) -> None:
+        self._host = host
+        self._stream = stream
+        self._limit = buffer_bytes
+        self.remote_peer = str(getattr(stream.muxed_conn, "peer_id", ""))
+        self.protocol = str(stream.get_protocol())
+        # asyncio side (only touched on the asyncio loop)
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._released = 0  # consumed bytes not yet reported to the pump
+        self.bytes_read = 0
+        # trio side
+        self._room: Any = None  # trio.Event, set when the consumer frees space
+        self._in_pump = 0  # bytes delivered and not yet reported consumed
+
+    # -- trio side ---------------------------------------------------------------------------
+    async def _pump(self) -> None:
+        import trio
+        from libp2p.network.stream.exceptions import StreamEOF
+
+        try:
+            while True:
+                while self._in_pump >= self._limit:
+                    self._room = trio.Event()
+                    await self._room.wait()
+                data = await self._stream.read(PIECE)
+                if not data:
+                    break
+                self._in_pump += len(data)
+                self._host._to_asyncio(self._feed, data)
+        except StreamEOF:
+            pass
+        except Exception as e:  # noqa: BLE001 - delivered to the reader as a typed error
+            self._host._to_asyncio(self._fail, Libp2pError(f"stream from {self.remote_peer} broke: "
+                                                           f"{type(e).__name__}: {e}"))
+            return
+        self._host._to_asyncio(self._feed, b"")
+
+    def _consumed(self, n: int) -> None:
+        self._in_pump -= n
+        if self._room is not None and self._in_pump < self._limit:
+            self._room.set()
+
+    # -- asyncio side ------------------------------------------------------------------------
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        if data:
+            self._chunks.append(data)
+            self._buffered += len(data)
+        else:
+            self._eof = True
+        self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def _take(self, n: int) -> bytes:
+        out = bytearray()
+        while self._chunks and len(out) < n:
+            head = self._chunks[0]
+            need = n - len(out)
+            if len(head) <= need:
+                out += self._chunks.popleft()
+            else:
+                out += head[:need]
+                self._chunks[0] = head[need:]
+        self._buffered -= len(out)
+        self.bytes_read += len(out)
+        self._released += len(out)
+        if self._released >= min(self._limit // 4, 1 << 20) or not self._buffered:
+            released, self._released = self._released, 0
+            self._host._to_trio(self._consumed, released)
+        return bytes(out)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to `n` bytes (at least one), or b"" at the end of the stream."""
+        while not self._buffered:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return b""
+            await self._wait()
+        return self._take(self._buffered if n < 0 else n)
+
+    async def readexactly(self, n: int) -> bytes:
+        """Exactly `n` bytes; `asyncio.IncompleteReadError` if the stream ends first.
+
+        Takes what has arrived as it goes (never waits for `n` bytes to be buffered at once),
+        so `n` may exceed the pump's buffer bound.
+        """
+        out = bytearray()
+        while len(out) < n:
+            data = await self.read(n - len(out))
+            if not data:
+                raise asyncio.IncompleteReadError(bytes(out), n)
+            out += data
+        return bytes(out)
+
+    async def write(self, data: Buffer) -> None:
+        """Send `data`; returns once libp2p has taken it (back-pressure from the yamux window)."""
+        await self._host._call(self._stream.write, bytes(data) if not isinstance(data, bytes) else data)
+
+    async def close(self) -> None:
+        """Half-close: the peer reads EOF; replies can still be read."""
+        await self._host._call(self._stream.close_write)
+
+    async def reset(self) -> None:
+        """Abort both directions."""
+        await self._host._call(self._stream.reset)
+
+
+# -- the host ----------------------------------------------------------------------------------
+StreamHandler = Callable[[Libp2pStream], Awaitable[None]]
+
+
+class Libp2pHost:
+    """A py-libp2p host on its own trio thread, used from asyncio.
+
+        host = Libp2pHost(SigningKey.generate())
+        addrs = await host.start()            # ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW..."]
+        host.set_handler(PUSH_PROTOCOL, on_stream)   # async def on_stream(stream): ...
+        stream = await other.open_stream(addrs[0], PUSH_PROTOCOL)
+
+    `security`: "noise" (libp2p's default: encrypted, and the peer proves its key) or
+    "plaintext" (peer IDs are exchanged but not proven; chunks are still verified against the
+    signed manifest). Listens on `listen` (loopback by default).
+    """
+
+    def __init__(self, key: SigningKey | bytes, *, listen: str = "/ip4/127.0.0.1/tcp/0",
+                 security: str = "noise", buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
+        _libp2p()
+        if security not in ("noise", "plaintext"):
+            raise ValueError(f"security must be 'noise' or 'plaintext', got {security!r}")
+        self._key_pair = key_pair(key)
+        self.peer_id = peer_id(_raw_public(self._key_pair.public_key.to_bytes()))
+        self.listen, self.security, self.buffer_bytes = listen, security, buffer_bytes
+        self.addrs: list[str] = []
+        self._handlers: dict[str, StreamHandler] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._token: Any = None
+        self._nursery: Any = None
+        self._host: Any = None
+        self._stop: Any = None  # trio.Event
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        """Start the trio thread and listen; returns the full multiaddrs (with /p2p/<id>)."""
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=f"libp2p-{self.peer_id[-6:]}",
+                                        daemon=True)
+        self._thread.start()
+        self.addrs = await ready
+        return self.addrs
+
+    async def stop(self) -> None:
+        """Close every connection and end the trio thread."""
+        if self._thread is None:
+            return
+        try:
+            self._to_trio(lambda: self._stop.set())
+        except Libp2pError:
+            pass  # already finished
+        await asyncio.to_thread(self._thread.join, 10)
+        self._thread = None
+
+    async def __aenter__(self) -> Libp2pHost:  # noqa: PYI034 - Self needs Python 3.11
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _run(self, ready: asyncio.Future) -> None:
+        import trio
+
+        def resolve(fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(value)
+
+        try:
+            trio.run(self._main, ready)
+        except BaseException as e:  # noqa: BLE001 - reported to whoever awaits start()
+            assert self._loop is not None
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(resolve, ready, None,
+                                                Libp2pError(f"libp2p host failed: {type(e).__name__}: {e}"))
+
+    async def _main(self, ready: asyncio.Future) -> None:
+        import multiaddr
+        import trio
+        from libp2p import new_host
+
+        kp = self._key_pair
+        if self.security == "noise":
+            from libp2p.crypto.x25519 import create_new_key_pair as x25519
+            from libp2p.security.noise.transport import PROTOCOL_ID, Transport
+
+            sec = {PROTOCOL_ID: Transport(kp, x25519().private_key)}
+        else:
+            from libp2p.security.insecure.transport import (
+                PLAINTEXT_PROTOCOL_ID,
+                InsecureTransport,
+            )
+
+            sec = {PLAINTEXT_PROTOCOL_ID: InsecureTransport(kp)}
+        self._host = new_host(key_pair=kp, sec_opt=sec)
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        for protocol in self._handlers:
+            self._host.set_stream_handler(protocol, self._inbound)
+        async with self._host.run([multiaddr.Multiaddr(self.listen)]), trio.open_nursery() as nursery:
+            self._nursery = nursery
+            addrs = [str(a) for a in self._host.get_addrs()]
+            self._to_asyncio(lambda: ready.done() or ready.set_result(addrs))
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    # -- crossing between the loops --------------------------------------------------------------
+    def _to_asyncio(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _to_trio(self, fn: Callable[..., Any], *args: Any) -> None:
+        import trio
+
+        if self._token is None:
+            raise Libp2pError("the libp2p host is not running: await start() first")
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            raise Libp2pError("the libp2p host has stopped") from None
+
+    async def _call(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run `async_fn(*args)` in the trio thread; await its result here."""
+        assert self._loop is not None
+        fut: asyncio.Future = self._loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(value)
+
+        async def run() -> None:
+            try:
+                value = await async_fn(*args)
+            except Exception as e:  # noqa: BLE001 - re-raised on the asyncio side
+                self._to_asyncio(settle, None, e if isinstance(e, BroadcastError) else
+                                 Libp2pError(f"{getattr(async_fn, '__name__', 'call')}: {type(e).__name__}: {e}"))
+            else:
+                self._to_asyncio(settle, value, None)
+
+        self._to_trio(lambda: self._nursery.start_soon(run))
+        return await fut
+
+    # -- streams -------------------------------------------------------------------------------
+    def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+        """Serve inbound streams of `protocol` with `handler` (a coroutine run on this asyncio
+        loop); the stream is closed when it returns. Set handlers before or after start()."""
+        self._handlers[protocol] = handler
+        if self._host is not None:
+            self._to_trio(self._host.set_stream_handler, protocol, self._inbound)
+
+    async def _inbound(self, stream: Any) -> None:
+        import trio
+
+        handler = self._handlers.get(str(stream.get_protocol()))
+        if handler is None or self._loop is None:
+            await stream.reset()
+            return
+        wrapped = Libp2pStream(self, stream, self.buffer_bytes)
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wrapped._pump)
+            fut = asyncio.run_coroutine_threadsafe(handler(wrapped), self._loop)
+
+            def finished(f: Any) -> None:  # runs on the asyncio thread
+                if not f.cancelled() and f.exception() is not None:
+                    log.warning("handler for %s from %s failed: %r", wrapped.protocol, wrapped.remote_peer,
+                                f.exception())
+                with contextlib.suppress(Exception):  # trio may have finished already
+                    self._token.run_sync_soon(done.set)
+
+            fut.add_done_callback(finished)
+            await done.wait()
+            nursery.cancel_scope.cancel()
+        with contextlib.suppress(Exception):  # the peer may be gone already
+            await stream.close()
+
+    async def open_stream(self, addr: str, protocol: str) -> Libp2pStream:
+        """Dial `addr` (a multiaddr ending in /p2p/<peer id>) and open a `protocol` stream."""
+
+        async def dial() -> Libp2pStream:
+            import multiaddr
+            from libp2p.peer.peerinfo import info_from_p2p_addr
+
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+            await self._host.connect(info)
+            stream = await self._host.new_stream(info.peer_id, [protocol])
+            wrapped = Libp2pStream(self, stream, self.buffer_bytes)
+            self._nursery.start_soon(wrapped._pump)
+            return wrapped
+
+        return await self._call(dial)
+
+
+# -- the broadcast frames over a libp2p stream -----------------------------------------------------
+@dataclass(frozen=True)
+class ReceivedVersion:
+    """A version received over a libp2p stream, every chunk verified."""
+
+    signed: SignedManifest
+    data: bytearray
+    route: list[Hop]
+    ancestors: list[Hop]
+    remote_peer: str
+    seconds: float
+
+
+async def send_version(stream: Libp2pStream, signed: SignedManifest, wire: Buffer,
+                       route: Sequence[Hop], ancestors: Sequence[Hop]) -> dict:
+    """Write one push stream (the frames `broadcast.relay` POSTs), half-close, read the reply."""
+    m = signed.manifest
+    await stream.write(frame_header({"manifest": signed.to_wire(), "route": [h.to_wire() for h in route],
+                                     "ancestors": [h.to_wire() for h in ancestors]}))
+    view = memoryview(wire).cast("B")
+    for i in range(m.num_chunks):
+        chunk = m.wire_view(view, i)
+        await stream.write(frame_header({"i": i, "n": len(chunk)}))
+        for piece in pieces(chunk, 1 << 20):
+            await stream.write(piece)
+    await stream.close()
+    return await read_header(stream)
+
+
+async def receive_version(stream: Libp2pStream, verify_key: VerifyKey) -> ReceivedVersion:
+    """Read one push stream: verify the manifest's signature, then each chunk before keeping it.
+
+    Replies `{"status": 200, "have": n}`, or `{"status": 4xx/5xx, "error": ...}` and raises.
+    """
+    t0 = time.monotonic()
+    try:
+        header = await read_header(stream)
+        signed = SignedManifest.from_wire(header["manifest"], verify_key)
+        route = [Hop.from_wire(h) for h in header["route"]]
+        ancestors = [Hop.from_wire(h) for h in header["ancestors"]]
+        m = signed.manifest
+        data = bytearray(m.wire_size)
+        view = memoryview(data)
+        for i in range(m.num_chunks):
+            head = await read_header(stream)
+            if head.get("i") != i or head.get("n") != m.chunks[i].wire_length:
+                raise ProtocolError(f"expected chunk {i} of {m.chunks[i].wire_length} B, got {head!r}")
+            chunk = m.wire_view(view, i)
+            await read_into(stream, chunk)
+            await asyncio.to_thread(verify_chunk, m, i, chunk)
+    except (BroadcastError, KeyError, TypeError, ValueError) as e:
+        await stream.write(frame_header({"status": 400, "error": f"{type(e).__name__}: {e}"}))
+        await stream.close()
+        raise
+    await stream.write(frame_header({"status": 200, "have": m.num_chunks}))
+    await stream.close()
+    return ReceivedVersion(signed, data, route, ancestors, stream.remote_peer, time.monotonic() - t0)
+
+
+# -- loopback throughput, both transports in one run ------------------------------------------------
+async def _aiohttp_stream(size: int) -> dict:
+    """MB/s of one chunked POST carrying `size` bytes of frames, loopback, receiver reads all."""
+    import aiohttp
+    from aiohttp import web
+
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def handle(request: web.Request) -> web.Response:
+        n = 0
+        while data := await request.content.read(PIECE):
+            n += len(data)
+        done.set_result(n)
+        return web.json_response({"n": n})
+
+    app = web.Application(client_max_size=0)
+    app.router.add_post("/push", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    block = bytes(1 << 20)
+
+    async def body():
+        for i in range(size >> 20):
+            yield frame_header({"i": i, "n": len(block)})
+            yield block
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            t0, c0 = time.perf_counter(), time.process_time()
+            async with s.post(f"http://127.0.0.1:{port}/push", data=body()) as resp:
+                await resp.read()
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        await runner.cleanup()
+    n = await done
+    return {"mb_s": n / dt / 1e6, "cpu": cpu, "bytes": n}
+
+
+async def _libp2p_stream(size: int, security: str) -> dict:
+    """MB/s of one libp2p stream (two hosts in this process, loopback)."""
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def handle(stream: Libp2pStream) -> None:
+        n = 0
+        while data := await stream.read(PIECE):
+            n += len(data)
+        done.set_result(n)
+
+    async with Libp2pHost(SigningKey.generate(), security=security) as a, \
+            Libp2pHost(SigningKey.generate(), security=security) as b:
+        b.set_handler("/echo/bench/1", handle)
+        stream = await a.open_stream(b.addrs[0], "/echo/bench/1")
+        block = bytes(1 << 20)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(size >> 20):
+            await stream.write(frame_header({"i": i, "n": len(block)}))
+            await stream.write(block)
+        await stream.close()
+        n = await done
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"mb_s": n / dt / 1e6, "cpu": cpu, "bytes": n}
+
+
+def compare_transports(size: int) -> list[dict]:
+    """Rows of `echo-rl bench broadcast transports`: one stream each, same run, loopback."""
+    gib = size / (1 << 30)
+    rows = []
+    r = asyncio.run(_aiohttp_stream(size))
+    rows.append({"transport": "aiohttp chunked POST", "mb_s": r["mb_s"], "cpu_s_per_gib": r["cpu"] / gib,
+                 "note": "the default"})
+    version = available()
+    if version is None:
+        rows.append({"transport": "py-libp2p", "note": "not installed: pip install 'libp2p>=0.2'"})
+        return rows
+    for security in ("plaintext", "noise"):
+        try:
+            r = asyncio.run(_libp2p_stream(size, security))
+            rows.append({"transport": f"py-libp2p {version} {security}+yamux", "mb_s": r["mb_s"],
+                         "cpu_s_per_gib": r["cpu"] / gib, "note": "trio thread per host, asyncio bridge"
+                         + (" (libp2p's default security)" if security == "noise" else "")})
+        except BroadcastError as e:
+            rows.append({"transport": f"py-libp2p {version} {security}+yamux", "note": f"failed: {e}"})
+    return rows
