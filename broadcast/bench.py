@@ -356,6 +356,10 @@ class Bench:
         digests_ok = True
         for w, r in results.items():
             v = r["versions"].get(key or "", {})
+            t_done = v.get("stats", {}).get("t_complete")
+            if w not in completed and v.get("complete") and t_done and t0 is not None:
+                completed[w] = t_done - t0  # its `complete` line was lost; the relay's own stats say when
+                run.events.setdefault(w, []).append({"event": "note", "text": "complete event not seen"})
             run.bytes_in += v.get("stats", {}).get("bytes_in", 0)
             run.repairs += len(v.get("stats", {}).get("repairs", []))
             run.relay_cpu_s += r["cpu_s"]
@@ -366,7 +370,7 @@ class Bench:
         for w in survivors:  # keep what explains a failure or a repair
             evs = [e for e in _events(relays[w].process.output()) if e.get("event") != "complete"]
             if evs or w in missing:
-                run.events[w] = evs[-20:]
+                run.events[w] = evs[-20:] + run.events.get(w, [])
         run.ok = not missing and digests_ok and not failed
         if run.ok:
             run.measured_s = max(completed.values())

@@ -71,7 +71,8 @@ class Publisher:
                 continue
             peers = [PeerLink(w.id, (w.download_mbit or UNKNOWN_LINK_MBIT) * MBIT,
                               (w.upload_mbit or UNKNOWN_LINK_MBIT) * MBIT) for w in group]
-            plan = plan_broadcast(manifest.wire_size, self.uplink, peers, self.chunk_bytes)
+            # Plan at 95% of the links: a relay uploading at full rate slows its own download (ACKs).
+            plan = plan_broadcast(manifest.wire_size, self.uplink, peers, self.chunk_bytes, headroom=0.95)
             hops = {w.id: Hop(w.id, w.relay_url) for w in group}
             task = asyncio.create_task(self._push(key, plan, hops))
             self.pushes.add(task)
