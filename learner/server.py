@@ -235,15 +235,15 @@ def build_app(state: LearnerState) -> web.Application:
 
     async def status(request: web.Request) -> web.Response:
         authorize(request)
-        now = time.monotonic()
+        alive = {w.id for w in state.alive_workers(time.monotonic())}
+        leased = state.leases.outstanding_by_worker()
         return web.json_response({
             "learner_version": state.learner_version,
             "published_version": state.published_version,
             "finished": state.finished,
             "buffer": state.buffer.buffer.metrics(),
             "leases": {**asdict(state.leases.stats), "outstanding": state.leases.outstanding},
-            "workers": [{**asdict(w), "alive": w in state.alive_workers(now),
-                         "leased_prompts": state.leases.outstanding_by_worker().get(w.id, 0)}
+            "workers": [{**asdict(w), "alive": w.id in alive, "leased_prompts": leased.get(w.id, 0)}
                         for w in state.workers.values()],
         })
 

@@ -8,6 +8,7 @@ them and every later group is stamped with the new one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
@@ -296,6 +297,7 @@ class Worker:
             self.meter.add(n_rollouts, time.monotonic())
 
 
+@functools.cache  # asked at every heartbeat; the answer never changes
 def _gpu_name() -> str:
     try:
         import torch
