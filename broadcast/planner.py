@@ -98,6 +98,12 @@ class Plan:
         d["rates"] = list(self.rates)
         return d
 
+    def summary(self) -> dict:
+        """What is published with the version (signed into its route): no per-worker arrivals."""
+        return {"kind": self.kind, "predicted_s": round(self.predicted_s, 4),
+                "lower_bound_s": round(self.lower_bound_s, 4), "fraction": self.fraction,
+                "alternatives": {k: round(v, 4) for k, v in self.alternatives.items()}}
+
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         d = dict(d)

@@ -12,13 +12,15 @@ Roles (both are `Node`s: an aiohttp server holding versions as `VersionStore`s):
 
 HTTP endpoints of every node (prefix `/bcast/v1`):
 - `POST /push` — body is a stream (see `broadcast.transport`) whose header carries the signed
-  manifest, the route below (`[me, child, ...]`), the ancestors above (`[parent, ..., source]`)
-  and the chain's pacing rate (bytes/s or absent): every member forwards at that rate, in small
-  pieces, so no uplink of the chain runs flat out (a full uplink queue delays the ACKs of the
-  relay's own download, and a chain's hops then fall behind one another).
+  manifest and the signed route of the version (`broadcast.route`). The receiver finds itself
+  in the route: the hops after it are where it forwards, the hops before it (then the source)
+  where it repairs from, and its chain's pacing rate is the rate every member forwards at, in
+  small pieces, so no uplink of the chain runs flat out (a full uplink queue delays the ACKs of
+  the relay's own download, and a chain's hops then fall behind one another).
 - `GET /chunks/{key}?from=k` — stream chunks k.. of a version as they become available (repair,
   late joiners).
-- `GET /manifest/{key}` — the signed manifest (late joiners); `GET /status` — JSON stats.
+- `GET /manifest/{key}` — the signed manifest (late joiners); `GET /status` — JSON stats,
+  including each version's route and this node's measured link rates (`link_sample`).
 
 Repair: when the inbound stream breaks, stalls past `stall_timeout` or delivers a corrupt chunk,
 the relay pulls the rest (from its first missing chunk, never from zero) from the nearest
@@ -52,6 +54,7 @@ from broadcast.manifest import (
     build_manifest,
 )
 from broadcast.planner import Plan
+from broadcast.route import RouteError, SignedRoute, route_for, sign_route
 from broadcast.signing import (
     ChunkCorrupt,
     SignatureError,
@@ -98,10 +101,13 @@ class TransferStats:
     bytes_out: int = 0  # chunk payload bytes sent (forwarding and serving pulls)
     chunks_out: int = 0
     forwarded_before_complete: int = 0  # chunks sent while this node was still receiving
+    offered_rate: float | None = None  # the chain's pacing rate (bytes/s); None: unpaced
     t_start: float = field(default_factory=time.time)
     t_first_chunk: float | None = None
     t_first_forward: float | None = None
+    t_last_forward: float | None = None
     t_complete: float | None = None
+    pushes: list[dict] = field(default_factory=list)  # completed push streams sent: chain, to, seconds, bytes
     repairs: list[dict] = field(default_factory=list)
     corrupt: list[dict] = field(default_factory=list)
 
@@ -128,6 +134,8 @@ class VersionStore:
         if len(self.buffer) != m.wire_size:
             raise BroadcastError(f"{m.key}: wire buffer is {len(self.buffer)} B, manifest says {m.wire_size}")
         self.stats = TransferStats(m.key)
+        self.route: SignedRoute | None = None
+        self.pace: float | None = None  # this node's chain's pacing rate (bytes/s), if paced
         self.ancestors: list[Hop] = []
         self.last_failure = ""  # why the latest inbound stream ended early (for repair events)
         self.gone: BaseException | None = None
@@ -177,9 +185,13 @@ class VersionStore:
                 t.cancel()
 
     def status(self) -> dict:
+        from broadcast.links import link_sample
+
+        sample = link_sample(self.stats, self.manifest.wire_size)
         return {"have": self.have, "chunks": self.manifest.num_chunks, "complete": self.complete,
                 "gone": None if self.gone is None else str(self.gone), **self.manifest.to_dict(),
-                **asdict(self.stats)}
+                **asdict(self.stats), "route": self.route.route.to_dict() if self.route else None,
+                "link_sample": sample.to_dict() if sample else None}
 
 
 @dataclass(frozen=True)
@@ -291,6 +303,8 @@ class Node:
                     view = await store.wait_chunk(i)
             else:
                 view = await store.wait_chunk(i)
+            if store.stats.t_first_forward is None:
+                store.stats.t_first_forward = time.time()
             yield frame_header({"i": i, "n": len(view)})
             for piece in pieces(view, PACED_PIECE if chain_rate or self.up else PIECE):
                 for bucket in (chain_rate, self.up):
@@ -302,36 +316,34 @@ class Node:
             s = store.stats
             s.bytes_out += len(view)
             s.chunks_out += 1
-            if s.t_first_forward is None:
-                s.t_first_forward = time.time()
+            s.t_last_forward = time.time()
             if not store.complete:
                 s.forwarded_before_complete += 1
 
-    async def _push(self, store: VersionStore, route: Sequence[Hop], ancestors: Sequence[Hop],
-                    rate: float | None = None) -> bool:
-        """Stream a version down `route` (to `route[0]`, who forwards it along the rest).
+    async def _push(self, store: VersionStore, route: SignedRoute, chain: int, first: int) -> bool:
+        """Stream a version to member `first` of `chain` in the signed `route`, who forwards it on.
 
-        If a child cannot be reached, fails or stalls, route around it: push to the next node
-        of the route instead. A node that already has the version (it got the stream header
-        from the failed child and is repairing itself by pulling) answers 409; nothing more to
-        do then. Returns True if some node of the route took the stream to its end.
+        If that member cannot be reached, fails or stalls, route around it: push to the next
+        member instead. A member that already has the version (it got the stream header from
+        the failed one and is repairing itself by pulling) answers 409; nothing more to do then.
+        Returns True if some member took the stream to its end.
         """
-        for skip, child in enumerate(route):
-            status, detail = await self._push_once(store, route[skip:], ancestors, rate)
+        members = route.route.chains[chain]
+        for pos in range(first, len(members)):
+            status, detail = await self._push_once(store, route, chain, pos)
             if status == 200:
                 return True
             if status == 409 or store.gone is not None:
                 return status == 409
-            self.emit("child_failed", key=store.key, child=child.id, status=status, error=detail,
-                      next=route[skip + 1].id if skip + 1 < len(route) else None)
+            self.emit("child_failed", key=store.key, child=members[pos].id, status=status, error=detail,
+                      next=members[pos + 1].id if pos + 1 < len(members) else None)
         return False
 
-    async def _push_once(self, store: VersionStore, route: Sequence[Hop], ancestors: Sequence[Hop],
-                         rate: float | None) -> tuple[int, str]:
-        """One push stream to `route[0]`: (HTTP status, reason); status 0 when the stream broke."""
-        child = route[0]
-        header = {"manifest": store.signed.to_wire(), "route": [h.to_wire() for h in route],
-                  "ancestors": [h.to_wire() for h in ancestors], "rate": rate}
+    async def _push_once(self, store: VersionStore, route: SignedRoute, chain: int, pos: int) -> tuple[int, str]:
+        """One push stream to member `pos` of `chain`: (HTTP status, reason); 0 when the stream broke."""
+        child = route.route.chains[chain][pos]
+        rate = route.route.pace(chain)
+        header = {"manifest": store.signed.to_wire(), "route": route.to_wire(), "from": self.id}
         guard = StallGuard(self.stall_timeout)
         bucket = TokenBucket(rate) if rate else None
 
@@ -353,6 +365,8 @@ class Node:
             return 0, f"{type(e).__name__}: {e}"
         if status == 200:
             dt = time.monotonic() - t0
+            store.stats.pushes.append({"chain": chain, "pos": pos, "to": child.id, "seconds": round(dt, 4),
+                                       "bytes": store.manifest.wire_size})
             log.info("%s: pushed %s to %s in %.2f s (%.1f MiB/s)", self.id, store.key, child.id, dt,
                      store.manifest.wire_size / MIB / max(dt, 1e-9))
         return status, text
@@ -372,9 +386,13 @@ class Node:
         await resp.prepare(request)
         guard = StallGuard(self.stall_timeout)
 
+        # A pull is paced like the chain it repairs (the route's rate), so a repairing child
+        # does not flood the uplink this node shares with its own push.
+        bucket = TokenBucket(store.pace) if store.pace else None
+
         async def serve() -> None:
             await resp.write(frame_header({"key": store.key, "start": start}))
-            async for piece in self._frames(store, start, guard):
+            async for piece in self._frames(store, start, guard, bucket):
                 await resp.write(piece)
             await resp.write_eof()
 
@@ -436,6 +454,19 @@ class Relay(Node):
 
         return await asyncio.wait_for(arrival(), timeout)
 
+    def link_samples(self) -> list:
+        """`broadcast.links.LinkSample`s of the versions held here that are done moving: received
+        whole, and nothing of theirs still being forwarded (report them to the learner)."""
+        from broadcast.links import link_sample
+
+        samples = []
+        for store in self.stores.values():
+            if store.complete and not any(not t.done() for t in store.tasks):
+                sample = link_sample(store.stats, store.manifest.wire_size)
+                if sample is not None:
+                    samples.append(sample)
+        return samples
+
     async def fetch(self, key: str, peers: Sequence[Hop]) -> Received:
         """Pull a whole version (e.g. a late joiner's full version) from the first peer that has it.
 
@@ -475,40 +506,53 @@ class Relay(Node):
 
     async def _handle_push(self, request: web.Request) -> web.StreamResponse:
         reader = request.content
+        step = "manifest"
         try:
             header = await asyncio.wait_for(read_header(reader), self.stall_timeout)
             signed = SignedManifest.from_wire(header["manifest"], self.verify_key)
-            route = [Hop.from_wire(h) for h in header["route"]]
-            ancestors = [Hop.from_wire(h) for h in header["ancestors"]]
-            rate = header.get("rate")  # the chain's pacing rate, passed down to every member
-            if rate is not None and not (isinstance(rate, (int, float)) and rate > 0):
-                raise ValueError(f"rate must be a positive number of bytes/s or absent, got {rate!r}")
-        except SignatureError as e:
-            self.emit("manifest_rejected", peer=request.remote, error=str(e))
-            return self._abort(request, 403, str(e))
+            step = "route"
+            route = SignedRoute.from_wire(header["route"], self.verify_key)
+            route.route.check(signed.manifest)
+            chain, pos = route.route.locate(self.id)
+            # Ancestors start at the sender: the members between it and us were routed around.
+            above = route.route.above(chain, pos)
+            sender = [h.id for h in above].index(header.get("from"))  # ValueError: not our upstream
+        except (SignatureError, RouteError) as e:
+            self.emit(f"{step}_rejected", peer=request.remote, error=str(e))
+            return await self._abort(request, 403 if isinstance(e, SignatureError) else 400, str(e))
         except (ProtocolError, KeyError, TypeError, ValueError, asyncio.TimeoutError) as e:
-            return self._abort(request, 400, f"bad stream header: {type(e).__name__}: {e}")
-        if not route or route[0].id != self.id or not ancestors:
-            return self._abort(request, 400, f"misrouted: route starts at {route[:1]}, this is {self.id}")
+            return await self._abort(request, 400, f"bad stream header: {type(e).__name__}: {e}")
         key = signed.manifest.key
         if key in self.stores:  # one inbound per version; a broken one is repaired by pulling
-            return self._abort(request, 409, f"{self.id} already has or is receiving {key}")
+            # Reply without cutting the connection: the sender must read this 409 (it means "taken
+            # care of", not "failed"); its client stops sending once it has the reply.
+            return web.Response(status=409, text=f"{self.id} already has or is receiving {key}")
         store = await self._new_store(signed)
-        store.ancestors = ancestors
-        if len(route) > 1:
-            self._spawn(store, self._push(store, route[1:], [self.hop, *ancestors], rate))
-        if await self._receive(store, reader, ancestors[0]):
+        store.route = route
+        store.ancestors = above[sender:]
+        store.stats.offered_rate = route.route.rates[chain]
+        store.pace = route.route.pace(chain)
+        if route.route.below(chain, pos):
+            self._spawn(store, self._push(store, route, chain, pos + 1))
+        if await self._receive(store, reader, store.ancestors[0]):
             return web.json_response({"have": store.have})
         # Bad upstream: drop its connection (it stops sending) and fetch the rest elsewhere.
         self._spawn(store, self._repair(store, failed_index=0, reason=store.last_failure))
-        return self._abort(request, 502, f"inbound stream failed at chunk {store.have}")
+        return await self._abort(request, 502, f"inbound stream failed at chunk {store.have}")
 
     @staticmethod
-    def _abort(request: web.Request, status: int, text: str) -> web.Response:
-        """Reply and close the connection, so an upstream that is still sending stops."""
+    async def _abort(request: web.Request, status: int, text: str) -> web.StreamResponse:
+        """Reply, then close the connection, so an upstream that is still sending stops."""
+        resp = web.Response(status=status, text=text)
+        resp.force_close()  # "Connection: close": the client must not reuse this connection
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the sender is gone already
         if request.transport is not None:
             request.transport.close()
-        return web.Response(status=status, text=text)
+        return resp
 
     async def _receive(self, store: VersionStore, reader: Any, parent: Hop) -> bool:
         """Read chunk frames (from chunk `store.have` on) until complete; False on any failure.
@@ -537,6 +581,8 @@ class Relay(Node):
         while store.have < m.num_chunks:
             header = await read_header(reader)
             guard.touch()
+            if store.stats.t_first_chunk is None:
+                store.stats.t_first_chunk = time.time()
             try:
                 i, n = int(header["i"]), int(header["n"])
             except (KeyError, TypeError, ValueError) as e:
@@ -548,8 +594,6 @@ class Relay(Node):
             view = store.view(i)
             await read_into(reader, view, guard, self.down)
             store.stats.bytes_in += n
-            if store.stats.t_first_chunk is None:
-                store.stats.t_first_chunk = time.time()
             await asyncio.to_thread(verify_chunk, m, i, view)  # blake3 releases the GIL
             await store.commit(i)
 
@@ -653,21 +697,27 @@ class Source(Node):
                 await self.add(delta, join_payloads(*encoded))
         return full, delta
 
-    async def push(self, key: str, chains: Sequence[Sequence[Hop]],
-                   rates: Sequence[float] | None = None) -> list[bool]:
-        """Push version `key` to each chain's head (one stream each), optionally paced per chain.
+    async def push(self, key: str, chains: Sequence[Sequence[Hop]], rates: Sequence[float | None] | None = None,
+                   *, paced: bool | None = None, plan: Mapping[str, Any] | None = None) -> list[bool]:
+        """Push version `key` to each chain's head (one stream each), at `rates` per chain.
 
-        Returns once every head stream has ended: True per chain whose head received it all.
-        The rest of each chain completes on its own; watch workers' events or `/status`.
+        `paced` (default: whenever rates are given) makes every member forward at its chain's
+        rate. The chains, rates and `plan` summary are signed as the version's route
+        (`broadcast.route`), which travels with every stream and is what each relay forwards
+        by. Returns once every head stream has ended: True per chain whose head received it
+        all. The rest of each chain completes on its own; watch workers' events or `/status`.
         """
         store = self.stores.get(key)
         if store is None:
             raise BroadcastError(f"{key} is not published here; publish() it first")
-        rates = list(rates) if rates is not None else [None] * len(chains)  # type: ignore[list-item]
-        if len(rates) != len(chains):
+        chains = [list(c) for c in chains if c]
+        if rates is not None and len(rates) != len(chains):
             raise BroadcastError(f"{len(rates)} rates for {len(chains)} chains")
-        pushes = [self._spawn(store, self._push(store, list(chain), [self.hop], rate))
-                  for chain, rate in zip(chains, rates) if chain]
+        paced = rates is not None if paced is None else paced
+        signed = sign_route(self.signing_key, route_for(store.manifest, self.hop, chains, rates, paced=paced,
+                                                        plan=dict(plan or {})))
+        store.route = signed
+        pushes = [self._spawn(store, self._push(store, signed, k, 0)) for k in range(len(chains))]
         return list(await asyncio.gather(*pushes))
 
     async def push_plan(self, key: str, plan: Plan, hops: Mapping[str, Hop], *, pace: bool = True) -> list[bool]:
@@ -676,14 +726,13 @@ class Source(Node):
         With `pace`, each chain is fed at the plan's rate for it (so a slow chain cannot take
         uplink a faster one could use) and its relays forward at that rate too; plan with
         `headroom` < 1 (e.g. 0.95) so that rate stays below the links' capacity. A star is never
-        paced (TCP shares the uplink fairly).
+        paced (TCP shares the uplink fairly). The plan's summary is signed into the route.
         """
         missing = [w for chain in plan.chains for w in chain if w not in hops]
         if missing:
             raise BroadcastError(f"plan names workers with no known address: {missing}; re-plan without them")
         chains = [[hops[w] for w in chain] for chain in plan.chains]
-        rates = list(plan.rates) if pace and plan.kind == "chains" else None
-        return await self.push(key, chains, rates)
+        return await self.push(key, chains, plan.rates, paced=pace and plan.kind == "chains", plan=plan.summary())
 
 
 # -- a relay as a process (tests, manual experiments) ------------------------------------------

@@ -30,8 +30,9 @@ from broadcast.manifest import (
 )
 
 PUBLIC_KEY_PREFIX = "ed25519:"
-#: Domain separation: a signature over a manifest can never be replayed as any other message.
-_CONTEXT = b"echo-manifest-v1\0"
+#: Domain separation: a signature over one kind of document can never pass for another kind.
+MANIFEST_CONTEXT = b"echo-manifest-v1\0"
+ROUTE_CONTEXT = b"echo-route-v1\0"
 
 
 class SignatureError(BroadcastError):
@@ -76,13 +77,14 @@ class VerifyKey:
         raw = self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return PUBLIC_KEY_PREFIX + base64.b64encode(raw).decode("ascii")
 
-    def verify(self, data: Buffer, signature: bytes) -> None:
-        """Raise `SignatureError` unless `signature` signs `data` under this key."""
+    def verify(self, data: Buffer, signature: bytes, context: bytes = MANIFEST_CONTEXT) -> None:
+        """Raise `SignatureError` unless `signature` signs `data` (a `context` document) under this key."""
         try:
-            self._key.verify(bytes(signature), _CONTEXT + bytes(data))
+            self._key.verify(bytes(signature), context + bytes(data))
         except (InvalidSignature, ValueError, TypeError) as e:
-            raise SignatureError("manifest signature does not verify under the learner's public key: "
-                                 "the manifest was altered or signed by another key; discard it") from e
+            what = context.split(b"-")[1].decode()
+            raise SignatureError(f"{what} signature does not verify under the learner's public key: "
+                                 f"the {what} was altered or signed by another key; discard it") from e
 
 
 class SigningKey:
@@ -131,8 +133,8 @@ class SigningKey:
     def public_key(self) -> VerifyKey:
         return VerifyKey(self._key.public_key())
 
-    def sign(self, data: Buffer) -> bytes:
-        return self._key.sign(_CONTEXT + bytes(data))
+    def sign(self, data: Buffer, context: bytes = MANIFEST_CONTEXT) -> bytes:
+        return self._key.sign(context + bytes(data))
 
 
 @dataclass(frozen=True)

@@ -87,16 +87,20 @@ def test_headroom_plans_uploads_below_their_measured_rate():
         plan_broadcast(M, 4 * b, peers, c, headroom=1.5)
 
 
-def test_relays_forward_at_the_chain_rate_from_the_push_header():
+def test_relays_forward_at_the_chain_rate_of_the_signed_route():
     """The source paces a chain; each relay must forward at that rate too, even when it has
-    the whole version already (it received faster, or caught up after a repair)."""
+    the whole version already (it received faster, or caught up after a repair). The rate is
+    signed into the route: a relay that lowers it to throttle the chain is refused."""
     import asyncio
     import os
 
     import aiohttp
 
     from broadcast.manifest import build_manifest
+    import msgpack
+
     from broadcast.relay import PREFIX, Relay
+    from broadcast.route import Route, route_for, sign_route
     from broadcast.signing import SigningKey, sign_manifest
     from broadcast.transport import Hop, frame_header
 
@@ -110,21 +114,26 @@ def test_relays_forward_at_the_chain_rate_from_the_push_header():
         await w1.start()
         await w2.start()
         try:
-            async def body(r):
-                yield frame_header({"manifest": signed.to_wire(), "route": [w1.hop.to_wire(), w2.hop.to_wire()],
-                                    "ancestors": [Hop("source", "http://127.0.0.1:9").to_wire()], "rate": r})
+            route = sign_route(key, route_for(signed.manifest, Hop("source", "http://127.0.0.1:9"), [[w1.hop, w2.hop]],
+                                              [rate], paced=True))
+            r = route.route
+            throttled = Route(r.key, r.root, r.source, r.chains, (rate / 100,), True)
+            tampered = msgpack.packb([throttled.to_bytes(), route.signature], use_bin_type=True)
+
+            async def body(route_wire):
+                yield frame_header({"manifest": signed.to_wire(), "route": route_wire, "from": "source"})
                 for ch in signed.manifest.chunks:
                     yield frame_header({"i": ch.index, "n": ch.wire_length})
                     yield blob[ch.offset:ch.offset + ch.length]
 
             async with aiohttp.ClientSession() as s:
-                try:  # a bad rate is refused before anything is stored; the relay cuts the stream
-                    async with s.post(f"{w1.url}{PREFIX}/push", data=body(-1.0)) as resp:
-                        assert resp.status == 400
+                try:  # a rewritten rate is refused before anything is stored; the relay cuts the stream
+                    async with s.post(f"{w1.url}{PREFIX}/push", data=body(tampered)) as resp:
+                        assert resp.status == 403
                 except aiohttp.ClientError:
                     pass  # reset while we were still sending: also a refusal
                 assert "v1" not in w1.stores
-                async with s.post(f"{w1.url}{PREFIX}/push", data=body(rate)) as resp:
+                async with s.post(f"{w1.url}{PREFIX}/push", data=body(route.to_wire())) as resp:
                     assert resp.status == 200
             a, b = await w1.wait("v1", 10), await w2.wait("v1", 10)
             return a.stats, b.stats, bytes(b.data)

@@ -15,12 +15,14 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgpack
 import numpy as np
 import pytest
 
 from broadcast.delta import decode
 from broadcast.manifest import build_manifest
 from broadcast.relay import PREFIX, Relay, Source
+from broadcast.route import Route, route_for, sign_route
 from broadcast.signing import SigningKey, sign_manifest
 from broadcast.transport import Hop, frame_header, read_header
 
@@ -196,15 +198,21 @@ def test_killed_middle_relay_is_routed_around_and_resumed(relay_procs):
 
 
 # -- in-process -------------------------------------------------------------------------
-async def evil_push(url: str, signed, blob: bytes, route, ancestors, *, corrupt: int | None = None,
-                    stall_after: int | None = None) -> int:
-    """A misbehaving upstream: pushes a (validly signed) version, flipping a byte of chunk
-    `corrupt` or going silent after `stall_after` chunks."""
+def signed_route(key, manifest, chain, source, rate=None):
+    """The learner's signed route of `manifest` down one chain (source first, then `chain`)."""
+    return sign_route(key, route_for(manifest, source, [chain], None if rate is None else [rate],
+                                     paced=rate is not None))
+
+
+async def evil_push(url: str, signed, blob: bytes, route, *, sender: str, corrupt: int | None = None,
+                    stall_after: int | None = None, route_wire: bytes | None = None) -> int:
+    """A misbehaving upstream: pushes a (validly signed) version along a signed route, flipping a
+    byte of chunk `corrupt` (posing as `sender`, a node of the route), going silent after `stall_after` chunks, or sending `route_wire`
+    (a tampered route) instead of the route."""
     m = signed.manifest
 
     async def body():
-        yield frame_header({"manifest": signed.to_wire(), "route": [h.to_wire() for h in route],
-                            "ancestors": [h.to_wire() for h in ancestors]})
+        yield frame_header({"manifest": signed.to_wire(), "route": route_wire or route.to_wire(), "from": sender})
         for c in m.chunks:
             if stall_after is not None and c.index == stall_after:
                 await asyncio.sleep(30)
@@ -237,7 +245,8 @@ def test_flipped_byte_caught_at_first_hop_and_never_forwarded():
         try:
             full, _ = await src.publish(blob, 1, chunk_size=256 * KIB)
             # "evil" sits between the source and a, and corrupts chunk 5
-            await evil_push(a.url, full, blob, [a.hop, b.hop], [Hop("evil", "http://127.0.0.1:9"), src.hop], corrupt=5)
+            route = signed_route(key, full.manifest, [Hop("evil", "http://127.0.0.1:9"), a.hop, b.hop], src.hop)
+            await evil_push(a.url, full, blob, route, sender="evil", corrupt=5)
             ra, rb = await a.wait("v1", 10), await b.wait("v1", 10)
             return bytes(ra.data), bytes(rb.data), ra.stats, rb.stats, events
         finally:
@@ -265,12 +274,13 @@ def test_tampered_or_foreign_manifest_rejected():
         try:
             m = build_manifest(blob, 1, chunk_size=256 * KIB)
             foreign = sign_manifest(intruder, m)
-            st1 = await evil_push(a.url, foreign, blob, [a.hop], [Hop("x", "http://127.0.0.1:9")])
+            route = signed_route(key, m, [Hop("x", "http://127.0.0.1:9"), a.hop], Hop("s", "http://127.0.0.1:9"))
+            st1 = await evil_push(a.url, foreign, blob, route, sender="x")
             good = sign_manifest(key, m)
             body = bytearray(good.body)
             body[body.index(m.chunks[0].hash)] ^= 0xFF  # retarget chunk 0's hash
             forged = type(good)(m, bytes(body), good.signature)
-            st2 = await evil_push(a.url, forged, blob, [a.hop], [Hop("x", "http://127.0.0.1:9")])
+            st2 = await evil_push(a.url, forged, blob, route, sender="x")
             return st1, st2, events, dict(a.stores)
         finally:
             await a.stop()
@@ -293,8 +303,8 @@ def test_stalled_parent_detected_and_resumed_from_source():
         try:
             full, _ = await src.publish(blob, 1, chunk_size=256 * KIB)
             t0 = time.monotonic()
-            ancestors = [Hop("slow", "http://127.0.0.1:9"), src.hop]
-            pusher = asyncio.create_task(evil_push(a.url, full, blob, [a.hop], ancestors, stall_after=3))
+            route = signed_route(key, full.manifest, [Hop("slow", "http://127.0.0.1:9"), a.hop], src.hop)
+            pusher = asyncio.create_task(evil_push(a.url, full, blob, route, sender="slow", stall_after=3))
             ra = await a.wait("v1", 10)
             dt = time.monotonic() - t0
             pusher.cancel()
@@ -446,8 +456,9 @@ def test_no_live_ancestor_fails_cleanly_without_installing():
         await a.start()
         try:
             full, _ = await src.publish(blob, 1, chunk_size=256 * KIB)
-            dead = [Hop("p", "http://127.0.0.1:9"), Hop("q", "http://127.0.0.1:9")]
-            pusher = asyncio.create_task(evil_push(a.url, full, blob, [a.hop], dead, stall_after=2))
+            dead = [Hop("q", "http://127.0.0.1:9"), Hop("p", "http://127.0.0.1:9"), a.hop]
+            route = signed_route(key, full.manifest, dead, Hop("gone", "http://127.0.0.1:9"))
+            pusher = asyncio.create_task(evil_push(a.url, full, blob, route, sender="p", stall_after=2))
             with pytest.raises(Exception) as err:
                 await a.wait("v1", 10)
             pusher.cancel()
@@ -460,4 +471,75 @@ def test_no_live_ancestor_fails_cleanly_without_installing():
     assert type(err).__name__ == "BroadcastFailed" and "previous version" in str(err)
     assert installed == []  # never a half-installed version
     assert [e["event"] for e in events][-1] == "failed"
-    assert [e["via"] for e in events if e["event"] == "repair"] == ["q"]
+    assert [e["via"] for e in events if e["event"] == "repair"] == ["q", "gone"]  # up the signed route
+
+
+def test_rewritten_or_foreign_route_refused():
+    """Relays forward only along the learner's signed route: a relay that rewrites it (to skip
+    a child, or to make itself everyone's repair peer), replays another version's route, or
+    sends a route without the receiver, is refused before anything is stored."""
+    key = SigningKey.generate()
+    blob = random_blob(1 * MIB, seed=9)
+
+    async def run():
+        events: list[dict] = []
+        a = Relay("a", key.public_key(), on_event=events.append)
+        await a.start()
+        try:
+            dead = Hop("s", "http://127.0.0.1:9")
+            m1, m2 = build_manifest(blob, 1, chunk_size=256 * KIB), build_manifest(blob[::-1], 2, chunk_size=256 * KIB)
+            v1 = sign_manifest(key, m1)
+            good = signed_route(key, m1, [Hop("p", "http://127.0.0.1:9"), a.hop, Hop("c", "http://127.0.0.1:9")], dead)
+            r = good.route
+            rewritten = Route(r.key, r.root, Hop("evil", "http://127.0.0.1:9"), r.chains, r.rates)
+            forged = msgpack.packb([rewritten.to_bytes(), good.signature], use_bin_type=True)
+            statuses = [await evil_push(a.url, v1, blob, good, sender="p", route_wire=forged)]
+            other = signed_route(key, m2, [a.hop], dead)  # validly signed, but for version 2
+            statuses.append(await evil_push(a.url, v1, blob, other, sender="s"))
+            without_a = signed_route(key, m1, [Hop("b", "http://127.0.0.1:9")], dead)
+            statuses.append(await evil_push(a.url, v1, blob, without_a, sender="s"))
+            return statuses, events, dict(a.stores)
+        finally:
+            await a.stop()
+
+    statuses, events, stores = asyncio.run(run())
+    assert statuses[0] in (403, -1) and all(st in (400, -1) for st in statuses[1:])  # -1: cut while sending
+    assert [e["event"] for e in events] == ["route_rejected"] * 3
+    assert "route signature does not verify" in events[0]["error"]
+    assert "does not match manifest v1" in events[1]["error"]
+    assert "does not include a" in events[2]["error"]
+    assert stores == {}
+
+
+def test_child_that_already_has_the_version_is_not_reported_failed():
+    """A child refusing a push with 409 (it is pulling the version already, e.g. after a repair)
+    replies before closing: its parent reads the 409 and reports nothing."""
+    key = SigningKey.generate()
+    blob = random_blob(2 * MIB, seed=10)
+
+    async def run():
+        src = Source(key)
+        await src.start()
+        events: list[dict] = []
+        a = Relay("a", key.public_key(), on_event=events.append)
+        b = Relay("b", key.public_key())
+        for r in (a, b):
+            await r.start()
+        try:
+            await src.publish(blob, 1, chunk_size=256 * KIB)
+            await b.fetch("v1", [src.hop])
+            ok = await src.push("v1", [[a.hop, b.hop]])
+            await a.wait("v1", 10)
+            for _ in range(100):  # a's push to b ends after a has everything
+                if not any(not t.done() for t in a.stores["v1"].tasks):
+                    break
+                await asyncio.sleep(0.05)
+            return ok, events, a.stores["v1"].stats
+        finally:
+            for n in (a, b, src):
+                await n.stop()
+
+    ok, events, stats = asyncio.run(run())
+    assert ok == [True]
+    assert [e.get("error") for e in events if e["event"] == "child_failed"] == []
+    assert stats.pushes == []  # b took nothing from a
