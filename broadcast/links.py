@@ -14,11 +14,12 @@ it received. An app-limited sample proves only that the link is at least that fa
 only raise the estimate. Without the distinction a paced chain would ratchet its own estimates
 down: measured at the pace, planned at 95% of that, paced lower the next time, and so on.
 
-A hop's goodput is min(sender's upload, receiver's download): a slow hop lowers the receiver's
-download estimate (from its download sample) and the sender's upload estimate (from its upload
-sample, when it fell behind). The planner uses min(d, u) of a relay either way, so a plan made
-from these estimates predicts the same chain correctly; only where a worker moves in a new plan
-can the blame be misplaced, and its next unpaced transfer (a pull) corrects it.
+A hop's goodput is min(sender's upload, receiver's download), so a slow hop shows up twice: as
+the receiver's link-limited download and, when the sender fell behind its own inbound stream,
+as the sender's link-limited upload. When both report the same version at about the same rate,
+the upload takes the blame: consumer links are asymmetric, upload being the scarce direction,
+and the planner then moves that sender to a chain's tail, where its upload no longer matters. A
+receiver whose download was really the limit is measured again at its next position.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Literal
 
 from broadcast.planner import PeerLink
 
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
 #: Goodput below this share of the rate the sender offered means the link, not the sender, was the limit.
 LIMITED_SHARE = 0.9
 #: Shorter transfers measure connection setup and latency, not bandwidth.
@@ -50,6 +52,7 @@ class LinkSample:
     down_limited: bool = False
     up: float | None = None
     up_limited: bool = False
+    parent: str | None = None  # who sent this node the version (to pair a slow hop's two ends)
 
     def to_dict(self) -> dict:
         return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -60,6 +63,10 @@ class LinkSample:
         if not isinstance(d, dict) or not isinstance(d.get("key"), str) or not d["key"]:
             raise ValueError(f"a link sample is a map with a version key, got {d!r:.80}")
         out: dict[str, Any] = {"key": d["key"][:64]}
+        parent = d.get("parent")
+        if parent is not None and not isinstance(parent, str):
+            raise ValueError(f"link sample parent must be a node id, got {parent!r:.40}")
+        out["parent"] = parent[:64] if parent else None
         for name in ("down", "up"):
             v = d.get(name)
             if v is not None:
@@ -100,7 +107,7 @@ def link_sample(stats: Any, wire_size: int, offered_up: float | None = None) -> 
                 up_limited = up_limited and stats.t_last_forward - stats.t_complete > FORWARD_LAG_SHARE * t_in
     if down is None and up is None:
         return None
-    return LinkSample(stats.key, down, down_limited, up, up_limited)
+    return LinkSample(stats.key, down, down_limited, up, up_limited, stats.parent)
 
 
 def uplink_sample(stats: Any, rates: Any) -> LinkSample | None:
@@ -162,6 +169,7 @@ class LinkTable:
         self.default, self.alpha = default, alpha
         self.peers: dict[str, PeerEstimate] = {}
         self._uplink_seen: tuple[str, ...] = ()
+        self._pending: list[tuple[str, LinkSample]] = []  # counted at the next `settle`
 
     def _peer(self, peer: str) -> PeerEstimate:
         if peer not in self.peers:
@@ -175,16 +183,27 @@ class LinkTable:
         p.up.declare(up)
 
     def observe(self, peer: str, sample: LinkSample) -> bool:
-        """Count one sample (once per version key); returns whether it was new."""
+        """Take one sample (once per version key); returns whether it was new. It counts at the
+        next `settle` (planning does that), so both ends of a hop can be paired first."""
         p = self._peer(peer)
         if sample.key in p.seen:
             return False
         p.seen = (*p.seen, sample.key)[-8:]
-        if sample.down is not None:
-            p.down.observe(sample.down, sample.down_limited, self.alpha)
-        if sample.up is not None:
-            p.up.observe(sample.up, sample.up_limited, self.alpha)
+        self._pending.append((peer, sample))
         return True
+
+    def settle(self) -> None:
+        """Count the pending samples; a slow hop reported by both ends blames the sender's upload."""
+        pending, self._pending = self._pending, []
+        slow_senders = {(peer, s.key): s.up for peer, s in pending if s.up is not None and s.up_limited}
+        for peer, s in pending:
+            p = self._peer(peer)
+            if s.down is not None:
+                sender_up = slow_senders.get((s.parent, s.key))
+                blamed_on_sender = s.down_limited and sender_up is not None and sender_up <= s.down / LIMITED_SHARE
+                p.down.observe(s.down, s.down_limited and not blamed_on_sender, self.alpha)
+            if s.up is not None:
+                p.up.observe(s.up, s.up_limited, self.alpha)
 
     def observe_uplink(self, sample: LinkSample) -> None:
         """The source's own upload sample (`link_sample` of the source's stats)."""
@@ -203,11 +222,14 @@ class LinkTable:
 
     def link(self, peer: str) -> PeerLink:
         """What the planner uses for `peer` (latency: half the round trip)."""
+        self.settle()
         p = self._peer(peer)
         return PeerLink(peer, p.down.rate, p.up.rate, (p.rtt or 0.0) / 2)
 
     def to_dict(self) -> dict:
         """Mbit/s and milliseconds, with the source of each number (status pages, run log)."""
+        self.settle()
+
         def mbit(e: Estimate) -> dict:
             return {"mbit": round(e.rate * 8 / 1e6, 2), "source": e.source, "samples": e.samples}
 

@@ -135,7 +135,7 @@ class Learner:
 
         b = cfg.broadcast
         self.publisher = Publisher(state.blobs, b.mode, chunk_bytes=int(b.chunk_mib * (1 << 20)), deltas=b.deltas,
-                                   uplink_mbit=b.uplink_mbit, key_file=b.key_file or self.run_dir / "learner.key",
+                                   links=state.links, key_file=b.key_file or self.run_dir / "learner.key",
                                    host=cfg.server.host)
         source_url = await self.publisher.start()
         state.broadcast = {"mode": b.mode, "public_key": self.publisher.public_key, "source": source_url,

@@ -32,7 +32,19 @@ class LearnerMetrics:
         self.idle = Gauge("echo_learner_idle_ratio", "Fraction of wall time the trainer waited for data", registry=r)
         self.workers = Gauge("echo_workers_alive", "Workers heard from within the liveness window", registry=r)
         self.t_bcast = Gauge("echo_broadcast_seconds", "Learner-visible broadcast time of the last completed version", registry=r)
+        self.link_mbit = Gauge("echo_broadcast_link_mbit", "Link estimate used for planning (Mbit/s): declared "
+                               "until measured", ["peer", "direction"], registry=r)
+        self.link_rtt = Gauge("echo_broadcast_link_rtt_ms", "Heartbeat round trip per worker (ms)", ["peer"], registry=r)
         self.leases_expired = Counter("echo_leases_expired", "Leases expired (their prompts re-issued)", registry=r)
+
+    def links(self, table: dict) -> None:
+        """Export `broadcast.links.LinkTable.to_dict()` (the learner's uplink is peer "learner")."""
+        self.link_mbit.labels("learner", "up").set(table["uplink"]["mbit"])
+        for peer, link in table["peers"].items():
+            self.link_mbit.labels(peer, "down").set(link["down"]["mbit"])
+            self.link_mbit.labels(peer, "up").set(link["up"]["mbit"])
+            if link["rtt_ms"] is not None:
+                self.link_rtt.labels(peer).set(link["rtt_ms"])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

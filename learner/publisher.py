@@ -3,9 +3,12 @@
 `star`: workers download each version over HTTP from the learner (`broadcast.star`), verified
 by size and sha256. `chain`: each version is signed (ed25519) and chunked (`broadcast.Source`),
 encoded as an XOR+zstd delta on the previous version when that is smaller, planned from the
-workers' declared links (star push or K bandwidth-sorted chains, whichever is predicted
-faster; `broadcast.planner`), and pushed: every worker verifies each chunk, forwards it
-downstream at once and installs when the version is complete. Workers that miss a push (late
+workers' links (star push or K bandwidth-sorted chains, whichever is predicted faster;
+`broadcast.planner`), and pushed with its plan as the signed route (`broadcast.route`): every
+worker verifies each chunk, forwards it downstream at once and installs when the version is
+complete. Links are what workers declared at join until their transfers measure them: each
+worker reports its goodput per version and its heartbeat round trip, and each push measures
+the learner's own uplink (`broadcast.links.LinkTable`). Workers that miss a push (late
 joiners, a version they lack the base for) pull the full version from the source.
 
 The star store is kept in both modes: it serves the `/v1/snapshots` fallback and the tests.
@@ -17,23 +20,25 @@ import asyncio
 import logging
 from pathlib import Path
 
+from broadcast.links import MBIT, LinkTable, uplink_sample
 from broadcast.manifest import Manifest
-from broadcast.planner import PeerLink, plan_broadcast
+from broadcast.planner import plan_broadcast
 from broadcast.relay import Source
 from broadcast.signing import SigningKey
 from broadcast.transport import Hop
 from broadcast.star import BlobStore
 
 log = logging.getLogger("echo.learner.publisher")
-MBIT = 1e6 / 8  # bytes/s per Mbit/s
-UNKNOWN_LINK_MBIT = 1000.0  # planning assumption for a worker that declared no bandwidth
+#: Plan every upload at this share of its rate: a relay uploading at full rate slows its own
+#: download (its ACKs queue behind its data); measured in `broadcast.planner.plan_broadcast`.
+HEADROOM = 0.95
 
 
 class Publisher:
-    def __init__(self, blobs: BlobStore, mode: str, *, chunk_bytes: int, deltas: bool, uplink_mbit: float,
+    def __init__(self, blobs: BlobStore, mode: str, *, chunk_bytes: int, deltas: bool, links: LinkTable,
                  key_file: Path, host: str):
         self.blobs, self.mode = blobs, mode
-        self.chunk_bytes, self.deltas, self.uplink = chunk_bytes, deltas, uplink_mbit * MBIT
+        self.chunk_bytes, self.deltas, self.links = chunk_bytes, deltas, links
         self.key_file, self.host = key_file, host
         self.source: Source | None = None
         self.public_key = ""
@@ -46,7 +51,7 @@ class Publisher:
             return None
         key = SigningKey.load_or_generate(self.key_file)
         self.public_key = key.public_key().to_text()
-        self.source = Source(key, host=self.host, port=0, up_rate=self.uplink)
+        self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate)
         return await self.source.start()
 
     async def publish(self, version: int, blob: bytes, workers: list) -> dict:
@@ -69,20 +74,22 @@ class Publisher:
                                      (full.manifest.key, rest, full.manifest)):
             if key is None or not group:
                 continue
-            peers = [PeerLink(w.id, (w.download_mbit or UNKNOWN_LINK_MBIT) * MBIT,
-                              (w.upload_mbit or UNKNOWN_LINK_MBIT) * MBIT) for w in group]
-            # Plan at 95% of the links: a relay uploading at full rate slows its own download (ACKs).
-            plan = plan_broadcast(manifest.wire_size, self.uplink, peers, self.chunk_bytes, headroom=0.95)
+            peers = [self.links.link(w.id) for w in group]
+            plan = plan_broadcast(manifest.wire_size, self.links.uplink.rate, peers, self.chunk_bytes, headroom=HEADROOM)
             hops = {w.id: Hop(w.id, w.relay_url) for w in group}
             task = asyncio.create_task(self._push(key, plan, hops))
             self.pushes.add(task)
             task.add_done_callback(self.pushes.discard)
             sent += manifest.wire_size * len(group)
-            plans[key] = {"kind": plan.kind, "chains": len(plan.chains), "predicted_s": round(plan.predicted_s, 4)}
+            plans[key] = {**plan.summary(), "chains": [list(c) for c in plan.chains],
+                          "links_mbit": {p.id: [round(p.down / MBIT, 1), round(p.up / MBIT, 1)] for p in peers},
+                          "uplink_mbit": round(self.links.uplink.rate / MBIT, 1)}
         self.wire_bytes[version] = {"raw": len(blob), "full": full.manifest.wire_size,
                                     "delta": delta.manifest.wire_size if delta else None, "plans": plans}
         announcement.update(key=full.manifest.key, delta_key=delta.manifest.key if delta else None,
-                            source=self.source.url)
+                            source=self.source.url,
+                            plan={k: {"kind": v["kind"], "chains": len(v["chains"]), "predicted_s": v["predicted_s"]}
+                                  for k, v in plans.items()})
         return announcement
 
     async def _push(self, key: str, plan, hops: dict) -> None:
@@ -90,6 +97,11 @@ class Publisher:
             await self.source.push_plan(key, plan, hops)
         except Exception as e:  # a failed push is repaired by the workers' fallback pull
             log.warning("push of %s failed: %s", key, e)
+            return
+        store = self.source.stores.get(key)
+        sample = uplink_sample(store.stats, plan.rates) if store is not None else None
+        if sample is not None:  # the pushes measured the learner's own uplink
+            self.links.observe_uplink(sample)
 
     async def stop(self) -> None:
         for task in list(self.pushes):

@@ -27,6 +27,7 @@ from pathlib import Path
 import msgpack
 from aiohttp import web
 
+from broadcast.links import MBIT, LinkSample, LinkTable
 from broadcast.star import BlobStore, add_star_routes
 from echo.wire import CONTENT_TYPE, Rejected, decode_submission
 from learner.buffer import AsyncBuffer, Group
@@ -34,6 +35,7 @@ from learner.config import LearnerConfig
 from learner.leases import LeaseBook, UnknownLease
 from learner.metrics import LearnerMetrics
 
+UNKNOWN_LINK_MBIT = 1000.0  # planning assumption for a link nobody declared or measured yet
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
 
@@ -78,6 +80,8 @@ class LearnerState:
         self.finished = False
         self.prompt_ids: dict[str, list[int]] = {}
         self.fleet = None  # scheduler.fleet.Fleet when a scheduler decides who generates
+        # Every worker's links, declared at join and refreshed by heartbeats' measurements.
+        self.links = LinkTable(uplink=cfg.broadcast.uplink_mbit * MBIT, default=UNKNOWN_LINK_MBIT * MBIT)
         self.announcement: dict | None = None  # the newest version as workers are told of it
         self.broadcast: dict = {"mode": "star"}  # how versions travel (learner.publisher)
         self._worker_ids = itertools.count(1)
@@ -134,6 +138,7 @@ def build_app(state: LearnerState) -> web.Application:
         wid = f"w{next(state._worker_ids)}"
         info = WorkerInfo(id=wid, name=str(data.get("name") or wid)[:64], joined=now, last_seen=now)
         _update_worker(info, data)
+        _record_links(state, info, data)
         state.workers[wid] = info
         if state.fleet is not None:
             state.fleet.joined(now, info.name, info.price_per_hour, _number(data.get("expected_rollouts_per_s", 0)))
@@ -154,6 +159,7 @@ def build_app(state: LearnerState) -> web.Application:
         worker = worker_of(data)
         _update_worker(worker, data)
         _record_installs(worker, data.get("installs", []))
+        _record_links(state, worker, data)
         state.leases.renew(worker.id, worker.last_seen)
         if state.fleet is not None:
             state.fleet.heartbeat(worker.last_seen, worker.name, worker.rollouts_per_s)
@@ -245,9 +251,11 @@ def build_app(state: LearnerState) -> web.Application:
             "leases": {**asdict(state.leases.stats), "outstanding": state.leases.outstanding},
             "workers": [{**asdict(w), "alive": w.id in alive, "leased_prompts": leased.get(w.id, 0)}
                         for w in state.workers.values()],
+            "links": state.links.to_dict(),
         })
 
     async def metrics(request: web.Request) -> web.Response:
+        state.metrics.links(state.links.to_dict())
         return web.Response(body=state.metrics.exposition(), content_type="text/plain")
 
     app.router.add_post("/v1/join", join)
@@ -299,6 +307,26 @@ def _record_installs(worker: WorkerInfo, installs) -> None:
             worker.installs.append((version, worker.last_seen - ago))
             known = version
     del worker.installs[:-64]
+
+
+def _record_links(state: LearnerState, worker: WorkerInfo, data: dict) -> None:
+    """A worker's declared rates, heartbeat round trip and measured transfer goodput."""
+    state.links.declare(worker.id, worker.download_mbit * MBIT, worker.upload_mbit * MBIT)
+    rtt = data.get("rtt_ms")
+    if rtt is not None:
+        rtt = _number(rtt)
+        if not 0 <= rtt < 600_000:
+            raise web.HTTPBadRequest(text=f"rtt_ms must be between 0 and 600000, got {rtt}")
+        state.links.observe_rtt(worker.id, rtt / 1e3)
+    samples = data.get("links", [])
+    if not isinstance(samples, list) or len(samples) > 16:
+        raise web.HTTPBadRequest(text="links must be a list of at most 16 link samples (broadcast.links.LinkSample)")
+    try:
+        parsed = [LinkSample.from_dict(d) for d in samples]
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=str(e)) from None
+    for sample in parsed:
+        state.links.observe(worker.id, sample)
 
 
 def _number(value) -> float:

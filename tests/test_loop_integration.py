@@ -36,6 +36,8 @@ def test_two_workers_train_within_the_staleness_bound_and_survive_a_killed_worke
     # Versions went out by the signed push (chain mode, the default), and their arrival was timed.
     published = [r["snapshot_bytes"] for r in records if "snapshot_bytes" in r]
     assert published and any(p["plans"] for p in published)
+    plan = next(iter(next(p for p in published if p["plans"])["plans"].values()))
+    assert plan["predicted_s"] >= plan["lower_bound_s"] > 0 and plan["links_mbit"]  # what it was planned from
     assert any("t_bcast" in r for r in records)
 
 
@@ -56,6 +58,17 @@ def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(lear
     status, joined = lp.request("POST", "/v1/join", {"name": "probe"})
     assert status == 200
     wid = joined["worker_id"]
+    # Measured links arrive with heartbeats; malformed ones are refused with the field named.
+    status, body = lp.request("POST", "/v1/heartbeat", {"worker_id": wid, "links": [{"key": "v1", "down": -5}]})
+    assert status == 400 and "down must be a positive number" in body["message"]
+    status, body = lp.request("POST", "/v1/heartbeat", {"worker_id": wid, "rtt_ms": "slow"})
+    assert status == 400 and "expected a number" in body["message"]
+    status, _ = lp.request("POST", "/v1/heartbeat", {"worker_id": wid, "rtt_ms": 80.0, "upload_mbit": 20, "links": [
+        {"key": "v0", "down": 2.5e6, "down_limited": True, "parent": "source"}]})
+    assert status == 200
+    probe = lp.status()["links"]["peers"][wid]
+    assert probe["rtt_ms"] == 80.0 and probe["up"] == {"mbit": 20.0, "source": "declared", "samples": 0}
+    assert probe["down"] == {"mbit": 20.0, "source": "measured", "samples": 1}
     lp.wait_until(lambda: lp.status()["published_version"] >= 0, 30, "a published snapshot")
     status, lease = lp.request("POST", "/v1/lease", {"worker_id": wid, "max_prompts": 2})
     assert status == 200, lease

@@ -66,6 +66,7 @@ class Worker:
         self.active = asyncio.Event()  # the learner's scheduler may idle this worker
         self.active.set()
         self.installs: deque[tuple[int, float]] = deque(maxlen=32)  # (version, monotonic time) for T_bcast
+        self.rtt: float | None = None  # seconds, the latest heartbeat's round trip
 
     def _info(self) -> dict:
         w = self.cfg.worker
@@ -78,6 +79,10 @@ class Worker:
             # When each recent version was installed, as "seconds ago" (clocks differ between machines).
             "installs": [[v, round(time.monotonic() - t, 4)] for v, t in self.installs],
             "relay_url": self.relay.url if self.relay is not None else "",
+            # Measured links: the heartbeat round trip, and each finished version's goodput
+            # (broadcast.links); the learner plans the next broadcast with them.
+            "rtt_ms": None if self.rtt is None else round(self.rtt * 1e3, 3),
+            "links": [s.to_dict() for s in self.relay.link_samples()] if self.relay is not None else [],
         }
 
     async def run(self) -> int:
@@ -206,7 +211,9 @@ class Worker:
         failing_since = None
         while True:
             try:
+                sent = time.monotonic()
                 reply = await client.heartbeat(self._info())
+                self.rtt = time.monotonic() - sent
                 state = reply.get("state")
                 if state == "stop":
                     self.stopped.set()
