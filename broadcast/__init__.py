@@ -4,7 +4,9 @@ Knows nothing of RL and never imports torch. Modules, one job each:
 - `manifest`  — a version's manifest (chunks, hashes, tensor index) and its canonical bytes.
 - `signing`   — ed25519 keys, signed manifests, `verify_chunk`.
 - `delta`     — XOR+zstd deltas against the previous version, and decoding them.
-- `planner`   — predicted star / K-chain times from measured links; picks the fastest plan.
+- `links`     — link estimates: declared at join, refreshed by each transfer's goodput and RTT.
+- `planner`   — predicted star / K-chain times from those links; picks the fastest plan.
+- `route`     — the chosen plan as the version's signed route (who forwards to whom, how fast).
 - `transport` — the wire format (msgpack header + raw payload), token bucket, stall guard.
 - `relay`     — `Source` (learner) and `Relay` (worker): forward while receiving, verify, repair.
 - `star`      — the plain star download (baseline).
@@ -13,8 +15,9 @@ Typical use. Learner::
 
     source = Source(SigningKey.load_or_generate(path)); await source.start()
     full, delta = await source.publish(blob, version, base=(prev_blob, prev_manifest))
-    plan = plan_broadcast(len(blob), uplink, links, chunk_size)
-    await source.push_plan(delta.manifest.key if delta else full.manifest.key, plan, hops)
+    plan = plan_broadcast(len(blob), links.uplink.rate, [links.link(w) for w in ids], chunk_size)
+    await source.push_plan(delta.manifest.key if delta else full.manifest.key, plan, hops)  # signs the route
+    links.observe(worker_id, sample)  # each worker's relay.link_samples(), after the version
 
 Worker::
 
@@ -48,6 +51,10 @@ _LAZY = {  # heavier imports (aiohttp, numpy) load on first use
     "Received": "broadcast.relay",
     "BroadcastFailed": "broadcast.relay",
     "Hop": "broadcast.transport",
+    "LinkTable": "broadcast.links",
+    "LinkSample": "broadcast.links",
+    "Route": "broadcast.route",
+    "SignedRoute": "broadcast.route",
     "encode_delta": "broadcast.delta",
     "decode": "broadcast.delta",
     "BaseMismatch": "broadcast.delta",
