@@ -11,8 +11,11 @@ snapshot of `--size-mib` random bytes with the real `Source`/`Relay` code and pr
   TCP shares the capped uplink), predicted and measured.
 
 Then, at the largest N, the planned chains once more with one relay SIGKILLed mid-transfer
-(survivors repair around it) and once with deltas on (a synthetic update changing 3% of the
-float32 elements of the blob). Time is learner-visible: from publication (the moment the signed
+(survivors repair around it), once with deltas on (a synthetic update changing 3% of the
+float32 elements of the blob), and the links scenario: two workers the declared links make
+relays really upload at b/4 (a userspace cap on their relays); one version is planned from the
+declarations, then the next from the links that version's transfers measured
+(`broadcast.links`), and both are timed. Time is learner-visible: from publication (the moment the signed
 version is pushed) until the last worker holds the whole verified version (`complete` event of
 its relay; clocks are shared, every process runs on this machine). Every survivor's bytes are
 checked against the source's blake3 at the end.
@@ -172,6 +175,7 @@ async def run_source(key_path: str, port: int, public_url: str, job: dict, done_
         await _wait_for_file(done_path, timeout_s)
         info["cpu_s"] = time.process_time() - cpu0
         info["bytes_out"] = src.stores[key].stats.bytes_out
+        info["stats"] = asdict(src.stores[key].stats)
         return info
     finally:
         await src.stop()
@@ -190,6 +194,7 @@ class Settings:
     rtt_ms: float = 40  # per hop (A -> hub -> B and back)
     fault: bool = True
     delta: bool = True
+    links: bool = True
     star: bool = True
     stall_timeout: float = 5.0
     # The planner's headroom: chains are paced at this share of the measured uploads (1 = none).
@@ -225,6 +230,7 @@ class Run:
     killed: str | None = None
     killed_at_s: float | None = None
     source: dict = field(default_factory=dict)
+    stats: dict[str, dict] = field(default_factory=dict)  # each survivor's TransferStats of the version
     error: str = ""
     events: dict[str, list[dict]] = field(default_factory=dict)  # relays' events (failures, repairs)
 
@@ -292,7 +298,8 @@ class Bench:
         return [PeerLink(w, b, b, cal["rtt_ms"] / 2000) for w in self.workers]
 
     def transfer(self, topo, name: str, plan: Plan, *, delta: bool = False, kill: str | None = None,
-                 kill_after_s: float = 0.0, timeout_s: float = 600.0, relay_up_rate: float | None = None) -> Run:
+                 kill_after_s: float = 0.0, timeout_s: float = 600.0,
+                 relay_up_rates: dict[str, float] | None = None) -> Run:
         """Start fresh relays, run the source, wait until every survivor completes (or fails)."""
         self._runs += 1
         version = 2 * self._runs  # a delta run publishes version - 1 as its base
@@ -305,7 +312,8 @@ class Bench:
             host, port = topo.address("learner", w, PORT)  # same delay from every host: one relay serves all
             urls[w] = f"http://{host}:{port}"
         relays = {w: topo[w].call_async(serve_relay, w, self.public_key, PORT, urls[w], done, timeout_s,
-                                        self.s.stall_timeout, relay_up_rate) for w in self.workers}
+                                        self.s.stall_timeout, (relay_up_rates or {}).get(w))
+                  for w in self.workers}
         for h in relays.values():
             h.wait_listening(PORT, timeout_s=30)
         job = {"version": version, "size": self.s.size, "chunk": self.s.chunk, "seed": self._runs,
@@ -360,6 +368,7 @@ class Bench:
             if w not in completed and v.get("complete") and t_done and t0 is not None:
                 completed[w] = t_done - t0  # its `complete` line was lost; the relay's own stats say when
                 run.events.setdefault(w, []).append({"event": "note", "text": "complete event not seen"})
+            run.stats[w] = v.get("stats", {})
             run.bytes_in += v.get("stats", {}).get("bytes_in", 0)
             run.repairs += len(v.get("stats", {}).get("repairs", []))
             run.relay_cpu_s += r["cpu_s"]
@@ -427,6 +436,9 @@ def sweep(settings: Settings, log: Callable[[str], None] = print) -> dict:
                 if n == biggest and settings.delta:
                     delta = _run_delta(bench, topo, settings, U, peers, budget, log)
                     entry["runs"]["delta"] = delta
+                if n == biggest and settings.links:
+                    entry["links"] = _run_links(bench, topo, settings, U, peers, log)
+                    entry["runs"].update(entry["links"].pop("runs"))
                 results["sizes"].append(entry)
     return results
 
@@ -450,6 +462,53 @@ def _run_delta(bench: Bench, topo, settings: Settings, U: float, peers: list[Pee
     d = asdict(run)
     _log_run(log, d)
     return d
+
+
+def _run_links(bench: Bench, topo, settings: Settings, U: float, peers: list[PeerLink], log) -> dict:
+    """Two workers upload at b/4 though they declared b: one version planned from the
+    declarations, the next from the `LinkTable` its transfers refreshed (what the learner does)."""
+    from types import SimpleNamespace
+
+    from broadcast.links import LinkTable, link_sample, uplink_sample
+
+    M, c, h = settings.size, settings.chunk, settings.headroom
+    declared = plan_broadcast(M, U, peers, c, headroom=h)
+    slow = [chain[0] for chain in declared.chains if len(chain) > 1][:2]  # relays in the declared plan
+    if not slow:
+        return {"skipped": "the declared plan has no relays (a star)", "runs": {}}
+    b = peers[0].up
+    up_rates = {w: b / 4 for w in slow}
+    truth = [PeerLink(p.id, p.down, up_rates.get(p.id, p.up), p.latency) for p in peers]
+    table = LinkTable(uplink=U, default=b)
+    for p in peers:
+        table.declare(p.id, p.down, p.up)
+        table.observe_rtt(p.id, 2 * p.latency)
+    log(f"  links: {', '.join(slow)} declared {b / MBIT:.1f} Mbit/s up but upload {b / 4 / MBIT:.1f}; "
+        f"planned from the declarations: {_chain_shape(declared)}")
+    first = bench.transfer(topo, "links-declared", declared, relay_up_rates=up_rates,
+                           timeout_s=6 * declared.predicted_s + 60)
+    _log_run(log, asdict(first))
+    for w, stats in first.stats.items():
+        sample = link_sample(SimpleNamespace(**stats), first.wire_bytes) if stats else None
+        if sample is not None:
+            table.observe(w, sample)
+    if first.source.get("stats"):
+        sample = uplink_sample(SimpleNamespace(**first.source["stats"]), declared.rates)
+        if sample is not None:
+            table.observe_uplink(sample)
+    measured = {p.id: table.link(p.id) for p in peers}
+    replanned = plan_broadcast(M, table.uplink.rate, list(measured.values()), c, headroom=h)
+    log(f"  links: re-planned from the measured links: {_chain_shape(replanned)} "
+        f"(slow workers at the tails: {all(any(ch[-1] == w for ch in replanned.chains) for w in slow)})")
+    second = bench.transfer(topo, "links-measured", replanned, relay_up_rates=up_rates,
+                            timeout_s=6 * replanned.predicted_s + 60)
+    _log_run(log, asdict(second))
+    return {"slow": slow, "declared_mbit": b / MBIT, "true_up_mbit": b / 4 / MBIT,
+            "t_star_true": lower_bound(M, U, truth), "plan_declared": _chain_shape(declared),
+            "plan_measured": _chain_shape(replanned),
+            "slow_at_tails": all(any(ch[-1] == w for ch in replanned.chains) for w in slow),
+            "measured_up_mbit": {w: measured[w].up / MBIT for w in slow},
+            "table": table.to_dict(), "runs": {"links-declared": asdict(first), "links-measured": asdict(second)}}
 
 
 def _victim(plan: Plan) -> str:
@@ -530,6 +589,18 @@ def render(results: dict) -> str:
                     f"{'match' if src['decoded_ok'] else 'DIFFER'}); transfer "
                     + (f"{d['measured_s']:.2f} s (predicted {d['predicted_s']:.2f} s) vs {_fmt(c['measured_s'], '.2f')} s full"
                        if d["ok"] else f"FAILED: {d['error']}")]
+        lk, r1, r2 = e.get("links"), e["runs"].get("links-declared"), e["runs"].get("links-measured")
+        if lk and r1 and r2:
+            ups = ", ".join(f"{w} {v:.1f}" for w, v in lk["measured_up_mbit"].items())
+            t1, t2 = r1["measured_s"], r2["measured_s"]
+            out += ["", f"links at N={e['n']}: {', '.join(lk['slow'])} declared {lk['declared_mbit']:.1f} Mbit/s up, "
+                    f"really upload {lk['true_up_mbit']:.1f}; T* with the true links {lk['t_star_true']:.2f} s",
+                    f"  planned from declarations: {lk['plan_declared']}, predicted {r1['predicted_s']:.2f} s, "
+                    f"measured {_fmt(t1, '.2f')} s",
+                    f"  re-planned from measured links (up: {ups} Mbit/s; slow workers at tails: "
+                    f"{'yes' if lk['slow_at_tails'] else 'no'}): {lk['plan_measured']}, predicted "
+                    f"{r2['predicted_s']:.2f} s, measured {_fmt(t2, '.2f')} s"
+                    + (f" = {t2 / lk['t_star_true']:.2f}x T*, {t1 / t2:.1f}x faster" if t1 and t2 else "")]
     out.append("")
     out.append("star = the same Source/Relay code with K = N chains of length 1 (unpaced: TCP shares U).")
     out.append("worst hop lag = max over chain links of (child's completion - parent's); the model's is c/b + L.")
@@ -587,6 +658,7 @@ def cli(argv: Sequence[str]) -> int:
     p.add_argument("--no-star", action="store_true", help="skip the star baseline (the longest runs)")
     p.add_argument("--no-fault", action="store_true", help="skip the killed-relay run")
     p.add_argument("--no-delta", action="store_true", help="skip the delta run")
+    p.add_argument("--no-links", action="store_true", help="skip the misdeclared-links run (two versions)")
     p.add_argument("--quick", action="store_true", help="smoke test: N=2,4, 16 MiB, 1 MiB chunks, U=2b")
     p.add_argument("--json", action="store_true", help="print the results as JSON (progress goes to stderr)")
     args = p.parse_args(argv)
@@ -603,7 +675,7 @@ def cli(argv: Sequence[str]) -> int:
         link_mbit=args.link_mbit,
         uplink_mbit=args.uplink_mbit or (2 if q else 4) * args.link_mbit,
         rtt_ms=args.rtt_ms,
-        star=not args.no_star, fault=not args.no_fault, delta=not args.no_delta,
+        star=not args.no_star, fault=not args.no_fault, delta=not args.no_delta, links=not args.no_links,
         headroom=args.headroom,
     )
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
