@@ -14,12 +14,15 @@ it received. An app-limited sample proves only that the link is at least that fa
 only raise the estimate. Without the distinction a paced chain would ratchet its own estimates
 down: measured at the pace, planned at 95% of that, paced lower the next time, and so on.
 
-A hop's goodput is min(sender's upload, receiver's download), so a slow hop shows up twice: as
-the receiver's link-limited download and, when the sender fell behind its own inbound stream,
-as the sender's link-limited upload. When both report the same version at about the same rate,
-the upload takes the blame: consumer links are asymmetric, upload being the scarce direction,
-and the planner then moves that sender to a chain's tail, where its upload no longer matters. A
-receiver whose download was really the limit is measured again at its next position.
+A hop's goodput is min(sender's upload, receiver's download), and in a chain every member
+after a slow one receives slowly too, so a slow download is blamed by looking at the sender's
+sample of the same version:
+- the sender itself received no faster: the slowness came from further up (not this link);
+- the sender fell behind its own inbound stream at about this rate (a link-limited upload):
+  the sender's upload takes the blame — consumer links are asymmetric, upload being the scarce
+  direction — and the planner moves it to a chain's tail, where its upload no longer matters;
+- otherwise the receiver's own download was the limit.
+A receiver wrongly spared is measured again at its next position.
 """
 
 from __future__ import annotations
@@ -193,15 +196,14 @@ class LinkTable:
         return True
 
     def settle(self) -> None:
-        """Count the pending samples; a slow hop reported by both ends blames the sender's upload."""
+        """Count the pending samples, blaming each slow download as the module docstring says."""
         pending, self._pending = self._pending, []
-        slow_senders = {(peer, s.key): s.up for peer, s in pending if s.up is not None and s.up_limited}
+        by_node = {(peer, s.key): s for peer, s in pending}
         for peer, s in pending:
             p = self._peer(peer)
             if s.down is not None:
-                sender_up = slow_senders.get((s.parent, s.key))
-                blamed_on_sender = s.down_limited and sender_up is not None and sender_up <= s.down / LIMITED_SHARE
-                p.down.observe(s.down, s.down_limited and not blamed_on_sender, self.alpha)
+                p.down.observe(s.down, s.down_limited and not self._not_own(s, by_node.get((s.parent, s.key))),
+                               self.alpha)
             if s.up is not None:
                 p.up.observe(s.up, s.up_limited, self.alpha)
 
@@ -219,6 +221,16 @@ class LinkTable:
 
     def forget(self, peer: str) -> None:
         self.peers.pop(peer, None)
+
+    @staticmethod
+    def _not_own(s: LinkSample, sender: LinkSample | None) -> bool:
+        """Whether a slow download `s` is explained by its sender's sample of the same version."""
+        if sender is None:
+            return False
+        about = s.down / LIMITED_SHARE  # "no faster than this download", with measurement slack
+        inherited = sender.down is not None and sender.down <= about
+        sender_slow_up = sender.up is not None and sender.up_limited and sender.up <= about
+        return inherited or sender_slow_up
 
     def link(self, peer: str) -> PeerLink:
         """What the planner uses for `peer` (latency: half the round trip)."""

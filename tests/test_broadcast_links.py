@@ -94,6 +94,18 @@ def test_slow_hop_blames_the_senders_upload_not_the_receivers_download():
     assert table.link("other").down == pytest.approx(3 * MB)
 
 
+def test_slowness_inherited_from_upstream_is_nobodys_download():
+    """Chain source -> a -> b -> c where a uploads slowly: b and c both receive slowly, but only
+    a is to blame (b forwarded as fast as it received)."""
+    table = LinkTable(uplink=20 * MB, default=8 * MB)
+    table.observe("c", LinkSample("v1", down=2 * MB, down_limited=True, parent="b"))
+    table.observe("b", LinkSample("v1", down=2.05 * MB, down_limited=True, up=2 * MB, up_limited=False, parent="a"))
+    table.observe("a", LinkSample("v1", down=7.6 * MB, up=2.05 * MB, up_limited=True, parent="source"))
+    assert table.link("a").up == pytest.approx(2.05 * MB)
+    assert table.link("b").down == table.link("c").down == 8 * MB
+    assert table.link("b").up == 8 * MB  # forwarding at its inbound rate proves nothing against it
+
+
 def test_uplink_sample_needs_every_chain_slow():
     pushes = [{"chain": 0, "seconds": 2.0, "bytes": 8 * MIB}, {"chain": 1, "seconds": 2.0, "bytes": 8 * MIB}]
     rates = [8 * MB, 8 * MB]  # both chains ran at ~4.2 MB/s of a planned 8
