@@ -20,8 +20,9 @@ version is pushed) until the last worker holds the whole verified version (`comp
 its relay; clocks are shared, every process runs on this machine). Every survivor's bytes are
 checked against the source's blake3 at the end.
 
-`echo-rl bench broadcast transports` is a separate sub-benchmark: MB/s of one stream on
-loopback through aiohttp and (when installed) py-libp2p, in the same run.
+`echo-rl bench broadcast transports` is a separate sub-benchmark: MB/s on loopback through
+aiohttp and (when installed) py-libp2p, in the same run: one stream each, then a chain of three
+relays each.
 
 Needs root for the namespaces; without it the command says why and exits 2.
 """
@@ -610,7 +611,8 @@ def render(results: dict) -> str:
 
 # -- transports sub-benchmark ----------------------------------------------------------------------
 def transports_cli(argv: Sequence[str]) -> int:
-    """`echo-rl bench broadcast transports`: one stream's MB/s on loopback, aiohttp vs libp2p."""
+    """`echo-rl bench broadcast transports`: MB/s on loopback, aiohttp vs libp2p: one stream, and a
+    3-relay chain."""
     p = argparse.ArgumentParser(prog="echo-rl bench broadcast transports", description=transports_cli.__doc__)
     p.add_argument("--size-mib", type=float, default=128, help="bytes to stream per transport")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -621,8 +623,9 @@ def transports_cli(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"one stream on loopback, {args.size_mib:g} MiB in 1 MiB frames (the broadcast framing); "
-          "both ends in one process, so CPU is the sum of both")
+    print(f"loopback, {args.size_mib:g} MiB in 1 MiB frames (the broadcast framing): one stream per transport, "
+          "then a relay chain (`broadcast.relay`) per transport; every node in one process, so CPU is the sum "
+          "of all of them")
     print(_table(["transport", "MB/s", "CPU s/GiB", "note"],
                  [[r["transport"], _fmt(r.get("mb_s")), _fmt(r.get("cpu_s_per_gib"), ".2f"), r.get("note", "")]
                   for r in rows]))

@@ -7,23 +7,65 @@ it; libp2p also brings relays and hole punching for workers behind NAT. Bulk byt
 frames as over HTTP (`broadcast.transport`: u32 length + msgpack header, raw payload), verified
 chunk by chunk against the signed manifest, so a libp2p link is as safe as an aiohttp one.
 
+How the relay uses it (`broadcast.relay.Node(transport="libp2p")`): a node advertises the hop
+URL `p2p:<multiaddr>` (`p2p_url`, e.g. `p2p:/ip4/10.0.0.2/tcp/4001/p2p/12D3KooW...`); a sender
+picks the transport from the scheme of its peer's URL, so aiohttp and libp2p nodes mix in one
+chain. Three protocols, each one stream per exchange:
+- `PUSH_PROTOCOL`: exactly the body of `POST /bcast/v1/push` (stream header with the signed
+  manifest and route, then chunk frames), half-closed by the sender; the receiver answers one
+  frame `{"status": <HTTP-like code>, "text": ...}` — possibly early (409, rejections), so the
+  sender reads while it writes and stops once answered.
+- `PULL_PROTOCOL`: the client sends `{"key", "from"}` and half-closes; the answer is the body of
+  `GET /bcast/v1/chunks/{key}?from=k` (`{"key", "start"}` then chunk frames), or `{"error"}`.
+- `MANIFEST_PROTOCOL`: `{"key"}` -> `{"manifest": signed wire}` or `{"error"}` (late joiners).
+
 How it is bridged: py-libp2p runs on trio, echo on asyncio. A `Libp2pHost` runs trio in its own
 thread; calls cross with `run_sync_soon` (asyncio -> trio) and `call_soon_threadsafe`
 (trio -> asyncio). A `Libp2pStream` is what asyncio code sees: `read`/`readexactly` (so
-`read_header` and `read_into` work unchanged), `write`, `close`, `reset`.
+`read_header` and `read_into` work unchanged), `write`, `close`, `reset`/`abort`.
 
-The yamux stall limit: py-libp2p's yamux *writer* resets a stream when the reader's window
-stays closed for 5 s ("Timed out waiting for window update"). Each inbound stream therefore
-has a pump in trio that keeps reading into a bounded buffer (`buffer_bytes`, 16 MiB by default)
-whatever the asyncio consumer does, so a consumer may pause for `buffer_bytes / rate` + 5 s
-before the sender gives up. The relay's receiver never pauses (it writes into the version's
-buffer and forwards at its own pace), so in practice only a dead or wedged peer hits the limit,
-and then the stall guard and repair handle it like any broken stream.
+The yamux stall limit: py-libp2p's yamux *writer* gives up on a stream when the reader's window
+stays closed for 5 s ("Timed out waiting for window update"); it is the only timer on a stream
+(an idle stream with an open window never times out). What that means for relay links:
+- Receiving side. Each inbound stream has a pump in trio that keeps reading into a bounded
+  buffer (`buffer_bytes`, 16 MiB by default) whatever the asyncio consumer does, and yamux
+  credits the window on every read; so a consumer may pause for `buffer_bytes / rate` + 5 s
+  before its sender gives up. The relay's receiver never pauses (it writes into the version's
+  buffer; forwarding reads from there at its own pace). It only reads slower than its sender
+  writes under a `down_rate` cap, and then the window reopens with every 256 KiB it consumes:
+  the limit is reached only below ~50 kB/s (256 KiB per 5 s; measured: a 30 kB/s reader had
+  its sender reset after 5 s, a 120 kB/s one ran 40 s without). A slow *network* never hits
+  it: the pump reads each frame as it arrives, and every read credits the window.
+- Sending side. A relay's push stream to its child sits idle while the relay waits for its own
+  upstream (its stall guard is paused then, as over HTTP): no write is pending, so no window
+  wait runs, and an idle stream is never reset — checked with a 7 s gap between chunks. A
+  write only waits for the window once the child's pump buffer and window are full (the
+  child is wedged, or capped below the floor above). Whichever fires first then ends the push
+  as a broken stream (status 0): yamux's 5 s (the write fails) or the stall guard
+  (`stall_timeout`; it resets the stream, which also ends the write pending in trio). The
+  sender routes around that child, and the child, if alive, repairs by pulling. So over libp2p
+  a sender's stall limit for a wedged child is min(5 s, stall_timeout), once its buffers are full.
+- Cancelling the asyncio side of a call does not cancel its trio side: a write stuck on the
+  window keeps waiting in trio until the stream is reset (`abort()`) or yamux's 5 s expire.
 
-Frame helpers: `send_version` writes exactly the push stream of `broadcast.relay` (stream
-header with the signed manifest, route and ancestors, then chunk frames) and reads a one-frame
-reply; `receive_version` reads such a stream, verifying the manifest and then every chunk
-before accepting it. `compare_transports` is the loopback throughput benchmark.
+Cancellation and py-libp2p 0.8.1 (found making relay tests repeatable):
+- A trio task cancelled inside a connection write (yamux sends window updates from within
+  `read`) can leave noise's nonce one ahead of what was sent: the peer fails to decrypt the
+  next frame and drops the connection, with every stream on it. Pumps therefore read under a
+  cancellation shield and end with their stream (EOF, reset); an inbound stream's pump drains
+  the peer's leftovers after its handler returns (`_drain`) instead of being cancelled.
+- A read parked on a stream that was reset locally is never woken, and neither is one on a
+  connection the peer closed unless py-libp2p cancels its handler: `abort()` stops its pump
+  after the reset, `_inbound` stops its pump when cancelled, and `stop()` resets every open
+  stream before ending the pumps, so peers learn at once rather than by their stall guard.
+
+Other limits (py-libp2p 0.8.1): a host listens on an IP literal (`/ip4` or `/ip6`, no DNS
+names). The first stream to a peer costs ~0.25 s on loopback (connection setup); later ones
+reuse the connection (~4 ms), and so does a peer restarted elsewhere under the same key until
+the old connection closes. A push's `from` is not checked against the stream's (noise-proven)
+peer ID: as over HTTP, the signed route and chunk hashes are what is trusted. The trio thread
+competes for the GIL with the asyncio loop: a libp2p link costs more CPU than an aiohttp one
+(`compare_transports`, the loopback benchmark, measures both).
 """
 
 from __future__ import annotations
@@ -31,38 +73,56 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
 from broadcast.manifest import BroadcastError, Buffer
-from broadcast.signing import SignedManifest, SigningKey, VerifyKey, verify_chunk
-from broadcast.transport import (
-    PIECE,
-    Hop,
-    ProtocolError,
-    frame_header,
-    pieces,
-    read_header,
-    read_into,
-)
+from broadcast.signing import SigningKey, VerifyKey
+from broadcast.transport import PIECE, frame_header
 
 log = logging.getLogger("echo.broadcast.libp2p")
 PUSH_PROTOCOL = "/echo/bcast/push/1.0.0"
+PULL_PROTOCOL = "/echo/bcast/pull/1.0.0"
+MANIFEST_PROTOCOL = "/echo/bcast/manifest/1.0.0"
+P2P_SCHEME = "p2p:"  # a hop URL "p2p:<multiaddr ending in /p2p/<peer id>>"
 DEFAULT_BUFFER_BYTES = 16 << 20
 
 
-class Libp2pUnavailable(BroadcastError):
-    """py-libp2p is not installed; install the extra (`pip install 'echo-rl[p2p]'`) or use aiohttp."""
+def is_p2p(url: str) -> bool:
+    """Whether a hop URL names a libp2p peer (else it is an aiohttp base URL)."""
+    return url.startswith(P2P_SCHEME)
+
+
+def p2p_url(multiaddr: str) -> str:
+    return P2P_SCHEME + multiaddr
+
+
+def p2p_addr(url: str) -> str:
+    """The multiaddr of a `p2p:` hop URL."""
+    if not is_p2p(url):
+        raise ValueError(f"not a libp2p hop URL: {url!r}")
+    return url[len(P2P_SCHEME):]
+
+
+def listen_addr(host: str, port: int = 0) -> str:
+    """The listening multiaddr of an IP literal (`/ip4/...` or `/ip6/...`)."""
+    ip = ipaddress.ip_address(host)  # ValueError for host names: libp2p listens on IPs
+    return f"/ip{ip.version}/{ip}/tcp/{port}"
 
 
 class Libp2pError(BroadcastError):
     """A libp2p host or stream failed (dial, negotiation, reset); the message says which."""
+
+
+class Libp2pUnavailable(Libp2pError):
+    """py-libp2p is not installed; install the extra (`pip install 'echo-rl[p2p]'`) or use aiohttp.
+    (A `Libp2pError`: to a node, a `p2p:` peer it cannot dial is an unreachable peer.)"""
 
 
 def _libp2p() -> Any:
@@ -148,31 +208,99 @@ class Libp2pStream:
         self._released = 0  # consumed bytes not yet reported to the pump
         self.bytes_read = 0
         # trio side
-        self._room: Any = None  # trio.Event, set when the consumer frees space
+        self._room: Any = None  # trio.Event, set when the consumer frees space (or on stop)
         self._in_pump = 0  # bytes delivered and not yet reported consumed
+        self._discard = False  # nobody reads any more: drain the peer's bytes until it ends
+        self._stopped = False
+        self._read_scope: Any = None  # trio.CancelScope of the read in progress
+        self._ended: Any = None  # trio.Event, set when the pump returns
 
     # -- trio side ---------------------------------------------------------------------------
     async def _pump(self) -> None:
+        """Read the stream into the asyncio-side buffer until EOF, reset, error or `_stop()`.
+
+        The read is shielded from cancellation: py-libp2p's yamux sends a window update from
+        inside `read`, and a cancellation that cuts that write after noise has encrypted the
+        frame desynchronises the connection's nonces — the peer fails to decrypt and drops the
+        connection, with every stream on it (seen when handlers cancelled their pumps). So a
+        pump ends when its stream does; `_stop` lifts the shield only where that is safe.
+        """
         import trio
         from libp2p.network.stream.exceptions import StreamEOF
 
+        self._ended = trio.Event()
+        self._host._pumps.add(self)
+        error: BaseException | None = None
         try:
             while True:
-                while self._in_pump >= self._limit:
+                while self._in_pump >= self._limit and not (self._discard or self._stopped):
                     self._room = trio.Event()
                     await self._room.wait()
-                data = await self._stream.read(PIECE)
-                if not data:
+                if self._stopped:
                     break
-                self._in_pump += len(data)
-                self._host._to_asyncio(self._feed, data)
+                with trio.CancelScope(shield=True) as self._read_scope:
+                    data = await self._stream.read(PIECE)
+                if self._read_scope.cancelled_caught or not data:
+                    break
+                if not self._discard:
+                    self._in_pump += len(data)
+                    self._host._to_asyncio(self._feed, data)
         except StreamEOF:
             pass
         except Exception as e:  # noqa: BLE001 - delivered to the reader as a typed error
-            self._host._to_asyncio(self._fail, Libp2pError(f"stream from {self.remote_peer} broke: "
-                                                           f"{type(e).__name__}: {e}"))
-            return
-        self._host._to_asyncio(self._feed, b"")
+            error = Libp2pError(f"stream from {self.remote_peer} broke: {type(e).__name__}: {e}")
+        except BaseException:  # cancelled: the host is stopping; a waiting reader must not hang
+            error = Libp2pError(f"stream from {self.remote_peer} closed: host stopped")
+            raise
+        finally:
+            self._host._pumps.discard(self)
+            self._ended.set()
+            if error is None and self._stopped:
+                error = Libp2pError(f"stream from {self.remote_peer} was aborted")
+            self._host._to_asyncio(*((self._fail, error) if error is not None else (self._feed, b"")))
+
+    def _stop(self) -> None:
+        """End the pump now (trio side). Only safe while its read is parked, waiting for bytes
+        that will never come — not while it may be writing a window update (see `_pump`)."""
+        self._stopped = True
+        if self._room is not None:
+            self._room.set()
+        if self._read_scope is not None:
+            self._read_scope.shield = False
+            self._read_scope.cancel()
+
+    async def _abort(self) -> None:
+        """Reset the stream, then end the pump (trio side).
+
+        py-libp2p does not wake a read parked on a stream it resets locally; a read that was
+        not parked ends by itself (the reset makes its next read fail) well within a second,
+        so a pump still running after that is parked, and safe to stop.
+        """
+        import trio
+
+        with contextlib.suppress(Exception):
+            await self._stream.reset()
+        if self._ended is not None:
+            with trio.move_on_after(1.0):
+                await self._ended.wait()
+        self._stop()
+
+    async def _drain(self, linger: float) -> None:
+        """After the handler of an inbound stream returned (trio side): half-close, and read
+        (dropping) whatever the peer still sends until it closes or resets its side, so the
+        pump ends on its own; a peer still at it after `linger` seconds is reset."""
+        import trio
+
+        self._discard = True
+        if self._room is not None:
+            self._room.set()
+        with contextlib.suppress(Exception):
+            await self._stream.close_write()
+        if self._ended is not None:
+            with trio.move_on_after(linger):
+                await self._ended.wait()
+            if not self._ended.is_set():
+                await self._abort()
 
     def _consumed(self, n: int) -> None:
         self._in_pump -= n
@@ -197,22 +325,27 @@ class Libp2pStream:
         self._wake()
 
     def _take(self, n: int) -> bytes:
-        out = bytearray()
-        while self._chunks and len(out) < n:
-            head = self._chunks[0]
-            need = n - len(out)
-            if len(head) <= need:
-                out += self._chunks.popleft()
-            else:
-                out += head[:need]
-                self._chunks[0] = head[need:]
+        if len(self._chunks[0]) <= n:  # the common case: a whole delivered piece, no copy
+            out: bytes | bytearray = self._chunks.popleft()
+        else:
+            out = bytearray()
+            while self._chunks and len(out) < n:
+                head = self._chunks[0]
+                need = n - len(out)
+                if len(head) <= need:
+                    out += self._chunks.popleft()
+                else:
+                    out += head[:need]
+                    self._chunks[0] = head[need:]
         self._buffered -= len(out)
         self.bytes_read += len(out)
         self._released += len(out)
-        if self._released >= min(self._limit // 4, 1 << 20) or not self._buffered:
+        # Report consumption in small batches: yamux credits the sender per read, and a sender
+        # waits at most 5 s for credit (see the module docstring).
+        if self._released >= min(self._limit // 4, PIECE) or not self._buffered:
             released, self._released = self._released, 0
             self._host._to_trio(self._consumed, released)
-        return bytes(out)
+        return bytes(out) if isinstance(out, bytearray) else out
 
     async def _wait(self) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
@@ -257,6 +390,12 @@ class Libp2pStream:
         """Abort both directions."""
         await self._host._call(self._stream.reset)
 
+    def abort(self) -> None:
+        """Reset without waiting (safe in `finally` and after cancellation): the peer's reads and
+        writes fail, a write of ours stuck on the window gives up, and a read here ends."""
+        with contextlib.suppress(Libp2pError):
+            self._host._to_trio(lambda: self._host._nursery.start_soon(self._abort))
+
 
 # -- the host ----------------------------------------------------------------------------------
 StreamHandler = Callable[[Libp2pStream], Awaitable[None]]
@@ -291,6 +430,7 @@ class Libp2pHost:
         self._nursery: Any = None
         self._host: Any = None
         self._stop: Any = None  # trio.Event
+        self._pumps: set[Libp2pStream] = set()  # running pumps (trio side), stopped with the host
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> list[str]:
@@ -364,6 +504,14 @@ class Libp2pHost:
             addrs = [str(a) for a in self._host.get_addrs()]
             self._to_asyncio(lambda: ready.done() or ready.set_result(addrs))
             await self._stop.wait()
+            # Reset every open stream first, so peers learn at once (reads parked on a closing
+            # connection are not always woken); then end the pumps: a torn frame is moot now.
+            with trio.move_on_after(1.0):
+                for pump in list(self._pumps):
+                    with contextlib.suppress(Exception):
+                        await pump._stream.reset()
+            for pump in list(self._pumps):
+                pump._stop()
             nursery.cancel_scope.cancel()
 
     # -- crossing between the loops --------------------------------------------------------------
@@ -397,6 +545,9 @@ class Libp2pHost:
             except Exception as e:  # noqa: BLE001 - re-raised on the asyncio side
                 self._to_asyncio(settle, None, e if isinstance(e, BroadcastError) else
                                  Libp2pError(f"{getattr(async_fn, '__name__', 'call')}: {type(e).__name__}: {e}"))
+            except BaseException:  # cancelled: the host is stopping; the caller must not hang
+                self._to_asyncio(settle, None, Libp2pError("the libp2p host stopped"))
+                raise
             else:
                 self._to_asyncio(settle, value, None)
 
@@ -432,85 +583,40 @@ class Libp2pHost:
                     self._token.run_sync_soon(done.set)
 
             fut.add_done_callback(finished)
-            await done.wait()
-            nursery.cancel_scope.cancel()
+            try:
+                await done.wait()
+                # Not nursery.cancel_scope.cancel(): the pump must end with the stream (see _pump).
+                await wrapped._drain(linger=10.0)
+            except BaseException:
+                # Cancelled: py-libp2p is closing the connection (that is how a read learns the
+                # peer is gone) or the host stops; a torn frame no longer matters.
+                wrapped._stop()
+                raise
         with contextlib.suppress(Exception):  # the peer may be gone already
             await stream.close()
 
-    async def open_stream(self, addr: str, protocol: str) -> Libp2pStream:
-        """Dial `addr` (a multiaddr ending in /p2p/<peer id>) and open a `protocol` stream."""
+    async def open_stream(self, addr: str, protocol: str, timeout: float | None = None) -> Libp2pStream:
+        """Dial `addr` (a multiaddr ending in /p2p/<peer id>) and open a `protocol` stream,
+        within `timeout` seconds (connect and protocol negotiation together)."""
 
         async def dial() -> Libp2pStream:
             import multiaddr
+            import trio
             from libp2p.peer.peerinfo import info_from_p2p_addr
 
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-            await self._host.connect(info)
+            # The timeout runs in trio (cancelling the asyncio side would leave the dial running),
+            # and covers the connection only: cutting a stream's negotiation on an established
+            # connection could tear that connection's framing (see _pump); py-libp2p times
+            # negotiation out by itself.
+            with trio.fail_after(timeout) if timeout else contextlib.nullcontext():
+                await self._host.connect(info)
             stream = await self._host.new_stream(info.peer_id, [protocol])
             wrapped = Libp2pStream(self, stream, self.buffer_bytes)
             self._nursery.start_soon(wrapped._pump)
             return wrapped
 
         return await self._call(dial)
-
-
-# -- the broadcast frames over a libp2p stream -----------------------------------------------------
-@dataclass(frozen=True)
-class ReceivedVersion:
-    """A version received over a libp2p stream, every chunk verified."""
-
-    signed: SignedManifest
-    data: bytearray
-    route: list[Hop]
-    ancestors: list[Hop]
-    remote_peer: str
-    seconds: float
-
-
-async def send_version(stream: Libp2pStream, signed: SignedManifest, wire: Buffer,
-                       route: Sequence[Hop], ancestors: Sequence[Hop]) -> dict:
-    """Write one push stream (the frames `broadcast.relay` POSTs), half-close, read the reply."""
-    m = signed.manifest
-    await stream.write(frame_header({"manifest": signed.to_wire(), "route": [h.to_wire() for h in route],
-                                     "ancestors": [h.to_wire() for h in ancestors]}))
-    view = memoryview(wire).cast("B")
-    for i in range(m.num_chunks):
-        chunk = m.wire_view(view, i)
-        await stream.write(frame_header({"i": i, "n": len(chunk)}))
-        for piece in pieces(chunk, 1 << 20):
-            await stream.write(piece)
-    await stream.close()
-    return await read_header(stream)
-
-
-async def receive_version(stream: Libp2pStream, verify_key: VerifyKey) -> ReceivedVersion:
-    """Read one push stream: verify the manifest's signature, then each chunk before keeping it.
-
-    Replies `{"status": 200, "have": n}`, or `{"status": 4xx/5xx, "error": ...}` and raises.
-    """
-    t0 = time.monotonic()
-    try:
-        header = await read_header(stream)
-        signed = SignedManifest.from_wire(header["manifest"], verify_key)
-        route = [Hop.from_wire(h) for h in header["route"]]
-        ancestors = [Hop.from_wire(h) for h in header["ancestors"]]
-        m = signed.manifest
-        data = bytearray(m.wire_size)
-        view = memoryview(data)
-        for i in range(m.num_chunks):
-            head = await read_header(stream)
-            if head.get("i") != i or head.get("n") != m.chunks[i].wire_length:
-                raise ProtocolError(f"expected chunk {i} of {m.chunks[i].wire_length} B, got {head!r}")
-            chunk = m.wire_view(view, i)
-            await read_into(stream, chunk)
-            await asyncio.to_thread(verify_chunk, m, i, chunk)
-    except (BroadcastError, KeyError, TypeError, ValueError) as e:
-        await stream.write(frame_header({"status": 400, "error": f"{type(e).__name__}: {e}"}))
-        await stream.close()
-        raise
-    await stream.write(frame_header({"status": 200, "have": m.num_chunks}))
-    await stream.close()
-    return ReceivedVersion(signed, data, route, ancestors, stream.remote_peer, time.monotonic() - t0)
 
 
 # -- loopback throughput, both transports in one run ------------------------------------------------
@@ -579,8 +685,42 @@ async def _libp2p_stream(size: int, security: str) -> dict:
     return {"mb_s": n / dt / 1e6, "cpu": cpu, "bytes": n}
 
 
-def compare_transports(size: int) -> list[dict]:
-    """Rows of `echo-rl bench broadcast transports`: one stream each, same run, loopback."""
+async def _relay_chain(size: int, transport: str, relays: int = 3) -> dict:
+    """MB/s of a whole chain, source -> r1 -> ... -> r`relays` (`broadcast.relay` nodes, all in this
+    process): `size` bytes over the given transport, from the push until the last relay holds it.
+
+    A small version goes down the chain first, so the connections are open (as between the
+    versions of a run) and the first-dial cost is not in the figure.
+    """
+    import os
+
+    from broadcast.relay import Relay, Source
+
+    key = SigningKey.generate()
+    src = Source(key, transport=transport)
+    chain = [Relay(f"r{i}", key.public_key(), transport=transport) for i in range(1, relays + 1)]
+    for node in (src, *chain):
+        await node.start()
+    try:
+        hops = [[r.hop for r in chain]]
+        await src.publish(os.urandom(1 << 20), 1, chunk_size=256 << 10)
+        await src.push("v1", hops)
+        await chain[-1].wait("v1", 60)
+        await src.publish(os.urandom(size), 2, chunk_size=1 << 20)
+        t0, c0 = time.perf_counter(), time.process_time()
+        if await src.push("v2", hops) != [True]:
+            raise BroadcastError(f"the push down the {transport} chain failed")
+        await chain[-1].wait("v2", 600)
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        for node in (*chain, src):
+            await node.stop()
+    return {"mb_s": size / dt / 1e6, "cpu": cpu}
+
+
+def compare_transports(size: int, chain_relays: int = 3) -> list[dict]:
+    """Rows of `echo-rl bench broadcast transports`: one stream each, then a relay chain over each
+    transport (`chain_relays` relays; 0: no chain rows); same run, loopback."""
     gib = size / (1 << 30)
     rows = []
     r = asyncio.run(_aiohttp_stream(size))
@@ -589,13 +729,22 @@ def compare_transports(size: int) -> list[dict]:
     version = available()
     if version is None:
         rows.append({"transport": "py-libp2p", "note": "not installed: pip install 'libp2p>=0.2'"})
-        return rows
-    for security in ("plaintext", "noise"):
-        try:
-            r = asyncio.run(_libp2p_stream(size, security))
-            rows.append({"transport": f"py-libp2p {version} {security}+yamux", "mb_s": r["mb_s"],
-                         "cpu_s_per_gib": r["cpu"] / gib, "note": "trio thread per host, asyncio bridge"
-                         + (" (libp2p's default security)" if security == "noise" else "")})
-        except BroadcastError as e:
-            rows.append({"transport": f"py-libp2p {version} {security}+yamux", "note": f"failed: {e}"})
+    else:
+        for security in ("plaintext", "noise"):
+            try:
+                r = asyncio.run(_libp2p_stream(size, security))
+                rows.append({"transport": f"py-libp2p {version} {security}+yamux", "mb_s": r["mb_s"],
+                             "cpu_s_per_gib": r["cpu"] / gib, "note": "trio thread per host, asyncio bridge"
+                             + (" (libp2p's default security)" if security == "noise" else "")})
+            except BroadcastError as e:
+                rows.append({"transport": f"py-libp2p {version} {security}+yamux", "note": f"failed: {e}"})
+    if chain_relays:
+        for transport in ("aiohttp", "libp2p") if version else ("aiohttp",):
+            name = f"{chain_relays}-relay chain, {transport}" + (" (noise)" if transport == "libp2p" else "")
+            try:
+                r = asyncio.run(_relay_chain(size, transport, chain_relays))
+                rows.append({"transport": name, "mb_s": r["mb_s"], "cpu_s_per_gib": r["cpu"] / gib,
+                             "note": f"source + {chain_relays} relays, one process (one GIL), 1 MiB chunks; end to end"})
+            except BroadcastError as e:
+                rows.append({"transport": name, "note": f"failed: {e}"})
     return rows

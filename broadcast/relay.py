@@ -27,12 +27,17 @@ the relay pulls the rest (from its first missing chunk, never from zero) from th
 ancestor other than the failed one, walking up to the source. A corrupt chunk is never
 committed, so it is never forwarded; its sender is skipped. A version is reported complete only
 when every chunk is verified: no node ends with a half-installed version.
+
+Transports: a hop's URL picks the transport of every stream to it — `http://` for aiohttp (the
+default), `p2p:<multiaddr>` for py-libp2p (`Node(transport="libp2p")` advertises one; same
+frames, see `broadcast.libp2p_transport`). Every node serves HTTP too, so fleets can mix.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -40,11 +45,25 @@ import mmap
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 from aiohttp import web
 
+from broadcast.libp2p_transport import (
+    MANIFEST_PROTOCOL,
+    PULL_PROTOCOL,
+    PUSH_PROTOCOL,
+    Libp2pError,
+    Libp2pHost,
+    Libp2pStream,
+    Libp2pUnavailable,
+    is_p2p,
+    listen_addr,
+    p2p_addr,
+    p2p_url,
+)
+from broadcast.libp2p_transport import available as libp2p_available
 from broadcast.manifest import (
     DEFAULT_CHUNK_SIZE,
     BroadcastError,
@@ -81,6 +100,7 @@ from broadcast.transport import (
 log = logging.getLogger("echo.broadcast")
 PREFIX = "/bcast/v1"
 MIB = float(1 << 20)
+TRANSPORTS = ("aiohttp", "libp2p")
 
 
 class BroadcastFailed(BroadcastError):
@@ -205,7 +225,14 @@ class Received:
 
 
 class Node:
-    """Shared server side: version stores, pull and status endpoints, outbound streams."""
+    """Shared server side: version stores, pull and status endpoints, outbound streams.
+
+    `transport="libp2p"` also runs a py-libp2p host (identity `p2p_key`, a fresh key if None;
+    TCP `p2p_port` on `host`, any if 0) and advertises its `p2p:` address as this node's `url`
+    (or `public_url`, e.g. `p2p_url(f"/ip4/{ip}/tcp/{port}/p2p/{peer_id(key)}")` behind NAT).
+    The HTTP server keeps running (status, and pushes from aiohttp peers). Either kind of node
+    reaches both kinds of peers.
+    """
 
     def __init__(
         self,
@@ -219,8 +246,16 @@ class Node:
         connect_timeout: float = 5.0,
         keep_versions: int = 2,
         on_event: Callable[[dict], Any] | None = None,
+        transport: str = "aiohttp",
+        p2p_key: SigningKey | None = None,
+        p2p_port: int = 0,
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "libp2p" and libp2p_available() is None:
+            raise Libp2pUnavailable("transport='libp2p' needs py-libp2p: pip install 'echo-rl[p2p]'")
         self.id = node_id
+        self.transport = transport
         self.host, self.port = host, port
         self._public_url = public_url
         self.up = TokenBucket(up_rate) if up_rate else None
@@ -231,12 +266,19 @@ class Node:
         self.stores: dict[str, VersionStore] = {}
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._p2p_key, self._p2p_port = p2p_key, p2p_port
+        self._p2p: Libp2pHost | None = None
+        self._p2p_lock = asyncio.Lock()
+        self._p2p_tasks: set[asyncio.Task] = set()  # inbound libp2p streams being served
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _routes(self) -> list[web.RouteDef]:
         return [web.get(PREFIX + "/chunks/{key}", self._handle_chunks),
                 web.get(PREFIX + "/manifest/{key}", self._handle_manifest),
                 web.get(PREFIX + "/status", self._handle_status)]
+
+    def _p2p_handlers(self) -> dict[str, Callable[[Libp2pStream], Awaitable[None]]]:
+        return {PULL_PROTOCOL: self._serve_pull_p2p, MANIFEST_PROTOCOL: self._serve_manifest_p2p}
 
     async def start(self) -> str:
         """Start serving; returns the node's URL."""
@@ -250,19 +292,57 @@ class Node:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
             auto_decompress=False)
+        if self.transport == "libp2p":
+            await self._p2p_host()
         return self.url
+
+    async def _p2p_host(self) -> Libp2pHost:
+        """This node's libp2p host: started by `start()` with transport="libp2p", else on the first
+        stream to a `p2p:` peer (then listening on loopback only: it is not advertised)."""
+        async with self._p2p_lock:
+            if self._p2p is None:
+                listen = (listen_addr(self.host, self._p2p_port) if self.transport == "libp2p"
+                          else listen_addr("127.0.0.1"))
+                host = Libp2pHost(self._p2p_key or SigningKey.generate(), listen=listen)
+                for protocol, handler in self._p2p_handlers().items():
+                    host.set_handler(protocol, self._tracked(handler))
+                await host.start()
+                self._p2p = host
+            return self._p2p
+
+    def _tracked(self, handler: Callable[[Libp2pStream], Awaitable[None]]) -> Callable[[Libp2pStream], Awaitable[None]]:
+        """Serve a libp2p stream as a task `stop()` cancels (aiohttp does that for its handlers)."""
+        async def serve(stream: Libp2pStream) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._p2p_tasks.add(task)
+            try:
+                await handler(stream)
+            finally:
+                self._p2p_tasks.discard(task)
+
+        return serve
 
     async def stop(self) -> None:
         for store in list(self.stores.values()):
             await store.close(BroadcastError("node stopped"))
+        for task in list(self._p2p_tasks):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._p2p is not None:
+            await self._p2p.stop()
+            self._p2p = None
 
     @property
     def url(self) -> str:
-        return self._public_url or f"http://{self.host}:{self.port}"
+        if self._public_url:
+            return self._public_url
+        if self.transport == "libp2p" and self._p2p is not None:
+            return p2p_url(self._p2p.addrs[0])
+        return f"http://{self.host}:{self.port}"
 
     @property
     def hop(self) -> Hop:
@@ -352,15 +432,10 @@ class Node:
             async for piece in self._frames(store, 0, guard, bucket):
                 yield piece
 
-        async def post() -> tuple[int, str]:
-            assert self._session is not None, "start() the node first"
-            async with self._session.post(f"{child.url}{PREFIX}/push", data=body(),
-                                          headers={"Content-Type": "application/octet-stream"}) as resp:
-                return resp.status, (await resp.text())[:300]
-
+        send = self._push_p2p if is_p2p(child.url) else self._push_http
         t0 = time.monotonic()
         try:
-            status, text = await guard.run(post())
+            status, text = await guard.run(send(child.url, body()))
         except Exception as e:  # noqa: BLE001 - connection errors, stalls, body-generator errors
             return 0, f"{type(e).__name__}: {e}"
         if status == 200:
@@ -371,38 +446,119 @@ class Node:
                      store.manifest.wire_size / MIB / max(dt, 1e-9))
         return status, text
 
-    # -- handlers -----------------------------------------------------------------------------
-    async def _handle_chunks(self, request: web.Request) -> web.StreamResponse:
-        store = self.stores.get(request.match_info["key"])
-        if store is None or store.gone is not None:
-            raise web.HTTPNotFound(text=f"{self.id} does not hold {request.match_info['key']}")
+    async def _push_http(self, url: str, body: AsyncIterator[Buffer]) -> tuple[int, str]:
+        assert self._session is not None, "start() the node first"
+        async with self._session.post(f"{url}{PREFIX}/push", data=body,
+                                      headers={"Content-Type": "application/octet-stream"}) as resp:
+            return resp.status, (await resp.text())[:300]
+
+    async def _push_p2p(self, url: str, body: AsyncIterator[Buffer]) -> tuple[int, str]:
+        """The push over a libp2p stream: write the body, half-close, read the one reply frame.
+
+        The reply is read while writing, as aiohttp does: a child that already has the version
+        (409) or refuses the stream answers at once, and the rest of the body is not sent.
+        """
+        host = await self._p2p_host()
+        stream = await host.open_stream(p2p_addr(url), PUSH_PROTOCOL, timeout=self.connect_timeout)
+
+        async def send() -> None:
+            async for piece in body:
+                await stream.write(piece)
+            await stream.close()  # half-close: the child reads EOF, we still read its reply
+
+        sending = asyncio.ensure_future(send())
+        sending.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        replied = asyncio.ensure_future(read_header(stream))
+        clean = False
         try:
-            start = int(request.query.get("from", "0"))
-        except ValueError:
+            await asyncio.wait({sending, replied}, return_when=asyncio.FIRST_COMPLETED)
+            if not replied.done():
+                sending.result()  # sending failed: raise why (the reply may never come)
+            reply = await replied
+            clean = sending.done() and not sending.cancelled() and sending.exception() is None
+            try:
+                return int(reply["status"]), str(reply.get("text", ""))[:300]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ProtocolError(f"bad push reply {reply!r}") from e
+        finally:
+            sending.cancel()
+            replied.cancel()
+            if not clean:  # answered early, failed or cancelled: stop both directions now
+                stream.abort()
+
+    # -- handlers -----------------------------------------------------------------------------
+    def _pull_request(self, key: str, start: Any) -> tuple[VersionStore, int]:
+        """The store and first chunk of a pull (either transport); raises the HTTP error if refused."""
+        store = self.stores.get(key)
+        if store is None or store.gone is not None:
+            raise web.HTTPNotFound(text=f"{self.id} does not hold {key}")
+        try:
+            start = int(start)
+        except (TypeError, ValueError):
             raise web.HTTPBadRequest(text="`from` must be a chunk index") from None
         if not 0 <= start <= store.manifest.num_chunks:
             raise web.HTTPBadRequest(text=f"`from`={start} outside 0..{store.manifest.num_chunks}")
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        await resp.prepare(request)
-        guard = StallGuard(self.stall_timeout)
+        return store, start
 
+    async def _send_chunks(self, store: VersionStore, start: int, write: Callable[[Buffer], Awaitable[Any]]) -> None:
+        """A pull stream: `{"key", "start"}`, then chunks `start..` as each is verified here."""
+        guard = StallGuard(self.stall_timeout)
         # A pull is paced like the chain it repairs (the route's rate), so a repairing child
         # does not flood the uplink this node shares with its own push.
         bucket = TokenBucket(store.pace) if store.pace else None
 
         async def serve() -> None:
-            await resp.write(frame_header({"key": store.key, "start": start}))
+            await write(frame_header({"key": store.key, "start": start}))
             async for piece in self._frames(store, start, guard, bucket):
-                await resp.write(piece)
-            await resp.write_eof()
+                await write(piece)
 
+        await guard.run(serve())
+
+    async def _handle_chunks(self, request: web.Request) -> web.StreamResponse:
+        store, start = self._pull_request(request.match_info["key"], request.query.get("from", "0"))
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await resp.prepare(request)
         try:
-            await guard.run(serve())
+            await self._send_chunks(store, start, resp.write)
+            await resp.write_eof()
         except (ConnectionError, aiohttp.ClientError, Stalled, VersionGone, RuntimeError) as e:
             log.info("%s: pull of %s from %d ended: %s", self.id, store.key, start, e)
             if request.transport is not None:
                 request.transport.close()
         return resp
+
+    async def _serve_pull_p2p(self, stream: Libp2pStream) -> None:
+        """`PULL_PROTOCOL`: a `{"key", "from"}` request, answered like `GET /chunks/{key}?from=`."""
+        try:
+            request = await asyncio.wait_for(read_header(stream), self.stall_timeout)
+            store, start = self._pull_request(str(request.get("key")), request.get("from", 0))
+        except web.HTTPException as e:
+            return await self._reply_p2p(stream, {"error": f"{e.status} {e.text}"})
+        except (ProtocolError, Libp2pError, asyncio.TimeoutError) as e:
+            return await self._reply_p2p(stream, {"error": f"400 bad pull request: {type(e).__name__}: {e}"})
+        try:
+            await self._send_chunks(store, start, stream.write)
+            await stream.close()
+        except (Libp2pError, Stalled, VersionGone) as e:
+            log.info("%s: pull of %s from %d ended: %s", self.id, store.key, start, e)
+            stream.abort()
+
+    async def _serve_manifest_p2p(self, stream: Libp2pStream) -> None:
+        """`MANIFEST_PROTOCOL`: `{"key"}` -> `{"manifest": signed wire}`, like `GET /manifest/{key}`."""
+        try:
+            request = await asyncio.wait_for(read_header(stream), self.stall_timeout)
+        except (ProtocolError, Libp2pError, asyncio.TimeoutError) as e:
+            return await self._reply_p2p(stream, {"error": f"400 bad manifest request: {type(e).__name__}: {e}"})
+        store = self.stores.get(str(request.get("key")))
+        await self._reply_p2p(stream, {"manifest": store.signed.to_wire()} if store is not None
+                              else {"error": f"404 {self.id} does not hold {request.get('key')}"})
+
+    @staticmethod
+    async def _reply_p2p(stream: Libp2pStream, reply: dict) -> None:
+        """Write a one-frame answer and half-close; a peer that is gone already is not an error."""
+        with contextlib.suppress(Libp2pError):
+            await stream.write(frame_header(reply))
+            await stream.close()
 
     async def _handle_manifest(self, request: web.Request) -> web.Response:
         store = self.stores.get(request.match_info["key"])
@@ -442,6 +598,9 @@ class Relay(Node):
     def _routes(self) -> list[web.RouteDef]:
         return super()._routes() + [web.post(PREFIX + "/push", self._handle_push)]
 
+    def _p2p_handlers(self) -> dict[str, Callable[[Libp2pStream], Awaitable[None]]]:
+        return {**super()._p2p_handlers(), PUSH_PROTOCOL: self._serve_push_p2p}
+
     async def wait(self, key: str, timeout: float | None = None) -> Received:
         """Wait until version `key` is complete here (raises `BroadcastFailed` if it failed)."""
         async def arrival() -> Received:
@@ -478,12 +637,12 @@ class Relay(Node):
         signed = None
         for peer in peers:
             try:
-                async with self._session.get(f"{peer.url}{PREFIX}/manifest/{key}") as resp:
-                    if resp.status == 200:
-                        signed = SignedManifest.from_wire(await resp.read(), self.verify_key)
-                        break
-            except (aiohttp.ClientError, OSError):
+                wire = await self._get_manifest(peer, key)
+            except (aiohttp.ClientError, OSError, Libp2pError, ProtocolError, asyncio.TimeoutError):
                 continue
+            if wire is not None:
+                signed = SignedManifest.from_wire(wire, self.verify_key)
+                break
         if signed is None:
             raise BroadcastFailed(f"no peer of {[p.id for p in peers]} serves {key}")
         if signed.manifest.key != key:
@@ -492,6 +651,24 @@ class Relay(Node):
         store.ancestors = list(peers)
         await self._spawn(store, self._repair(store, failed_index=-1, reason="fetch"))
         return await self.wait(key)
+
+    async def _get_manifest(self, peer: Hop, key: str) -> bytes | None:
+        """The signed manifest wire of `key` from `peer` (either transport), None if it lacks it."""
+        if is_p2p(peer.url):
+            stream = await (await self._p2p_host()).open_stream(p2p_addr(peer.url), MANIFEST_PROTOCOL,
+                                                                timeout=self.connect_timeout)
+            reply: dict = {}
+            try:
+                await stream.write(frame_header({"key": key}))
+                await stream.close()
+                reply = await asyncio.wait_for(read_header(stream), self.stall_timeout)
+            finally:
+                if not reply:  # no answer: give up the stream (answered: the peer has closed it)
+                    stream.abort()
+            return reply.get("manifest")
+        assert self._session is not None, "start() the relay first"
+        async with self._session.get(f"{peer.url}{PREFIX}/manifest/{key}") as resp:
+            return await resp.read() if resp.status == 200 else None
 
     # -- receiving ----------------------------------------------------------------------------
     async def _new_store(self, signed: SignedManifest) -> VersionStore:
@@ -505,7 +682,32 @@ class Relay(Node):
         return Received(store.manifest, store.signed, store.buffer, store.stats)
 
     async def _handle_push(self, request: web.Request) -> web.StreamResponse:
-        reader = request.content
+        status, text = await self._accept_push(request.content, peer=request.remote)
+        if status == 200:
+            return web.json_response(text=text)
+        if status == 409:
+            # Reply without cutting the connection: the sender must read this 409 (it means "taken
+            # care of", not "failed"); its client stops sending once it has the reply.
+            return web.Response(status=409, text=text)
+        # Refused, or a bad upstream: drop its connection (it stops sending).
+        return await self._abort(request, status, text)
+
+    async def _serve_push_p2p(self, stream: Libp2pStream) -> None:
+        """`PUSH_PROTOCOL`: the push stream, answered with one `{"status", "text"}` frame.
+
+        The reply is followed by a half-close only: a reset could overtake it. The sender reads
+        the reply while it writes and resets the stream itself once answered early.
+        """
+        status, text = await self._accept_push(stream, peer=stream.remote_peer)
+        await self._reply_p2p(stream, {"status": status, "text": text})
+
+    async def _accept_push(self, reader: Any, peer: str | None) -> tuple[int, str]:
+        """An inbound push, whatever its transport: verify the signed manifest and route, find
+        this node in the route, start forwarding, receive; repair if the stream fails.
+
+        Returns the reply as (HTTP status, text): 200 received all, 409 already held, 400/403
+        refused, 502 the stream failed (the rest is being pulled elsewhere).
+        """
         step = "manifest"
         try:
             header = await asyncio.wait_for(read_header(reader), self.stall_timeout)
@@ -518,15 +720,13 @@ class Relay(Node):
             above = route.route.above(chain, pos)
             sender = [h.id for h in above].index(header.get("from"))  # ValueError: not our upstream
         except (SignatureError, RouteError) as e:
-            self.emit(f"{step}_rejected", peer=request.remote, error=str(e))
-            return await self._abort(request, 403 if isinstance(e, SignatureError) else 400, str(e))
-        except (ProtocolError, KeyError, TypeError, ValueError, asyncio.TimeoutError) as e:
-            return await self._abort(request, 400, f"bad stream header: {type(e).__name__}: {e}")
+            self.emit(f"{step}_rejected", peer=peer, error=str(e))
+            return 403 if isinstance(e, SignatureError) else 400, str(e)
+        except (ProtocolError, Libp2pError, KeyError, TypeError, ValueError, asyncio.TimeoutError) as e:
+            return 400, f"bad stream header: {type(e).__name__}: {e}"
         key = signed.manifest.key
         if key in self.stores:  # one inbound per version; a broken one is repaired by pulling
-            # Reply without cutting the connection: the sender must read this 409 (it means "taken
-            # care of", not "failed"); its client stops sending once it has the reply.
-            return web.Response(status=409, text=f"{self.id} already has or is receiving {key}")
+            return 409, f"{self.id} already has or is receiving {key}"
         store = await self._new_store(signed)
         store.route = route
         store.ancestors = above[sender:]
@@ -535,10 +735,10 @@ class Relay(Node):
         if route.route.below(chain, pos):
             self._spawn(store, self._push(store, route, chain, pos + 1))
         if await self._receive(store, reader, store.ancestors[0]):
-            return web.json_response({"have": store.have})
-        # Bad upstream: drop its connection (it stops sending) and fetch the rest elsewhere.
-        self._spawn(store, self._repair(store, failed_index=0, reason=store.last_failure))
-        return await self._abort(request, 502, f"inbound stream failed at chunk {store.have}")
+            return 200, json.dumps({"have": store.have})
+        if store.gone is None:  # a bad upstream, not our own shutdown: fetch the rest elsewhere
+            self._spawn(store, self._repair(store, failed_index=0, reason=store.last_failure))
+        return 502, f"inbound stream failed at chunk {store.have}"
 
     @staticmethod
     async def _abort(request: web.Request, status: int, text: str) -> web.StreamResponse:
@@ -568,7 +768,7 @@ class Relay(Node):
             self.emit("chunk_corrupt", key=store.key, index=e.index, sender=parent.id, reason=e.reason)
             store.last_failure = f"corrupt chunk {e.index} from {parent.id}"
             return False
-        except (ProtocolError, Stalled, aiohttp.ClientError, OSError) as e:
+        except (ProtocolError, Stalled, Libp2pError, aiohttp.ClientError, OSError) as e:
             store.last_failure = f"{type(e).__name__}: {e}"
             self.emit("inbound_failed", key=store.key, sender=parent.id, have=store.have,
                       error=store.last_failure)
@@ -621,7 +821,7 @@ class Relay(Node):
         """
         ancestors = store.ancestors
         idx, source_tries = failed_index + 1, 0
-        while not store.complete:
+        while not store.complete and store.gone is None:
             if idx >= len(ancestors):
                 if not ancestors or source_tries >= self.max_source_retries:
                     err = BroadcastFailed(f"{store.key}: no ancestor could deliver the rest ({reason}); "
@@ -636,22 +836,42 @@ class Relay(Node):
             store.stats.repairs.append({"t": time.time(), "reason": reason, "via": hop.id, "from": resume})
             self.emit("repair", key=store.key, via=hop.id, resume_from=resume, reason=reason)
             try:
-                assert self._session is not None
-                # No read timeout here: `_receive`'s stall guard watches progress.
-                async with self._session.get(f"{hop.url}{PREFIX}/chunks/{store.key}",
-                                             params={"from": resume}) as resp:
-                    if resp.status != 200:
-                        reason = f"{hop.id} answered HTTP {resp.status}"
-                    else:
-                        head = await asyncio.wait_for(read_header(resp.content), self.stall_timeout)
-                        if head.get("start") != resume:
-                            raise ProtocolError(f"asked for chunks from {resume}, stream starts at {head.get('start')}")
-                        if await self._receive(store, resp.content, hop):
-                            return
-                        reason = store.last_failure
-            except (aiohttp.ClientError, OSError, ProtocolError, asyncio.TimeoutError) as e:
+                failure = await self._pull(store, hop, resume)
+                if failure is None:
+                    return
+                reason = failure
+            except (aiohttp.ClientError, OSError, ProtocolError, Libp2pError, asyncio.TimeoutError) as e:
                 reason = f"{hop.id} unreachable: {type(e).__name__}: {e}"
             idx += 1
+
+    async def _pull(self, store: VersionStore, hop: Hop, resume: int) -> str | None:
+        """Pull chunks `resume..` from `hop` over its transport: None once complete, else why not."""
+        if is_p2p(hop.url):
+            host = await self._p2p_host()
+            stream = await host.open_stream(p2p_addr(hop.url), PULL_PROTOCOL, timeout=self.connect_timeout)
+            failure: str | None = "cancelled"
+            try:
+                await stream.write(frame_header({"key": store.key, "from": resume}))
+                await stream.close()
+                failure = await self._pull_from(store, stream, hop, resume)
+                return failure
+            finally:
+                if failure is not None:  # failed or cancelled: stop the peer sending (complete: it has closed)
+                    stream.abort()
+        assert self._session is not None
+        # No read timeout here: `_receive`'s stall guard watches progress.
+        async with self._session.get(f"{hop.url}{PREFIX}/chunks/{store.key}", params={"from": resume}) as resp:
+            if resp.status != 200:
+                return f"{hop.id} answered HTTP {resp.status}"
+            return await self._pull_from(store, resp.content, hop, resume)
+
+    async def _pull_from(self, store: VersionStore, reader: Any, hop: Hop, resume: int) -> str | None:
+        head = await asyncio.wait_for(read_header(reader), self.stall_timeout)
+        if "error" in head:
+            return f"{hop.id} answered {head['error']}"
+        if head.get("start") != resume:
+            raise ProtocolError(f"asked for chunks from {resume}, stream starts at {head.get('start')}")
+        return None if await self._receive(store, reader, hop) else store.last_failure
 
 
 class Source(Node):
@@ -659,6 +879,9 @@ class Source(Node):
 
     def __init__(self, signing_key: SigningKey, node_id: str = "source", **kwargs: Any) -> None:
         kwargs.setdefault("keep_versions", 4)  # current and previous version, full and delta each
+        # The learner's libp2p identity is its signing key: workers derive its peer ID from the
+        # public key they already hold (`libp2p_transport.peer_id`), and noise proves it.
+        kwargs.setdefault("p2p_key", signing_key)
         super().__init__(node_id, **kwargs)
         self.signing_key = signing_key
 
@@ -749,6 +972,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--up-rate", type=float, default=None, help="upload cap, bytes/s")
     p.add_argument("--down-rate", type=float, default=None, help="download cap, bytes/s")
     p.add_argument("--stall-timeout", type=float, default=15.0)
+    p.add_argument("--transport", choices=TRANSPORTS, default="aiohttp", help="what this relay advertises")
     args = p.parse_args(argv)
 
     def print_event(record: dict) -> None:
@@ -757,7 +981,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     async def run() -> None:
         relay = Relay(args.id, VerifyKey.from_text(args.public_key), host=args.host, port=args.port,
                       up_rate=args.up_rate, down_rate=args.down_rate, stall_timeout=args.stall_timeout,
-                      on_event=print_event)
+                      on_event=print_event, transport=args.transport)
         url = await relay.start()
         print(json.dumps({"id": args.id, "url": url}), flush=True)
         stop = asyncio.Event()

@@ -349,8 +349,8 @@ def _update_worker(w: WorkerInfo, data: dict) -> None:
             setattr(w, key, str(data[key])[:64])
     if "relay_url" in data:
         url = str(data["relay_url"])
-        if url and not url.startswith(("http://", "https://")):
-            raise web.HTTPBadRequest(text="relay_url must be an http(s) URL")
+        if url and not url.startswith(("http://", "https://", "p2p:/")):
+            raise web.HTTPBadRequest(text="relay_url must be an http(s) URL or p2p:<multiaddr> (libp2p relays)")
         w.relay_url = url[:256]
 
 

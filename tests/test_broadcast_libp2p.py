@@ -1,5 +1,6 @@
-"""The py-libp2p transport on loopback: peer IDs from ed25519 keys, the broadcast frames over a
-libp2p stream with every chunk verified, and a paused reader that outlives yamux's 5 s limit.
+"""Relay chains over py-libp2p on loopback: peer IDs from ed25519 keys, a chain of libp2p relays
+forwarding while receiving, a chain crossing transports, repair pulls and tamper detection over
+libp2p streams, and a paused reader that outlives yamux's 5 s limit.
 
 Skipped (with the reason) where py-libp2p is not installed: it is the optional extra `p2p`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -17,15 +19,24 @@ from broadcast.libp2p_transport import (
     PUSH_PROTOCOL,
     Libp2pHost,
     Libp2pStream,
+    is_p2p,
+    p2p_addr,
+    p2p_url,
     peer_id,
-    receive_version,
-    send_version,
 )
 from broadcast.manifest import build_manifest
-from broadcast.signing import ChunkCorrupt, SigningKey, VerifyKey, sign_manifest
-from broadcast.transport import Hop, read_header
+from broadcast.relay import Relay, Source
+from broadcast.route import route_for, sign_route
+from broadcast.signing import SigningKey, VerifyKey, sign_manifest
+from broadcast.transport import Hop, frame_header, read_header
 
+KIB = 1 << 10
 MIB = 1 << 20
+
+
+async def stop_all(*nodes) -> None:
+    for n in nodes:
+        await n.stop()
 
 
 def test_peer_id_comes_from_the_ed25519_key():
@@ -44,59 +55,214 @@ def test_peer_id_comes_from_the_ed25519_key():
     assert host_id == pid and addrs[0].endswith(f"/p2p/{pid}") and "/ip4/127.0.0.1/" in addrs[0]
 
 
-@pytest.mark.parametrize("security", ["noise", "plaintext"])
-def test_a_signed_version_crosses_a_libp2p_stream_verified(security):
-    learner = SigningKey.generate()
-    blob = os.urandom(5 * MIB + 123)
-    signed = sign_manifest(learner, build_manifest(blob, 7, chunk_size=MIB))
+def test_a_chain_of_libp2p_relays_forwards_while_receiving():
+    key = SigningKey.generate()
+    blob = os.urandom(4 * MIB + 123)
 
     async def run():
-        got: asyncio.Future = asyncio.get_running_loop().create_future()
+        # 8 MB/s uplinks: each hop takes ~0.5 s, so forwarding overlaps receiving
+        src = Source(key, transport="libp2p", up_rate=8e6)
+        relays = [Relay(f"r{i}", key.public_key(), transport="libp2p", up_rate=8e6) for i in (1, 2, 3)]
+        for n in (src, *relays):
+            await n.start()
+        try:
+            await src.publish(blob, 1, chunk_size=256 * KIB)
+            assert await src.push("v1", [[r.hop for r in relays]]) == [True]
+            return src.hop, [r.hop for r in relays], [await r.wait("v1", 20) for r in relays]
+        finally:
+            await stop_all(*relays, src)
 
-        async def on_push(stream: Libp2pStream) -> None:
-            got.set_result(await receive_version(stream, learner.public_key()))
-
-        async with Libp2pHost(learner, security=security) as src, \
-                Libp2pHost(SigningKey.generate(), security=security) as worker:
-            worker.set_handler(PUSH_PROTOCOL, on_push)
-            stream = await src.open_stream(worker.addrs[0], PUSH_PROTOCOL)
-            route, ancestors = [Hop(worker.peer_id, worker.addrs[0])], [Hop("source", src.addrs[0])]
-            reply = await send_version(stream, signed, blob, route, ancestors)
-            return reply, await asyncio.wait_for(got, 30), src.peer_id
-
-    reply, received, src_id = asyncio.run(run())
-    assert reply == {"status": 200, "have": 6}
-    assert bytes(received.data) == blob
-    assert received.signed.manifest.root == signed.manifest.root
-    assert received.route[0].url.endswith(received.route[0].id)
-    assert received.ancestors[0].id == "source"
-    assert received.remote_peer == src_id == peer_id(learner)
+    src_hop, hops, got = asyncio.run(run())
+    assert all(is_p2p(h.url) for h in (src_hop, *hops))
+    assert src_hop.url.endswith(f"/p2p/{peer_id(key)}")  # the learner's peer ID is its signing key's
+    assert all(bytes(g.data) == blob for g in got)
+    assert [g.stats.parent for g in got] == ["source", "r1", "r2"]
+    r1, r2, r3 = (g.stats for g in got)
+    assert r1.forwarded_before_complete > 0 and r2.forwarded_before_complete > 0
+    assert r3.t_first_chunk < r2.t_complete  # pipelined down the chain
+    assert all(g.stats.bytes_in == len(blob) and not g.stats.repairs for g in got)
 
 
-def test_a_flipped_byte_is_refused_with_a_reply():
-    learner = SigningKey.generate()
-    blob = bytearray(os.urandom(2 * MIB))
-    signed = sign_manifest(learner, build_manifest(bytes(blob), 1, chunk_size=MIB))
-    blob[MIB + 5] ^= 1  # chunk 1 no longer matches the signed manifest
+def test_a_chain_crossing_transports():
+    """source (aiohttp) -> r1 (libp2p) -> r2 (aiohttp) -> r3 (libp2p): each sender picks the
+    transport from its child's URL; aiohttp nodes dial libp2p peers with a host of their own.
+    Then a late joiner (aiohttp) fetches the version from r3 (manifest and chunks over libp2p)."""
+    key = SigningKey.generate()
+    blob = os.urandom(2 * MIB)
 
     async def run():
-        got: asyncio.Future = asyncio.get_running_loop().create_future()
+        src = Source(key)
+        r1 = Relay("r1", key.public_key(), transport="libp2p")
+        r2 = Relay("r2", key.public_key())
+        r3 = Relay("r3", key.public_key(), transport="libp2p")
+        late = Relay("late", key.public_key())
+        for n in (src, r1, r2, r3, late):
+            await n.start()
+        try:
+            await src.publish(blob, 1, chunk_size=256 * KIB)
+            hops = [r1.hop, r2.hop, r3.hop]
+            assert await src.push("v1", [hops]) == [True]
+            got = [await r.wait("v1", 20) for r in (r1, r2, r3)]
+            return hops, got, await late.fetch("v1", [r3.hop])
+        finally:
+            await stop_all(late, r1, r2, r3, src)
 
-        async def on_push(stream: Libp2pStream) -> None:
-            try:
-                await receive_version(stream, learner.public_key())
-            except ChunkCorrupt as e:
-                got.set_result(e)
+    hops, got, fetched = asyncio.run(run())
+    assert [is_p2p(h.url) for h in hops] == [True, False, True]
+    assert all(bytes(g.data) == blob for g in got)
+    assert [g.stats.parent for g in got] == ["source", "r1", "r2"]
+    assert all(not g.stats.repairs for g in got)
+    assert bytes(fetched.data) == blob and fetched.stats.parent == "r3"
 
-        async with Libp2pHost(learner) as src, Libp2pHost(SigningKey.generate()) as worker:
-            worker.set_handler(PUSH_PROTOCOL, on_push)
-            stream = await src.open_stream(worker.addrs[0], PUSH_PROTOCOL)
-            reply = await send_version(stream, signed, blob, [Hop("w", worker.addrs[0])], [Hop("s", src.addrs[0])])
-            return reply, await asyncio.wait_for(got, 30)
 
-    reply, err = asyncio.run(run())
-    assert reply["status"] == 400 and "ChunkCorrupt" in reply["error"]
-    assert err.index == 1
+def test_stopped_relay_is_repaired_around_over_libp2p():
+    """r1 stops mid-transfer: r2's inbound stream is reset, and r2 resumes from its first missing
+    chunk by pulling from the source over libp2p; r3 keeps its parent and completes."""
+    key = SigningKey.generate()
+    blob = os.urandom(6 * MIB)
+    chunk = 256 * KIB
+
+    async def run():
+        src = Source(key, transport="libp2p", up_rate=6e6)  # ~1 s for the whole version
+        events: list[dict] = []
+        relays = [Relay(f"r{i}", key.public_key(), transport="libp2p", stall_timeout=2, on_event=events.append)
+                  for i in (1, 2, 3)]
+        r1, r2, r3 = relays
+        for n in (src, *relays):
+            await n.start()
+        try:
+            await src.publish(blob, 1, chunk_size=chunk)
+            push = asyncio.create_task(src.push("v1", [[r.hop for r in relays]]))
+            deadline = time.monotonic() + 20
+            while not (r2.stores.get("v1") and r2.stores["v1"].have >= 6):  # a quarter of the chunks
+                assert time.monotonic() < deadline, "r2 never got going"
+                await asyncio.sleep(0.01)
+            killed_at = r2.stores["v1"].have
+            await r1.stop()
+            got = [await r.wait("v1", 20) for r in (r2, r3)]
+            await push
+            return killed_at, got, events
+        finally:
+            await stop_all(r2, r3, src)
+
+    killed_at, (g2, g3), events = asyncio.run(run())
+    assert bytes(g2.data) == blob and bytes(g3.data) == blob
+    s2, s3 = g2.stats, g3.stats
+    assert s2.repairs and s2.repairs[0]["via"] == "source" and s2.repairs[0]["from"] >= killed_at > 0
+    assert "no progress" not in s2.repairs[0]["reason"]  # the stopped host reset it: no stall wait
+    assert s2.parent == "source"  # the stream that finished it came from the source
+    assert s2.bytes_in <= len(blob) + chunk  # resumed, not restarted
+    assert any(e["event"] == "inbound_failed" and e["node"] == "r2" for e in events)
+    # r3's own upstream (r2) never broke: it kept receiving while r2 repaired
+    assert s3.parent == "r2" and not s3.repairs and s3.bytes_in == len(blob)
+
+
+async def evil_push_p2p(host: Libp2pHost, url: str, signed, blob: bytes, route, *, sender: str,
+                        corrupt: int | None = None) -> dict:
+    """A misbehaving upstream over libp2p: a push stream (signed manifest and route, posing as
+    `sender`) whose chunk `corrupt` has a flipped byte; sends up to that chunk, then reads the reply."""
+    m = signed.manifest
+    stream = await host.open_stream(p2p_addr(url), PUSH_PROTOCOL, timeout=5)
+    await stream.write(frame_header({"manifest": signed.to_wire(), "route": route.to_wire(), "from": sender}))
+    for c in m.chunks[:None if corrupt is None else corrupt + 1]:
+        data = bytearray(blob[c.offset:c.offset + c.length])
+        if c.index == corrupt:
+            data[len(data) // 2] ^= 0x01
+        await stream.write(frame_header({"i": c.index, "n": c.wire_length}))
+        await stream.write(bytes(data))
+    reply = await asyncio.wait_for(read_header(stream), 10)
+    stream.abort()
+    return reply
+
+
+def test_flipped_byte_over_libp2p_caught_at_first_hop_and_never_forwarded():
+    key = SigningKey.generate()
+    blob = os.urandom(4 * MIB)
+
+    async def run():
+        events: list[dict] = []
+        src = Source(key, transport="libp2p")
+        a = Relay("a", key.public_key(), transport="libp2p", on_event=events.append, stall_timeout=2)
+        b = Relay("b", key.public_key(), transport="libp2p", on_event=events.append, stall_timeout=2)
+        for n in (src, a, b):
+            await n.start()
+        evil_key = SigningKey.generate()
+        try:
+            async with Libp2pHost(evil_key) as evil:
+                full, _ = await src.publish(blob, 1, chunk_size=256 * KIB)
+                evil_hop = Hop("evil", p2p_url(f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id(evil_key)}"))
+                route = sign_route(key, route_for(full.manifest, src.hop, [[evil_hop, a.hop, b.hop]]))
+                reply = await evil_push_p2p(evil, a.url, full, blob, route, sender="evil", corrupt=5)
+                ra, rb = await a.wait("v1", 10), await b.wait("v1", 10)
+            return reply, bytes(ra.data), bytes(rb.data), ra.stats, rb.stats, events
+        finally:
+            await stop_all(a, b, src)
+
+    reply, da, db, sa, sb, events = asyncio.run(run())
+    assert reply["status"] == 502 and "chunk 5" in reply["text"]
+    assert da == blob and db == blob
+    assert [(c["index"], c["from"], c["reason"]) for c in sa.corrupt] == [(5, "evil", "blake3 mismatch")]
+    assert [e["sender"] for e in events if e["event"] == "chunk_corrupt"] == ["evil"]  # only at a
+    assert sa.repairs[0]["via"] == "source" and sa.repairs[0]["from"] == 5  # resumed over libp2p
+    assert sb.corrupt == [] and sb.bytes_in == len(blob) and sb.repairs == []  # b never saw it
+
+
+def test_foreign_manifest_and_forged_route_refused_over_libp2p():
+    key, intruder = SigningKey.generate(), SigningKey.generate()
+    blob = os.urandom(1 * MIB)
+
+    async def run():
+        events: list[dict] = []
+        a = Relay("a", key.public_key(), transport="libp2p", on_event=events.append)
+        await a.start()
+        try:
+            async with Libp2pHost(intruder) as evil:
+                m = build_manifest(blob, 1, chunk_size=256 * KIB)
+                x = Hop("x", p2p_url(f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id(intruder)}"))
+                good_route = sign_route(key, route_for(m, Hop("s", "http://127.0.0.1:9"), [[x, a.hop]]))
+                foreign = await evil_push_p2p(evil, a.url, sign_manifest(intruder, m), blob, good_route, sender="x")
+                forged_route = sign_route(intruder, good_route.route)
+                forged = await evil_push_p2p(evil, a.url, sign_manifest(key, m), blob, forged_route, sender="x")
+            return foreign, forged, events, dict(a.stores)
+        finally:
+            await a.stop()
+
+    foreign, forged, events, stores = asyncio.run(run())
+    assert foreign["status"] == 403 and forged["status"] == 403
+    assert [e["event"] for e in events] == ["manifest_rejected", "route_rejected"]
+    assert stores == {}  # nothing accepted
+
+
+def test_late_joiner_fetch_and_409_over_libp2p():
+    """b fetches the version (manifest and chunks over libp2p) before the push reaches it; a's push
+    to b is then answered 409 early, read, and not reported as a failure."""
+    key = SigningKey.generate()
+    blob = os.urandom(2 * MIB)
+
+    async def run():
+        src = Source(key, transport="libp2p")
+        events: list[dict] = []
+        a = Relay("a", key.public_key(), transport="libp2p", on_event=events.append)
+        b = Relay("b", key.public_key(), transport="libp2p")
+        for n in (src, a, b):
+            await n.start()
+        try:
+            await src.publish(blob, 1, chunk_size=256 * KIB)
+            fetched = await b.fetch("v1", [src.hop])
+            ok = await src.push("v1", [[a.hop, b.hop]])
+            await a.wait("v1", 10)
+            for _ in range(100):  # a's push to b ends after a has everything
+                if not any(not t.done() for t in a.stores["v1"].tasks):
+                    break
+                await asyncio.sleep(0.05)
+            return bytes(fetched.data), ok, events, a.stores["v1"].stats
+        finally:
+            await stop_all(a, b, src)
+
+    data, ok, events, stats = asyncio.run(run())
+    assert data == blob and ok == [True]
+    assert [e for e in events if e["event"] == "child_failed"] == []
+    assert stats.pushes == []  # b took nothing from a
 
 
 def test_a_reader_paused_longer_than_yamux_allows_still_gets_everything():

@@ -199,3 +199,28 @@ def test_command_provider_launches_machines_with_the_users_command(learner_facto
     assert launched.read_text().split() == ["box", "0.2"]  # placeholders filled in, shell-quoted
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert [w["name"] for w in summary["workers"]] == ["box"] and summary["steps"] == 5
+
+
+def test_workers_relay_over_libp2p(learner_factory, tmp_path):
+    """The same loop with the workers' relays on py-libp2p (`[worker] relay_transport`): the
+    learner pushes each signed version to a `p2p:` address and the workers forward it there."""
+    import pytest
+
+    pytest.importorskip("libp2p", reason="py-libp2p is not installed (optional extra: pip install 'echo-rl[p2p]')")
+    steps = 8
+    lp = learner_factory(run={"steps": steps}, buffer={"max_staleness": 2})
+    workers = [lp.worker(name, "--worker.max_rollouts_per_s", "40", "--worker.relay_transport", "libp2p")
+               for name in ("a", "b")]
+    lp.wait_until(lambda: sum(w["relay_url"].startswith("p2p:/ip4/127.0.0.1/") for w in lp.status()["workers"]) == 2,
+                  60, "both relays to advertise a p2p address")
+    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    records = lp.records()
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    plans = [p for r in records if "snapshot_bytes" in r for p in r["snapshot_bytes"]["plans"].values()]
+    assert plans and any(len(p["links_mbit"]) == 2 for p in plans)  # both pushed to, over libp2p
+    assert any("t_bcast" in r for r in records)  # and they installed what was pushed
+    for w in workers:
+        assert w.wait(30) == 0
+    for name in ("a", "b"):  # only the version current at join is pulled; the rest came by push
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "relay listening at p2p:" in log and log.count("from the learner") <= 1, log[-2000:]

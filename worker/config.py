@@ -26,6 +26,9 @@ class WorkerSection(Section):
     relay_host: str = Field("127.0.0.1", description="[worker] relay_host: address this worker's broadcast relay binds to (chain mode)")
     relay_port: int = Field(0, ge=0, le=65535, description="[worker] relay_port: relay port (0 = any free port)")
     advertise_url: str = Field("", description="[worker] advertise_url: URL other workers reach the relay at, when not http://relay_host:port (NAT, port forwarding)")
+    relay_transport: Literal["aiohttp", "libp2p"] = Field(
+        "aiohttp", description="[worker] relay_transport: how other relays push to this one: aiohttp (HTTP streams, "
+        "the fastest) or libp2p (py-libp2p, peer ID from a key; needs the p2p extra)")
     seed: int = Field(0, description="[worker] seed: sampling seed (mixed with the worker id)")
 
 

@@ -147,7 +147,8 @@ class Worker:
 
         w = self.cfg.worker
         self.relay = Relay(worker_id, VerifyKey.from_text(self.broadcast["public_key"]), host=w.relay_host,
-                           port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received)
+                           port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
+                           transport=w.relay_transport)
         await self.relay.start()
         log.info("%s: relay listening at %s", self.name, self.relay.url)
 
