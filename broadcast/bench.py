@@ -617,9 +617,9 @@ def transports_cli(argv: Sequence[str]) -> int:
     p.add_argument("--size-mib", type=float, default=128, help="bytes to stream per transport")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(list(argv))
-    from broadcast import libp2p_transport
+    from broadcast.transports_bench import compare_transports
 
-    rows = libp2p_transport.compare_transports(int(args.size_mib * MIB))
+    rows = compare_transports(int(args.size_mib * MIB))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
