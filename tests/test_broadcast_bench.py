@@ -65,13 +65,20 @@ def test_render_prints_every_measurement():
             "delta": run("delta", 1.8, 1.7, chains, arr, source={
                 "wire_bytes": 9 * MIB, "total_bytes": 256 * MIB, "publish_s": 0.4, "decode_s": 0.5,
                 "decoded_ok": True}),
-        }}],
+            "links-declared": run("links-declared", 181.4, 49.4, chains, arr),
+            "links-measured": run("links-measured", 49.5, 49.4, chains, arr),
+        }, "links": {"slow": ["w1", "w3"], "declared_mbit": 48.0, "true_up_mbit": 12.0, "t_star_true": 44.7,
+                     "plan_declared": "2x2", "plan_measured": "2x2", "slow_at_tails": True,
+                     "measured_up_mbit": {"w1": 12.1, "w3": 11.9}}}],
     }
     text = bench.render(results)
     assert "2x2" in text and "1.040" in text  # chain / T*
     assert "2.01" in text  # star / T*
     assert "w2 SIGKILLed at 18.0 s; 3/3 survivors complete" in text and "1.08x the fault-free" in text
     assert "28.4x" in text and "decoded bytes match" in text
+    assert "w1, w3 declared 48.0 Mbit/s up, really upload 12.0" in text
+    assert "measured 181.40 s" in text and "(up: w1 12.1, w3 11.9 Mbit/s; slow workers at tails: yes)" in text
+    assert "measured 49.50 s = 1.11x T*, 3.7x faster" in text
 
 
 # -- what the benchmark found, each fix pinned down ------------------------------------------

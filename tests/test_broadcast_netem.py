@@ -44,7 +44,7 @@ def test_chain_of_three_relays_in_namespaces(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_quick_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    """`echo-rl bench broadcast --quick`: N=2,4, chain/star/fault/delta all complete."""
+    """`echo-rl bench broadcast --quick`: N=2,4, chain/star/fault/delta/links all complete."""
     assert cli(["--quick"]) == 0
     out = capsys.readouterr().out
-    assert "chain/T*" in out and "fault at N=4" in out and "delta at N=4" in out
+    assert "chain/T*" in out and "fault at N=4" in out and "delta at N=4" in out and "links at N=4" in out
