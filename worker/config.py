@@ -28,7 +28,8 @@ class WorkerSection(Section):
     advertise_url: str = Field("", description="[worker] advertise_url: URL other workers reach the relay at, when not http://relay_host:port (NAT, port forwarding)")
     relay_transport: Literal["aiohttp", "libp2p"] = Field(
         "aiohttp", description="[worker] relay_transport: how other relays push to this one: aiohttp (HTTP streams, "
-        "the fastest) or libp2p (py-libp2p, peer ID from a key; needs the p2p extra)")
+        "the fastest) or libp2p (py-libp2p, peer ID from a fresh key; needs the p2p extra; it advertises "
+        "p2p:/ip4/<relay_host>/tcp/<port>/p2p/<id>, so relay_host must be an IP other workers can dial)")
     seed: int = Field(0, description="[worker] seed: sampling seed (mixed with the worker id)")
 
 
