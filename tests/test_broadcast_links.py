@@ -37,7 +37,7 @@ class Stats:
     pushes: list = field(default_factory=list)
 
 
-def received(rate: float, seconds: float = 2.0, offered: float | None = None, **kw) -> Stats:
+def received(rate: float, seconds: float = 4.0, offered: float | None = None, **kw) -> Stats:
     return Stats(bytes_in=int(rate * seconds), offered_rate=offered, t_first_chunk=100.0,
                  t_complete=100.0 + seconds, **kw)
 
@@ -80,6 +80,7 @@ def test_upload_is_link_limited_only_when_forwarding_fell_behind():
 
 def test_tiny_transfers_measure_nothing():
     assert link_sample(received(10 * MB, seconds=0.01), 0) is None  # 100 kB: setup, not bandwidth
+    assert link_sample(received(10 * MB, seconds=0.3), 0) is None  # 3 MB: still too small to trust
     assert link_sample(Stats(), 0) is None
 
 
