@@ -44,7 +44,7 @@ class Publisher:
         self.public_key = ""
         self._previous: tuple[int, bytes, Manifest] | None = None
         self.pushes: set[asyncio.Task] = set()
-        self.wire_bytes: dict[int, dict] = {}  # version -> {"raw", "full", "delta", "sent", "plan"}
+        self.wire_bytes: dict[int, dict] = {}  # version -> {"raw", "full", "delta", "plans"}
 
     async def start(self) -> str | None:
         if self.mode != "chain":
@@ -68,19 +68,18 @@ class Publisher:
         base_version = delta.manifest.base_version if delta else None
         on_base = [w for w in workers if w.relay_url and w.version == base_version]
         rest = [w for w in workers if w.relay_url and w.version != base_version]
-        sent = 0
         plans = {}
-        for key, group, manifest in ((delta.manifest.key if delta else None, on_base, delta.manifest if delta else None),
-                                     (full.manifest.key, rest, full.manifest)):
-            if key is None or not group:
-                continue
+        groups = [(key, group, manifest) for key, group, manifest in (
+            (delta.manifest.key if delta else None, on_base, delta.manifest if delta else None),
+            (full.manifest.key, rest, full.manifest)) if key is not None and group]
+        for key, group, manifest in groups:
             peers = [self.links.link(w.id) for w in group]
             plan = plan_broadcast(manifest.wire_size, self.links.uplink.rate, peers, self.chunk_bytes, headroom=HEADROOM)
             hops = {w.id: Hop(w.id, w.relay_url) for w in group}
-            task = asyncio.create_task(self._push(key, plan, hops))
+            # Two groups share the uplink, each planned as if it had it all: only a lone push measures it.
+            task = asyncio.create_task(self._push(key, plan, hops, measure_uplink=len(groups) == 1))
             self.pushes.add(task)
             task.add_done_callback(self.pushes.discard)
-            sent += manifest.wire_size * len(group)
             plans[key] = {**plan.summary(), "chains": [list(c) for c in plan.chains],
                           "links_mbit": {p.id: [round(p.down / MBIT, 1), round(p.up / MBIT, 1)] for p in peers},
                           "uplink_mbit": round(self.links.uplink.rate / MBIT, 1)}
@@ -92,14 +91,14 @@ class Publisher:
                                   for k, v in plans.items()})
         return announcement
 
-    async def _push(self, key: str, plan, hops: dict) -> None:
+    async def _push(self, key: str, plan, hops: dict, measure_uplink: bool) -> None:
         try:
             await self.source.push_plan(key, plan, hops)
         except Exception as e:  # a failed push is repaired by the workers' fallback pull
             log.warning("push of %s failed: %s", key, e)
             return
         store = self.source.stores.get(key)
-        sample = uplink_sample(store.stats, plan.rates) if store is not None else None
+        sample = uplink_sample(store.stats, plan.rates) if store is not None and measure_uplink else None
         if sample is not None:  # the pushes measured the learner's own uplink
             self.links.observe_uplink(sample)
 
