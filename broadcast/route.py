@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import msgpack
 
 from broadcast.manifest import BroadcastError, Buffer, Manifest
-from broadcast.signing import ROUTE_CONTEXT, SignatureError, SigningKey, VerifyKey
+from broadcast.signing import ROUTE_CONTEXT, SigningKey, VerifyKey, pack_signed, unpack_signed
 from broadcast.transport import Hop
 
 FORMAT = 1
@@ -128,16 +128,12 @@ class SignedRoute:
     signature: bytes
 
     def to_wire(self) -> bytes:
-        return msgpack.packb([self.body, self.signature], use_bin_type=True)
+        return pack_signed(self.body, self.signature)
 
     @classmethod
     def from_wire(cls, data: Any, key: VerifyKey) -> "SignedRoute":
         """Verify the signature, then parse; raises `SignatureError` (tampered) or `RouteError`."""
-        try:
-            body, signature = msgpack.unpackb(data, raw=False)
-            body, signature = bytes(body), bytes(signature)
-        except Exception as e:
-            raise SignatureError(f"signed route is not [body, signature]: {e}") from e
+        body, signature = unpack_signed(data, "route")
         key.verify(body, signature, ROUTE_CONTEXT)
         return cls(Route.from_bytes(body), body, signature)
 

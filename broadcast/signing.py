@@ -137,6 +137,20 @@ class SigningKey:
         return self._key.sign(context + bytes(data))
 
 
+def pack_signed(body: bytes, signature: bytes) -> bytes:
+    """The wire form of a signed document (manifest or route): `[body, signature]` in msgpack."""
+    return msgpack.packb([body, signature], use_bin_type=True)
+
+
+def unpack_signed(data: Buffer, what: str) -> tuple[bytes, bytes]:
+    """`(body, signature)` of a signed document's wire form; `SignatureError` if it is not one."""
+    try:
+        body, signature = msgpack.unpackb(data, raw=False)
+        return bytes(body), bytes(signature)
+    except Exception as e:
+        raise SignatureError(f"signed {what} is not [body, signature]: {e}") from e
+
+
 @dataclass(frozen=True)
 class SignedManifest:
     """A manifest with the exact bytes that were signed; forwarded verbatim by relays."""
@@ -146,16 +160,12 @@ class SignedManifest:
     signature: bytes
 
     def to_wire(self) -> bytes:
-        return msgpack.packb([self.body, self.signature], use_bin_type=True)
+        return pack_signed(self.body, self.signature)
 
     @classmethod
     def from_wire(cls, data: Buffer, key: VerifyKey) -> "SignedManifest":
         """Parse, verify the signature, then parse the manifest; raises `SignatureError`."""
-        try:
-            body, signature = msgpack.unpackb(data, raw=False)
-            body, signature = bytes(body), bytes(signature)
-        except Exception as e:
-            raise SignatureError(f"signed manifest is not [body, signature]: {e}") from e
+        body, signature = unpack_signed(data, "manifest")
         return cls(verify_manifest(key, body, signature), body, signature)
 
 
