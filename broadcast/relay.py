@@ -173,6 +173,11 @@ class VersionStore:
     def complete(self) -> bool:
         return self.have == self.manifest.num_chunks
 
+    @property
+    def settled(self) -> bool:
+        """Received whole and nothing of it still being forwarded: its link sample is final."""
+        return self.complete and all(t.done() for t in self.tasks)
+
     def view(self, index: int) -> memoryview:
         return self.manifest.wire_view(self.buffer, index)
 
@@ -614,17 +619,27 @@ class Relay(Node):
         return await asyncio.wait_for(arrival(), timeout)
 
     def link_samples(self) -> list:
-        """`broadcast.links.LinkSample`s of the versions held here that are done moving: received
-        whole, and nothing of theirs still being forwarded (report them to the learner)."""
+        """`broadcast.links.LinkSample`s of the versions held here that are `settled` (report them
+        to the learner)."""
         from broadcast.links import link_sample
 
         samples = []
         for store in self.stores.values():
-            if store.complete and not any(not t.done() for t in store.tasks):
+            if store.settled:
                 sample = link_sample(store.stats, store.manifest.wire_size)
                 if sample is not None:
                     samples.append(sample)
         return samples
+
+    async def wait_settled(self, key: str, timeout: float) -> VersionStore:
+        """Wait until version `key` is `settled` here (received, and every forward of it ended)."""
+        await self.wait(key, timeout)
+        deadline = time.monotonic() + timeout
+        while not self.stores[key].settled:  # forwards end just after the child completes
+            if time.monotonic() > deadline:
+                raise asyncio.TimeoutError(f"{self.id}: {key} still forwarding after {timeout} s")
+            await asyncio.sleep(0.05)
+        return self.stores[key]
 
     async def fetch(self, key: str, peers: Sequence[Hop]) -> Received:
         """Pull a whole version (e.g. a late joiner's full version) from the first peer that has it.

@@ -250,12 +250,7 @@ def test_late_joiner_fetch_and_409_over_libp2p():
             await src.publish(blob, 1, chunk_size=256 * KIB)
             fetched = await b.fetch("v1", [src.hop])
             ok = await src.push("v1", [[a.hop, b.hop]])
-            await a.wait("v1", 10)
-            for _ in range(100):  # a's push to b ends after a has everything
-                if not any(not t.done() for t in a.stores["v1"].tasks):
-                    break
-                await asyncio.sleep(0.05)
-            return bytes(fetched.data), ok, events, a.stores["v1"].stats
+            return bytes(fetched.data), ok, events, (await a.wait_settled("v1", 10)).stats
         finally:
             await stop_all(a, b, src)
 

@@ -160,10 +160,8 @@ def test_measured_upload_moves_a_misdeclared_worker_to_a_tail():
                 for r in relays.values():
                     await r.wait(f"v{version}", 20)
                 times.append(time.monotonic() - t0)
-                for _ in range(100):  # forwarding ends just after the last child completes
-                    if all(any(s.key == f"v{version}" for s in r.link_samples()) for r in relays.values()):
-                        break
-                    await asyncio.sleep(0.05)
+                for r in relays.values():
+                    await r.wait_settled(f"v{version}", 20)
                 for w, r in relays.items():  # what the workers' heartbeats would carry
                     for s in r.link_samples():
                         table.observe(w, s)

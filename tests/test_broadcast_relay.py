@@ -529,12 +529,7 @@ def test_child_that_already_has_the_version_is_not_reported_failed():
             await src.publish(blob, 1, chunk_size=256 * KIB)
             await b.fetch("v1", [src.hop])
             ok = await src.push("v1", [[a.hop, b.hop]])
-            await a.wait("v1", 10)
-            for _ in range(100):  # a's push to b ends after a has everything
-                if not any(not t.done() for t in a.stores["v1"].tasks):
-                    break
-                await asyncio.sleep(0.05)
-            return ok, events, a.stores["v1"].stats
+            return ok, events, (await a.wait_settled("v1", 10)).stats
         finally:
             for n in (a, b, src):
                 await n.stop()
