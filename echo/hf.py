@@ -1,13 +1,18 @@
 """Hugging Face model helpers shared by the trainer, the eval loop and the transformers engine.
 
 - `load_model_dir`: any HF causal-LM directory (config + weights + tokenizer).
-- `sample`: batched, KV-cached sampling (temperature, top-p) returning per-token log-probs of
-  the sampled tokens under the distribution they were actually drawn from (the behaviour
-  policy μ the trainer's importance weights need).
-- `completion_logprobs`: teacher-forced log-probs of given completions (the trainer's π).
+- `processed_logits`: the sampling transform, temperature then top-p with vLLM's rule. It
+  defines the behaviour policy μ the workers sample from *and* the policy π the trainer
+  scores, so the two are the same function of the logits.
+- `sample`: batched, KV-cached sampling returning per-token log-probs of the sampled tokens
+  under the distribution they were actually drawn from (μ).
+- `TokenBatch` + `policy_logprobs`: teacher-forced log-probs of given completions (π), as
+  `logit[target] − logsumexp` over the head applied to completion positions only, in chunks
+  of tokens, each recomputed in the backward pass: the `[tokens, vocab]` logits of a batch
+  never exist at once. `completion_logprobs` is the padded-matrix form of the same numbers.
 
-Both use the same temperature scaling, so for fresh weights and top_p = 1 the two agree to
-float rounding; that residual is what `mismatch_kl` measures.
+For fresh weights the two agree to float rounding; that residual is what `mismatch_kl`
+measures.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # echo draws its own progress; per-file bars are noise here
+
+LOGIT_CHUNK_ELEMENTS = 1 << 25  # default chunk: tokens × vocab ≤ 32M fp32 logits (128 MiB)
 
 
 def load_model_dir(path: str | Path, dtype: str = "float32", device: str = "cpu"):
@@ -34,6 +42,54 @@ def load_model_dir(path: str | Path, dtype: str = "float32", device: str = "cpu"
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device).eval(), tokenizer
+
+
+class PromptEncoder:
+    """Prompt text → token ids: through the tokenizer's chat template (with an optional system
+    message) when `chat_template` is 'on', or 'auto' and the tokenizer has one; plain otherwise."""
+
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = ""):
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if chat_template == "on" and not has_template:
+            raise ValueError("[task] chat_template = 'on' but the tokenizer has no chat template; "
+                             "use 'auto' or 'off', or add one to tokenizer_config.json / chat_template.jinja")
+        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+        self.chat = chat_template == "on" or (chat_template == "auto" and has_template)
+
+    def __call__(self, text: str) -> list[int]:
+        if not self.chat:
+            return self.tokenizer(text)["input_ids"]
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        out = self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}],
+                                                 add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+# --- the sampling transform (μ and π alike) -------------------------------------------------------
+
+def top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens the nucleus keeps: vLLM's rule (`apply_top_k_top_p`), step for step.
+
+    Sort ascending, cumulate the softmax, drop every token whose inclusive cumulative mass is
+    ≤ 1 − top_p, never the most likely one. In descending order that keeps each token whose
+    higher-ranked mass is < top_p, i.e. the token that crosses top_p is kept.
+    """
+    ascending, order = logits.sort(-1, descending=False)
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    drop = cumulative <= 1 - torch.tensor(top_p, dtype=cumulative.dtype)  # 1 − p in the logits' dtype, as vLLM
+    drop[..., -1] = False
+    return ~torch.zeros_like(drop).scatter(-1, order, drop)
+
+
+def processed_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """fp32 logits of the distribution sampled from: `/ temperature` (0 = greedy, scored at 1),
+    then everything outside the top-p nucleus at −inf (the mask carries no gradient)."""
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    if top_p < 1.0:
+        with torch.no_grad():
+            keep = top_p_keep(scaled, top_p)
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    return scaled
 
 
 @dataclass
@@ -57,8 +113,9 @@ def sample(
 ) -> list[Sample]:
     """One completion per prompt (repeat a prompt `n` times for a group).
 
-    temperature 0 means greedy. The end-of-sequence token is part of the completion (it is a
-    decision the policy made and is trained on); nothing after it is.
+    temperature 0 means greedy (log-probs at temperature 1, no top-p). The end-of-sequence
+    token is part of the completion (it is a decision the policy made and is trained on);
+    nothing after it is.
     """
     device = next(model.parameters()).device
     batch = len(prompts)
@@ -86,21 +143,19 @@ def sample(
             use_cache=True,
         )
         past = out.past_key_values
-        logits = out.logits[:, -1, :].float()
+        logits = out.logits[:, -1, :]
         if temperature <= 0:
-            next_ids = logits.argmax(-1)
-            logp = torch.log_softmax(logits, -1)
+            logp = torch.log_softmax(logits.float(), -1)
+            next_ids = logp.argmax(-1)
         else:
-            logp = torch.log_softmax(logits / temperature, -1)
-            if top_p < 1.0:
-                logp = _top_p_logprobs(logp, top_p)
+            logp = torch.log_softmax(processed_logits(logits, temperature, top_p), -1)
             next_ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         chosen = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
-        next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)
+        next_ids = torch.where(done.to(device), torch.full_like(next_ids, pad_id), next_ids)
         tokens[:, t] = next_ids.cpu()
         logprobs[:, t] = chosen.cpu()
-        finished_now = (~done) & (next_ids == eos_id)
-        lengths[finished_now.cpu()] = t + 1
+        finished_now = (~done) & (next_ids.cpu() == eos_id)
+        lengths[finished_now] = t + 1
         done |= finished_now
         if bool(done.all()):
             break
@@ -118,14 +173,89 @@ def sample(
     ]
 
 
-def _top_p_logprobs(logp: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Log-probs renormalised over the smallest set of tokens whose mass reaches `top_p`."""
-    sorted_logp, order = logp.sort(-1, descending=True)
-    cumulative = sorted_logp.exp().cumsum(-1)
-    drop_sorted = cumulative - sorted_logp.exp() >= top_p  # keep the token that crosses top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    kept = logp.masked_fill(drop, float("-inf"))
-    return kept - torch.logsumexp(kept, -1, keepdim=True)
+# --- teacher-forced log-probs (π) -----------------------------------------------------------------
+
+@dataclass
+class TokenBatch:
+    """Right-padded prompt+completion rows and where their completion tokens are.
+
+    `positions[k]` is the flat index (row·width + column) of the hidden state that predicts
+    completion token `k`, `targets[k]` that token; completion tokens are listed row by row.
+    """
+
+    input_ids: torch.Tensor  # [rows, width]
+    attention_mask: torch.Tensor  # [rows, width]
+    positions: torch.Tensor  # [tokens]
+    targets: torch.Tensor  # [tokens]
+    lengths: list[int]  # completion tokens per row
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+              device: torch.device | str = "cpu") -> TokenBatch:
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        positions, targets = [], []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+            attention[i, : len(p) + len(c)] = 1
+            # Completion token j sits at len(p) + j and is predicted one position earlier.
+            positions += range(i * width + len(p) - 1, i * width + len(p) - 1 + len(c))
+            targets += c
+        return cls(input_ids.to(device), attention.to(device), torch.tensor(positions, dtype=torch.long, device=device),
+                   torch.tensor(targets, dtype=torch.long, device=device), [len(c) for c in completions])
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def chunk_tokens_for(vocab: int, chunk_tokens: int = 0) -> int:
+    """Tokens per head chunk: given, or as many as keep one chunk's logits at 32M elements."""
+    return chunk_tokens if chunk_tokens > 0 else max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+
+
+def _chunk_logprobs(hidden, weight, bias, targets, temperature: float, top_p: float):
+    logits = processed_logits(F.linear(hidden, weight, bias), temperature, top_p)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, *, temperature: float,
+                  top_p: float, chunk_tokens: int = 0) -> torch.Tensor:
+    """log π(target) for each row of `hidden` `[tokens, H]`, `chunk_tokens` rows at a time.
+
+    With gradients on, each chunk is checkpointed: its logits are recomputed in the backward
+    pass instead of kept, so memory holds one chunk's `[chunk, vocab]` at a time. A target
+    outside π's top-p nucleus gets −inf (π gives it no mass).
+    """
+    step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)
+    pieces = []
+    for start in range(0, hidden.shape[0], step):
+        args = (hidden[start : start + step], head.weight, head.bias, targets[start : start + step], temperature, top_p)
+        if torch.is_grad_enabled():
+            pieces.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def check_head(model) -> None:
+    """Refuse models whose logits are not `hidden @ W_head`, which π here assumes."""
+    config = model.config
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} transforms its logits ({attr} = {getattr(config, attr)}); "
+                             "echo's chunked log-probs assume logits = hidden @ W_head and do not support it yet")
+
+
+def policy_logprobs(model, batch: TokenBatch, *, temperature: float, top_p: float,
+                    chunk_tokens: int = 0) -> torch.Tensor:
+    """log π of every completion token of `batch` (flat, row by row) under an HF causal LM."""
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              use_cache=False).last_hidden_state
+    hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
+    return head_logprobs(hidden, model.get_output_embeddings(), batch.targets, temperature=temperature,
+                         top_p=top_p, chunk_tokens=chunk_tokens)
 
 
 def completion_logprobs(
@@ -135,34 +265,21 @@ def completion_logprobs(
     *,
     pad_id: int,
     temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced log-probs of each completion token: `(logp [B, Lc], mask [B, Lc])`.
 
     Right-padded; differentiable (call under `torch.no_grad()` when no gradient is wanted).
     """
     device = next(model.parameters()).device
-    batch = len(prompts)
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    width = max(map(len, seqs))
-    comp_width = max(1, max(map(len, completions)))
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, : len(s)] = torch.tensor(s)
-        attention[i, : len(s)] = 1
-    logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
-    logp_all = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)
-
-    # Token j of completion i sits at position len(prompt_i) + j and is predicted by the
-    # logits one position earlier.
-    index = torch.zeros((batch, comp_width), dtype=torch.long)
-    mask = torch.zeros((batch, comp_width))
-    targets = torch.zeros((batch, comp_width), dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        index[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
-        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[i, : len(c)] = 1
-    index, targets, mask = index.to(device), targets.to(device), mask.to(device)
-    rows = logp_all.gather(1, index.unsqueeze(-1).expand(-1, -1, logp_all.shape[-1]))
-    logp = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    batch = TokenBatch.build(prompts, completions, pad_id, device)
+    flat = policy_logprobs(model, batch, temperature=temperature, top_p=top_p)
+    width = max(1, max(batch.lengths))
+    mask = torch.zeros((len(prompts), width), device=device)
+    logp = torch.zeros((len(prompts), width), device=device, dtype=flat.dtype)
+    rows = torch.repeat_interleave(torch.arange(len(prompts), device=device),
+                                   torch.tensor(batch.lengths, device=device))
+    cols = torch.cat([torch.arange(n, device=device) for n in batch.lengths]) if flat.numel() else rows
+    mask[rows, cols] = 1.0
+    logp = logp.index_put((rows, cols), flat)
     return logp, mask

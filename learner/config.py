@@ -25,20 +25,32 @@ class RunSection(Section):
     steps: int = Field(60, ge=1, description="[run] steps: learner updates before the run ends")
     eval_every: int = Field(5, ge=0, description="[run] eval_every: greedy eval every N steps (0: only start and end)")
     checkpoint_every: int = Field(20, ge=0, description="[run] checkpoint_every: resumable checkpoint every N steps (0: only at the end)")
-    threads: int = Field(1, ge=1, le=256, description="[run] threads: torch CPU threads of the trainer")
+    threads: int = Field(1, ge=1, le=256, description="[run] threads: torch CPU threads of the trainer (per rank)")
+    nproc: int = Field(1, ge=1, le=64, description="[run] nproc: trainer ranks on this node; > 1 relaunches under torchrun with FSDP2 (echo-learner --nproc N)")
 
 
 class ModelSection(Section):
     path: Path = Field(Path("models/tiny-arith"), description="[model] path: Hugging Face model directory to train")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[model] dtype: parameter dtype")
-    device: str = Field("cpu", description="[model] device: torch device of the trainer ('cpu', 'cuda', 'cuda:1')")
+    device: str = Field("cpu", description="[model] device: torch device of the trainer ('cpu', 'cuda', 'cuda:1'; under torchrun each rank takes cuda:LOCAL_RANK)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dtype" in data:
+            raise ValueError("[model] dtype is gone: parameters and optimizer state are always fp32 master weights. "
+                             "Set [trainer] compute_dtype (autocast: 'bfloat16' on GPUs) and [publish] dtype "
+                             "(what snapshots carry; 'auto' = the model directory's dtype)")
+        return data
 
 
 class TaskSection(Section):
-    """`[task] name = "arith"`; every other key of the table is an option of that task."""
+    """`[task] name = "arith"`; every other key of the table (but the two prompt keys below) is
+    an option of that task."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
     name: str = Field("arith", description="[task] name: a built-in task or 'package.module:Class'")
+    chat_template: Literal["auto", "on", "off"] = Field("auto", description="[task] chat_template: wrap each prompt in the tokenizer's chat template ('auto': when it has one)")
+    system_prompt: str = Field("", max_length=65536, description="[task] system_prompt: system message placed before each prompt when the chat template is used")
 
     @property
     def options(self) -> dict[str, Any]:
@@ -77,6 +89,11 @@ class TrainerSection(Section):
     kl_coef: float = Field(0.0, ge=0.0, description="[trainer] kl_coef: weight of the k3 KL to the initial model (0: off, no reference copy kept)")
     minibatches: int = Field(1, ge=1, description="[trainer] minibatches: optimizer steps per batch (the clip matters only when > 1)")
     adv_eps: float = Field(1e-6, gt=0.0, description="[trainer] adv_eps: ε in (s - mean) / (std + ε)")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[trainer] compute_dtype: autocast dtype of forward and backward; parameters and optimizer state stay fp32 ('bfloat16' on GPUs)")
+    micro_batch_tokens: int = Field(16384, ge=16, le=1 << 24, description="[trainer] micro_batch_tokens: padded tokens (rows × longest row) per forward/backward; gradients accumulate over micro-batches, so this bounds activation memory, not the batch")
+    activation_checkpointing: bool = Field(False, description="[trainer] activation_checkpointing: keep only each decoder layer's input and recompute its activations in the backward pass")
+    logprob_chunk_tokens: int = Field(0, ge=0, le=1 << 20, description="[trainer] logprob_chunk_tokens: completion tokens per chunk of the output head (0: as many as keep 32M logits)")
+    check_memory: bool = Field(True, description="[trainer] check_memory: stop at start-up when the predicted memory per rank exceeds what the device has")
 
 
 class BufferSection(Section):
@@ -89,6 +106,14 @@ class BufferSection(Section):
 class PublishSection(Section):
     every: int | None = Field(None, ge=1, description="[publish] every: I, publish a snapshot every I updates (default S - 1, at least 1)")
     keep: int = Field(4, ge=1, description="[publish] keep: snapshots kept for download")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="[publish] dtype: dtype of the weights in snapshots ('auto': the model directory's saved dtype)")
+
+
+class EvalSection(Section):
+    where: Literal["workers", "learner"] = Field("workers", description="[eval] where: 'workers' (greedy, version-stamped eval leases; the learner never generates) or 'learner' (between steps, one rank only: tiny models)")
+    prompts_per_lease: int = Field(64, ge=1, le=4096, description="[eval] prompts_per_lease: eval prompts a worker generates together")
+    limit: int = Field(0, ge=0, description="[eval] limit: evaluate on the first N eval prompts (0: all)")
+    final_timeout_s: float = Field(300.0, ge=0.0, description="[eval] final_timeout_s: how long the learner waits for the workers' eval of the last version before it stops")
 
 
 class BroadcastSection(Section):
@@ -125,10 +150,20 @@ class LearnerConfig(Section):
     trainer: TrainerSection = TrainerSection()
     buffer: BufferSection = BufferSection()
     publish: PublishSection = PublishSection()
+    eval: EvalSection = EvalSection()
     server: ServerSection = ServerSection()
     broadcast: BroadcastSection = BroadcastSection()
     workers: WorkersSection = WorkersSection()
     scheduler: SchedulerSection = SchedulerSection()
+
+    @model_validator(mode="after")
+    def _ranks_supported(self) -> "LearnerConfig":
+        if self.run.nproc > 1 and self.eval.where == "learner":
+            raise ValueError("[eval] where = 'learner' runs on one rank only; with [run] nproc > 1 use 'workers'")
+        if self.run.nproc > 1 and self.trainer.compute_dtype == "float16":
+            raise ValueError("[trainer] compute_dtype = 'float16' (loss scaling) is supported on one rank; "
+                             "use 'bfloat16' with [run] nproc > 1")
+        return self
 
     @property
     def scheduled(self) -> bool:

@@ -9,8 +9,13 @@ Per response token `t` of sample `i`:
     loss  = −Σ obj_t·mask_t / N_tokens  (+ β · Σ KL_t·mask_t / N_tokens)
 
 `N_tokens` is the number of response tokens of the whole batch (AIPO's normaliser), so the
-losses of several minibatches add up to the loss of the batch. With one optimizer step per
-batch `π_old = π_θ` numerically, `r_t = 1`, and the gradient is the IS-weighted policy gradient.
+losses of micro-batches, minibatches and ranks add up to the loss of the batch, and a step's
+gradient does not depend on how the batch was split. With one optimizer step per batch
+`π_old = π_θ` numerically, `r_t = 1`, and the gradient is the IS-weighted policy gradient.
+
+A token outside π_old's top-p nucleus has log π_old = −inf: π gives it no mass, so its
+weight is 0 and it carries no gradient; it is counted (`outside_nucleus`) and left out of
+the ratio and `mismatch_kl` statistics, where it would be infinite.
 """
 
 from __future__ import annotations
@@ -32,13 +37,50 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 @dataclass
 class LossStats:
-    loss: float
-    mean_ratio: float
-    clip_fraction: float
-    mean_is_weight: float
-    is_truncated_fraction: float
-    mismatch_kl: float  # E_μ[log μ − log π_old] over tokens: engine mismatch + staleness drift
-    kl_ref: float
+    """Token sums, so that micro-batches and ranks add up (sum the tensors `grpo_loss` returns,
+    all-reduce once across ranks); the means the run log shows are properties."""
+
+    tokens: float = 0.0  # response tokens with a finite π_old
+    outside: float = 0.0  # response tokens outside π_old's top-p nucleus
+    loss: float = 0.0  # already divided by the batch's token count: sums to the batch loss
+    ratio: float = 0.0
+    clipped: float = 0.0
+    is_weight: float = 0.0
+    truncated: float = 0.0
+    mismatch: float = 0.0  # Σ log μ − log π_old: engine mismatch + staleness drift
+    kl_ref: float = 0.0  # already divided by the batch's token count
+
+    @classmethod
+    def from_vector(cls, values) -> LossStats:
+        values = values.tolist() if isinstance(values, torch.Tensor) else values
+        return cls(*map(float, values))
+
+    def _mean(self, total: float) -> float:
+        return total / self.tokens if self.tokens else 0.0
+
+    @property
+    def mean_ratio(self) -> float:
+        return self._mean(self.ratio)
+
+    @property
+    def clip_fraction(self) -> float:
+        return self._mean(self.clipped)
+
+    @property
+    def mean_is_weight(self) -> float:
+        return self._mean(self.is_weight)
+
+    @property
+    def is_truncated_fraction(self) -> float:
+        return self._mean(self.truncated)
+
+    @property
+    def mismatch_kl(self) -> float:
+        return self._mean(self.mismatch)
+
+    @property
+    def outside_nucleus_fraction(self) -> float:
+        return self.outside / max(1.0, self.tokens + self.outside)
 
 
 def grpo_loss(
@@ -46,41 +88,45 @@ def grpo_loss(
     old_logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None = None,
     *,
     clip_eps: float,
     is_cap: float,
     total_tokens: int | float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-) -> tuple[torch.Tensor, LossStats]:
-    """All tensors `[samples, tokens]` except `advantages` `[samples]`; `mask` is 1 on response tokens."""
-    mask = mask.to(logp.dtype)
-    adv = advantages.unsqueeze(-1)
-    ratio = torch.exp(logp - old_logp.detach())
-    is_weight = torch.exp(old_logp - behaviour_logp).detach().clamp(max=is_cap)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token tensors of one shape (`[samples, tokens]` with `mask` 1 on response tokens, or
+    flat `[tokens]` without a mask); `advantages` per sample (`[samples]`) or per token.
+
+    Returns the loss and its statistics as a tensor of `LossStats` sums, left on the device
+    so a step of many micro-batches synchronises once (`LossStats.from_vector`)."""
+    mask = torch.ones_like(logp) if mask is None else mask.to(logp.dtype)
+    adv = advantages.unsqueeze(-1) if advantages.dim() < logp.dim() else advantages
+    valid = mask * torch.isfinite(old_logp).to(mask.dtype)  # π_old gives the token mass
+    safe_old = torch.where(valid > 0, old_logp, torch.zeros_like(old_logp)).detach()
+    safe_logp = torch.where(valid > 0, logp, safe_old)
+    ratio = torch.exp(safe_logp - safe_old)
+    raw_w = torch.exp(safe_old - behaviour_logp) * valid
+    is_weight = raw_w.detach().clamp(max=is_cap)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
     objective = is_weight * torch.minimum(unclipped, clipped)
-    loss = -(objective * mask).sum() / total_tokens
+    loss = -(objective * valid).sum() / total_tokens
 
-    kl_ref = torch.zeros((), dtype=logp.dtype)
+    kl_ref = torch.zeros((), dtype=logp.dtype, device=logp.device)
     if ref_logp is not None and kl_coef > 0:
-        delta = ref_logp.detach() - logp
+        ref_valid = valid * torch.isfinite(ref_logp).to(valid.dtype)
+        delta = torch.where(ref_valid > 0, ref_logp.detach() - safe_logp, torch.zeros_like(safe_logp))
         kl = torch.exp(delta) - delta - 1.0  # k3 estimator: unbiased, non-negative
-        kl_ref = (kl * mask).sum() / total_tokens
+        kl_ref = (kl * ref_valid).sum() / total_tokens
         loss = loss + kl_coef * kl_ref
 
     with torch.no_grad():
-        n = mask.sum().clamp(min=1.0)
-        raw_w = torch.exp(old_logp - behaviour_logp)
-        stats = LossStats(
-            loss=float(loss),
-            mean_ratio=float((ratio * mask).sum() / n),
-            clip_fraction=float((((ratio - 1).abs() > clip_eps).to(mask.dtype) * mask).sum() / n),
-            mean_is_weight=float((is_weight * mask).sum() / n),
-            is_truncated_fraction=float(((raw_w > is_cap).to(mask.dtype) * mask).sum() / n),
-            mismatch_kl=float(((behaviour_logp - old_logp) * mask).sum() / n),
-            kl_ref=float(kl_ref),
-        )
-    return loss, stats
+        sums = torch.stack([
+            valid.sum(), (mask - valid).sum(), loss.detach(), (ratio * valid).sum(),
+            (((ratio - 1).abs() > clip_eps).to(valid.dtype) * valid).sum(), (is_weight * valid).sum(),
+            ((raw_w > is_cap).to(valid.dtype) * valid).sum(), ((behaviour_logp - safe_old) * valid).sum(),
+            kl_ref.detach(),
+        ])
+    return loss, sums

@@ -19,7 +19,7 @@ def test_overrides_parse_as_toml_literals():
 
 
 def test_learner_configs_shipped_load():
-    for path in ["configs/demo.toml", "configs/learner-gpu.toml"]:
+    for path in ["configs/demo.toml", "configs/learner-gpu.toml", "configs/learner-8b.toml"]:
         cfg = load_learner_config(ROOT / path)
         assert cfg.batch_rollouts == cfg.trainer.batch_prompts * cfg.rollout.group_size
     assert load_worker_config(ROOT / "configs/worker.toml").engine.type == "auto"

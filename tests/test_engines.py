@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.hf import _top_p_logprobs, completion_logprobs
+from echo.hf import completion_logprobs
 from worker.engines.base import (
     EngineBusy,
     EngineError,
@@ -81,12 +81,9 @@ class Trainer:
                  top_p: float = 1.0) -> list[float]:
         """π of `completion` under `version`; with top_p < 1, echo's μ (renormalised nucleus)."""
         self.model.load_state_dict(self.state(version))
-        if top_p >= 1.0:
-            logp, _ = completion_logprobs(self.model, [prompt], [completion], pad_id=PAD, temperature=temperature)
-            return logp[0, : len(completion)].tolist()
-        logits = self.model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
-        rows = _top_p_logprobs(torch.log_softmax(logits / temperature, -1), top_p)
-        return [rows[len(prompt) - 1 + j, t].item() for j, t in enumerate(completion)]
+        logp, _ = completion_logprobs(self.model, [prompt], [completion], pad_id=PAD, temperature=temperature,
+                                      top_p=top_p)
+        return logp[0, : len(completion)].tolist()
 
 
 def params(n: int = 4, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, eos: int = EOS):

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from learner.losses import group_advantages, grpo_loss
+from learner.losses import LossStats, group_advantages
+from learner.losses import grpo_loss as grpo_loss_sums
+
+
+def grpo_loss(*args, **kwargs):
+    loss, sums = grpo_loss_sums(*args, **kwargs)
+    return loss, LossStats.from_vector(sums)
 
 
 def test_group_advantages_normalise_within_each_group():

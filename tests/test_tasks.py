@@ -229,7 +229,8 @@ def test_math_eval_path(tmp_path):
 @pytest.mark.parametrize(
     ("bad_line", "message"),
     [
-        ('{"id": "b", "problem": "2+2?", "answer": 4}', r"'answer' must be a non-empty string"),
+        ('{"id": "b", "problem": "2+2?", "answer": null}', r"'answer' must be a non-empty string"),
+        ('{"id": "b", "problem": ["2+2?"], "answer": "4"}', r"'problem' must be a non-empty string"),
         ('{"id": "b", "problem": "2+2?"', r"not valid JSON"),
         ('["b", "2+2?", "4"]', r"expected an object"),
         ('{"id": "a", "problem": "again?", "answer": "1"}', r"id 'a' already used on line 1"),
@@ -242,6 +243,39 @@ def test_math_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     task = load_task("math", {"path": str(path), "eval_fraction": 0.5})
     with pytest.raises(TaskError, match=re.escape(f"{path}:3: ") + message):
         task.eval_prompts()
+
+
+def test_math_reads_hugging_face_datasets_with_a_column_mapping(tmp_path):
+    """Parquet files, a directory of them and a save_to_disk directory, with other column names,
+    numeric answers, an answer inside a longer column (GSM8K's '#### 72'), an eval split."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"What is {i} + {i}?", "solution": f"Add them. #### {2 * i}"} for i in range(30)]
+    tests = [{"question": f"What is {i} times 3?", "solution": f"#### {3 * i}"} for i in range(5)]
+    opts = {"columns": {"problem": "question", "answer": "solution"}, "answer_pattern": r"####\s*(.+)"}
+    (tmp_path / "pq").mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "pq" / "train-00000.parquet"))
+    datasets.Dataset.from_list(tests).to_parquet(str(tmp_path / "pq" / "test-00000.parquet"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(tests)}).save_to_disk(str(tmp_path / "arrow"))
+    for source in ("pq", "arrow"):
+        task = load_task("math", {"path": str(tmp_path / source), "eval_split": "test", **opts})
+        train, evals = take(task.train_prompts(seed=0), 30), task.eval_prompts()
+        assert len({p.id for p in train}) == 30 and len(evals) == 5
+        by_text = {p.text: p.answer for p in train}
+        assert by_text["What is 7 + 7?\nAnswer: "] == "14"
+        assert task.reward(evals[0], f"It is {evals[0].answer}") == 1.0
+        task.close()
+    single = load_task("math", {"path": str(tmp_path / "pq" / "train-00000.parquet"), **opts})
+    assert len(single.eval_prompts()) + 30 > 30  # a hash split of one file, ids from the text
+    with pytest.raises(TaskError, match=r"'problem' must be.*columns here: \['question', 'solution'\]"):
+        load_task("math", {"path": str(tmp_path / "pq")}).eval_prompts()
+    with pytest.raises(TaskError, match="finds no answer"):
+        load_task("math", {"path": str(tmp_path / "pq"), "columns": opts["columns"],
+                           "answer_pattern": "=>(.+)"}).eval_prompts()
+    with pytest.raises(TaskError, match="splits.*'validation'"):
+        load_task("math", {"path": str(tmp_path / "arrow"), "eval_split": "validation", **opts}).eval_prompts()
+    with pytest.raises(TaskError, match="not both"):
+        load_task("math", {"path": str(tmp_path / "pq"), "eval_split": "test", "eval_fraction": 0.1})
 
 
 def test_math_file_and_template_errors(tmp_path):

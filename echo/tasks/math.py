@@ -1,13 +1,20 @@
-"""`math`: problems from a JSONL file, answers checked for equivalence with math-verify.
+"""`math`: problems with reference answers, checked for equivalence with math-verify.
 
-Each line of the file is `{"id": str, "problem": str, "answer": str}` (other keys are ignored).
+Where problems come from (`[task] path`, or `[task] dataset` for a Hugging Face hub name):
+- a JSONL file of `{"id", "problem", "answer"}` per line (read here, errors name file and line);
+- any other local data Hugging Face `datasets` reads: a parquet, arrow, CSV or JSON file, a
+  directory of them, or a `save_to_disk` directory, with `[task] split` choosing the split;
+- `[task] columns` maps other column names (`{problem = "question", answer = "solution"}`;
+  without an `id` column a problem's id is a hash of its text), and `[task] answer_pattern`
+  extracts the answer from a longer column (GSM8K: `"####\\s*(.+)"`).
 The answer is LaTeX or plain (`"\\frac{1}{2}"`, `"0.5"`, `"-7"`, `"5\\sqrt{2}"`); a completion
 is correct when math-verify finds an answer in it equal to the gold one, so `"0.5"`, `"1/2"`
 and `"$\\frac12$"` all match `"\\frac{1}{2}"`. The whole completion is read and the last answer
 it states counts, so the engine should stop generation where the answer ends (e.g. at a
 newline for the default template).
 
-Eval split: unless `eval_path` names a separate file, a problem is in the eval set when the
+Eval split: `eval_path` (a separate source) or `eval_split` (another split of the same
+dataset); otherwise a problem is in the eval set when the
 SHA-256 of its id falls in the lowest `eval_fraction` of the hash range. That split is the same
 on every machine, needs no stored state, and keeps each problem on its side when the file grows.
 
@@ -28,6 +35,7 @@ import logging
 import os
 import queue
 import random
+import re
 import select
 import subprocess
 import sys
@@ -53,10 +61,29 @@ class MathOptions(TaskOptions):
     """Options of the `math` task (`[task]` table, `name = "math"`)."""
 
     path: Path | None = Field(
-        None, description="task.path: JSONL problem file; default: the shipped sample"
+        None,
+        description="task.path: problems: a JSONL file, or parquet/arrow/CSV/JSON files or a "
+        "directory read with Hugging Face datasets; default: the shipped sample",
+    )
+    dataset: str | None = Field(
+        None, description="task.dataset: a Hugging Face hub dataset name (needs the hub reachable)"
+    )
+    subset: str | None = Field(None, description="task.subset: the hub dataset's config name")
+    split: str = Field("train", description="task.split: split of a dataset to train on")
+    eval_split: str | None = Field(
+        None, description="task.eval_split: split of the same dataset to evaluate on (e.g. 'test')"
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="task.columns: column names for 'id', 'problem', 'answer' when they differ",
+    )
+    answer_pattern: str | None = Field(
+        None,
+        description="task.answer_pattern: regex whose first group is the answer within the "
+        "answer column (e.g. '####\\s*(.+)' for GSM8K)",
     )
     eval_path: Path | None = Field(
-        None, description="task.eval_path: JSONL eval file; default: split off from task.path"
+        None, description="task.eval_path: eval problems (same formats as task.path)"
     )
     eval_fraction: float = Field(
         0.2,
@@ -82,47 +109,155 @@ class MathOptions(TaskOptions):
             raise ValueError("the template must contain '{problem}', where the problem goes")
         return template
 
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+        unknown = set(columns) - {"id", "problem", "answer"}
+        if unknown:
+            raise ValueError(f"task.columns maps 'id', 'problem' and 'answer', not {sorted(unknown)}")
+        return columns
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _pattern_has_group(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                groups = re.compile(pattern).groups
+            except re.error as e:
+                raise ValueError(f"task.answer_pattern is not a regular expression: {e}") from None
+            if groups < 1:
+                raise ValueError("task.answer_pattern needs a group, (...), around the answer")
+        return pattern
+
     @model_validator(mode="after")
     def _one_eval_source(self) -> MathOptions:
-        if self.eval_path is not None and "eval_fraction" in self.model_fields_set:
+        sources = [k for k in ("eval_path", "eval_split", "eval_fraction") if k in self.model_fields_set]
+        if len(sources) > 1:
             raise ValueError(
-                "set task.eval_path (a separate eval file) or task.eval_fraction (a split of "
-                "task.path), not both"
+                f"set one of task.eval_path (separate problems), task.eval_split (another split) "
+                f"or task.eval_fraction (a split of task.path by id), not both {' and '.join(sources)}"
             )
+        if self.path is not None and self.dataset is not None:
+            raise ValueError("set task.path (local data) or task.dataset (a hub name), not both")
+        if self.eval_split is not None and self.path is None and self.dataset is None:
+            raise ValueError("task.eval_split needs task.path or task.dataset to take the split from")
         return self
 
 
-def read_problems(path: Path, template: str) -> list[Prompt]:
-    """Read a JSONL problem file into prompts; a bad line is a TaskError naming file and line."""
+def read_problems(
+    path: Path,
+    template: str,
+    columns: dict[str, str] | None = None,
+    answer_pattern: str | None = None,
+    split: str = "train",
+) -> list[Prompt]:
+    """Read problems into prompts; a bad row is a TaskError naming where it is."""
+    return _to_prompts(_rows(path, split), str(path), template, columns or {}, answer_pattern)
+
+
+def read_hub(
+    name: str, subset: str | None, split: str, template: str, columns: dict[str, str], pattern: str | None
+) -> list[Prompt]:
+    """Problems from a Hugging Face hub dataset (downloaded by `datasets`, then cached)."""
+    datasets = _datasets()
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise TaskError(f"cannot read math problems from {path}: {e.strerror or e}") from e
-    prompts: list[Prompt] = []
-    seen: dict[str, int] = {}
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
+        data = datasets.load_dataset(name, subset, split=split)
+    except Exception as e:  # offline, unknown name, missing split: datasets raises many types
+        raise TaskError(
+            f"cannot load hub dataset {name!r} (split {split!r}): {e}; download it where the hub "
+            "is reachable and point task.path at the files"
+        ) from e
+    where = f"{name}[{split}]"
+    return _to_prompts(((f"{where} row {i}", row) for i, row in enumerate(data)), where, template, columns, pattern)
+
+
+def _rows(path: Path, split: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) pairs: JSONL read here with line numbers, anything else via `datasets`."""
+    if path.suffix == ".jsonl" or not path.exists():
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskError(f"{where}: not valid JSON ({e.msg})") from e
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise TaskError(f"cannot read math problems from {path}: {e.strerror or e}") from e
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        return
+    data = _load_local(path, split)
+    yield from ((f"{path} [{split}] row {i}", row) for i, row in enumerate(data))
+
+
+def _load_local(path: Path, split: str):
+    """A local dataset in any layout `datasets` knows, as one split."""
+    datasets = _datasets()
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            data = datasets.load_from_disk(str(path))  # save_to_disk output (arrow)
+            if isinstance(data, datasets.DatasetDict):
+                if split not in data:
+                    raise TaskError(f"{path} has splits {sorted(data)}, not {split!r}: set task.split")
+                data = data[split]
+            return data
+        if path.is_dir():
+            return datasets.load_dataset(str(path), split=split)
+        kind = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}.get(path.suffix)
+        if kind is None:
+            raise TaskError(f"{path}: unknown format {path.suffix!r}; use .jsonl, .json, .parquet, .arrow or .csv")
+        return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
+    except TaskError:
+        raise
+    except Exception as e:  # datasets raises many types for unreadable data
+        raise TaskError(f"cannot read math problems from {path} (split {split!r}): {e}") from e
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError as e:
+        raise TaskError("reading datasets other than JSONL needs the datasets package: pip install datasets") from e
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _to_prompts(
+    rows, source: str, template: str, columns: dict[str, str], answer_pattern: str | None
+) -> list[Prompt]:
+    """Validate rows into prompts. JSONL rows need an id; a dataset without an id column (and
+    none mapped) gets the hash of each problem's text, as stable as an id."""
+    names = {k: columns.get(k, k) for k in ("id", "problem", "answer")}
+    hash_ids = not source.endswith(".jsonl") and "id" not in columns
+    pattern = re.compile(answer_pattern) if answer_pattern else None
+    prompts: list[Prompt] = []
+    seen: dict[str, str] = {}
+    for where, row in rows:
         if not isinstance(row, dict):
             raise TaskError(f'{where}: expected an object {{"id", "problem", "answer"}}')
-        for key in ("id", "problem", "answer"):
-            if not isinstance(row.get(key), str) or not row[key].strip():
-                raise TaskError(
-                    f"{where}: {key!r} must be a non-empty string, got {row.get(key)!r}"
-                )
-        if row["id"] in seen:
-            raise TaskError(f"{where}: id {row['id']!r} already used on line {seen[row['id']]}")
-        seen[row["id"]] = lineno
+        values = {k: row.get(column) for k, column in names.items()}
+        for key in ("id", "answer"):  # numeric ids and answers are fine as text
+            if isinstance(values[key], (int, float)) and not isinstance(values[key], bool):
+                values[key] = str(values[key])
+        if hash_ids and names["id"] not in row and isinstance(values["problem"], str):
+            values["id"] = hashlib.sha256(values["problem"].encode()).hexdigest()[:16]
+        for key in ("problem", "answer", "id"):
+            if not isinstance(values[key], str) or not values[key].strip():
+                hint = "" if names[key] in row else f"; columns here: {sorted(row)} (map them with task.columns)"
+                raise TaskError(f"{where}: {names[key]!r} must be a non-empty string, got {values[key]!r}{hint}")
+        answer = values["answer"]
+        if pattern is not None:
+            match = pattern.search(answer)
+            if match is None:
+                raise TaskError(f"{where}: task.answer_pattern {pattern.pattern!r} finds no answer in {answer[:80]!r}")
+            answer = match.group(1).strip()
+        if values["id"] in seen:
+            raise TaskError(f"{where}: id {values['id']!r} already used on {seen[values['id']]}")
+        seen[values["id"]] = f"line {where.rsplit(':', 1)[-1]}" if source.endswith(".jsonl") else where
         # str.replace, not str.format, so LaTeX braces in a template need no escaping.
-        text = template.replace("{problem}", row["problem"])
-        prompts.append(Prompt(id=row["id"], text=text, answer=row["answer"]))
+        prompts.append(Prompt(id=values["id"], text=template.replace("{problem}", values["problem"]), answer=answer))
     if not prompts:
-        raise TaskError(f"{path} holds no problems; give a JSONL file with one problem per line")
+        raise TaskError(f"{source} holds no problems; give a file with one problem per row")
     return prompts
 
 
@@ -155,14 +290,18 @@ class MathTask(Task):
         with self._lock:
             if self._split is None:
                 o = self.options
-                problems = read_problems(o.path or SAMPLE_PATH, o.template)
-                if o.eval_path is not None:
-                    train, evals = problems, read_problems(o.eval_path, o.template)
+                problems = self._read(o.split)
+                if o.eval_path is not None or o.eval_split is not None:
+                    if o.eval_path is not None:
+                        evals, where = self._read(o.split, o.eval_path), str(o.eval_path)
+                    else:
+                        evals, where = self._read(o.eval_split), f"split {o.eval_split!r}"
+                    train = problems
                     shared = {p.id for p in train} & {p.id for p in evals}
                     if shared:
                         raise TaskError(
-                            f"ids {sorted(shared)[:5]} are in both {o.path or SAMPLE_PATH} and "
-                            f"{o.eval_path}; give eval problems their own ids"
+                            f"ids {sorted(shared)[:5]} are in both {o.dataset or o.path or SAMPLE_PATH} and "
+                            f"{where}; give eval problems their own ids"
                         )
                 else:
                     train = [p for p in problems if not in_eval_split(p.id, o.eval_fraction)]
@@ -175,6 +314,12 @@ class MathTask(Task):
                         )
                 self._split = (train, evals)
             return self._split
+
+    def _read(self, split: str, path: Path | None = None) -> list[Prompt]:
+        o = self.options
+        if o.dataset is not None and path is None:
+            return read_hub(o.dataset, o.subset, split, o.template, o.columns, o.answer_pattern)
+        return read_problems(path or o.path or SAMPLE_PATH, o.template, o.columns, o.answer_pattern, split)
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """Every training problem once per epoch, each epoch in a new seeded order."""

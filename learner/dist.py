@@ -1,0 +1,139 @@
+"""The learner's ranks: one process per device under `torchrun`, rank 0 in charge.
+
+Rank 0 runs everything a worker talks to (control API, buffer, leases, publisher) and drives
+the trainer; every other rank only trains. The trainer's collective calls (a step, a snapshot,
+a checkpoint) must happen on all ranks in the same order, so rank 0 *announces* each call on a
+command channel and the followers replay it (`Lockstep`). The channel is its own gloo group
+with a long timeout: followers may wait for hours while rank 0 waits for rollouts, which the
+compute group's watchdog (nccl: minutes) must not mistake for a hang.
+
+Without torchrun (`WORLD_SIZE` unset) the learner is one plain process: no process group, no
+FSDP, the same trainer code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COMMAND_TIMEOUT = timedelta(days=7)
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    commands: Any = None  # the gloo group rank 0 announces calls on (None: one process)
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def use_device(self) -> None:
+        """Make this thread's current CUDA device the rank's (a thread starts on cuda:0)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.commands)
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_world(device: str) -> World:
+    """The process's rank and device. `device` is the config's ('cpu', 'cuda', 'cuda:1'); under
+    torchrun a CUDA rank takes `cuda:LOCAL_RANK`."""
+    if not under_torchrun():
+        return World(device=torch.device(device))
+    rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    dev = torch.device(f"cuda:{local}") if device.startswith("cuda") else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+    commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    return World(rank, size, local, dev, commands)
+
+
+def shard(policy: torch.nn.Module, layers: list[torch.nn.Module], world: World) -> torch.nn.Module:
+    """FSDP2: each decoder layer one unit, the rest (embeddings, final norm, head) the root.
+
+    Parameters stay fp32 (the master weights) and are gathered in fp32; autocast casts them
+    for the matmuls. FSDP averages gradients over ranks; the batch gradient is their *sum*
+    (the loss is already normalised by the batch's token count), so the trainer scales each
+    rank's loss by the world size (gloo cannot reduce with a divide factor of 1).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    return policy
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: gathered from every rank if sharded (a collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Lockstep:
+    """Rank 0 calls `target`'s methods through `call`; followers run `follow` and replay each.
+
+    Invariant: every rank executes the same sequence of trainer calls with the same arguments,
+    so the collectives inside them line up.
+    """
+
+    STOP = "__stop__"
+
+    def __init__(self, target: Any, world: World):
+        self.target, self.world = target, world
+
+    def call(self, method: str, *args) -> Any:
+        if self.world.distributed:
+            dist.broadcast_object_list([(method, args)], src=0, group=self.world.commands)
+        return getattr(self.target, method)(*args)
+
+    def stop(self) -> None:
+        if self.world.distributed:
+            dist.broadcast_object_list([(self.STOP, ())], src=0, group=self.world.commands)
+
+    def follow(self) -> None:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.world.commands)
+            method, args = box[0]
+            if method == self.STOP:
+                return
+            getattr(self.target, method)(*args)
+
+
+def close(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # tearing down after a failure: say so, do not mask the failure
+            print(f"echo-learner rank {world.rank}: process group teardown failed: {e}", file=sys.stderr)

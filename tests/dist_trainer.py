@@ -1,0 +1,79 @@
+"""Driven by tests/test_trainer_dist.py under `torchrun --nproc_per_node N`: a Trainer on the
+same synthetic batches whatever N is, steered through `Lockstep` exactly as the learner does
+(rank 0 calls, the other ranks replay). Writes, from rank 0, `result.json` (the losses, the
+sha256 of the snapshot before the first step) and `final.safetensors` (the weights at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from learner.buffer import BatchInfo, Group
+from learner.config import load_learner_config
+from learner.dist import Lockstep, close, init_world
+from learner.trainer import Trainer
+
+GROUPS, SAMPLES = 4, 4
+
+
+def synthetic_batch(step: int, vocab: int) -> BatchInfo:
+    """Prompts and completions of different lengths (so splits and padding differ between
+    rank counts), rewards with signal, behaviour log-probs off π (so IS weights vary)."""
+    rng = random.Random(step)
+    groups = []
+    for g in range(GROUPS):
+        prompt = [1] + [rng.randrange(4, vocab) for _ in range(rng.randint(2, 9))]
+        completions = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 12))] for _ in range(SAMPLES)]
+        groups.append(Group(f"s{step}g{g}", step, prompt, completions,
+                            [[-rng.uniform(1.5, 4.0) for _ in c] for c in completions],
+                            [float(rng.random() < 0.5) for _ in completions]))
+    return BatchInfo(groups, step, [0] * GROUPS)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--save-at", type=int, default=0, help="write a checkpoint after this many steps")
+    p.add_argument("--resume", type=Path, default=None)
+    p.add_argument("overrides", nargs="*", help="extra --section.key VALUE config overrides")
+    args = p.parse_args()
+    cfg = load_learner_config(None, [
+        "--model.path", args.model, "--run.seed", "3", "--trainer.lr", "1e-3", "--trainer.minibatches", "2",
+        "--trainer.micro_batch_tokens", "64", "--trainer.kl_coef", "0.05", "--trainer.batch_prompts", str(GROUPS),
+        "--rollout.group_size", str(SAMPLES), "--publish.dtype", "float32", *args.overrides])
+    torch.set_num_threads(1)
+    world = init_world("cpu")
+    trainer = Trainer(cfg, world, checkpoint=args.resume)
+    if not world.is_main:
+        Lockstep(trainer, world).follow()
+        close(world)
+        return 0
+    drive = Lockstep(trainer, world)
+    first = drive.call("snapshot")
+    losses = []
+    while trainer.version < args.steps:
+        losses.append(drive.call("step", synthetic_batch(trainer.version, trainer.vocab_size))["loss"])
+        if trainer.version == args.save_at:
+            drive.call("save_checkpoint", args.out / "checkpoints", {})
+    blob = drive.call("snapshot")
+    drive.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "final.safetensors").write_bytes(blob)
+    (args.out / "result.json").write_text(json.dumps({
+        "ranks": world.size, "losses": losses, "first_snapshot_sha256": hashlib.sha256(first).hexdigest(),
+        "parameters": trainer.num_parameters}))
+    close(world)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
