@@ -2,12 +2,15 @@
 
 The training loop in one sitting:
 
-    publish v0, evaluate
-    for each step:  wait for a batch (bounded staleness)  ->  GRPO update (thread)
-                    -> publish every I updates -> status line + run log -> eval/checkpoint
-    final eval + checkpoint, tell workers the run is finished, summary
+    preflight (parameters, dtypes, predicted memory per rank: stop if it cannot fit)
+    publish v0, evaluate it (on workers, or here for tiny models)
+    for each step:  wait for a batch (bounded staleness)  ->  GRPO update (trainer thread)
+                    -> publish every I updates (+ an eval round) -> status line + run log -> checkpoint
+    final publish, eval of the last version, checkpoint, model export, tell workers the run finished
 
-The event loop stays responsive to workers throughout: torch work runs in a thread.
+The event loop stays responsive to workers throughout: torch work runs on the trainer thread.
+With `--nproc N` (or `[run] nproc`) the learner relaunches itself under torchrun: rank 0 runs
+this loop, ranks 1..N-1 replay its trainer calls (`learner.dist.Lockstep`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -29,8 +33,11 @@ from echo.config import ConfigError, add_config_args, dump_toml
 from echo.tasks import Prompt
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig, load_learner_config
+from learner.dist import Lockstep, World, close, init_world, under_torchrun
+from learner.evals import EvalBook, EvalResult
 from learner.leases import LeaseBook
 from learner.metrics import RunLog
+from learner.preflight import PreflightError, check_fits, preflight
 from learner.publisher import Publisher
 from learner.server import LearnerState, build_app, reaper
 from learner.status import StatusDisplay
@@ -40,9 +47,11 @@ from scheduler.pool import load_pool
 from scheduler.providers import CommandProvider, LocalProvider, Provider
 
 DEFAULT_CONFIG = "configs/demo.toml"
+LAUNCHED = "ECHO_LEARNER_LAUNCHED"  # set by the launcher for its torchrun ranks: preflight was printed
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="echo-learner",
         description="Run the echo learner: serve prompts to workers, train on their rollouts with "
@@ -52,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser, DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     parser.add_argument("--resume", type=Path, metavar="RUN_DIR",
                         help="continue a run from its latest checkpoint (its config.toml is the base config)")
+    parser.add_argument("--nproc", type=int, metavar="N",
+                        help="trainer ranks on this node (FSDP2 under torchrun; same as --run.nproc N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per step and a JSON summary")
     args, overrides = parser.parse_known_args(argv)
+    if args.nproc is not None:
+        overrides += ["--run.nproc", str(args.nproc)]
     config_path = args.resume / "config.toml" if args.resume else args.config
     try:
         cfg = load_learner_config(config_path, overrides)
@@ -63,11 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dump_toml(cfg), end="")
         return 0
-    if not (cfg.model.path / "config.json").exists() and not args.resume:
+    if not (cfg.model.path / "config.json").exists():
         print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build the demo model "
               f"with `echo-rl build-model --config {config_path}` or set [model] path.", file=sys.stderr)
         return 2
-    learner = Learner(cfg, resume=args.resume, as_json=args.json)
+    if cfg.run.nproc > 1 and not under_torchrun():
+        return _relaunch(cfg, argv, config_path, args.json)
+    world = init_world(cfg.model.device)
+    try:
+        pf = preflight(cfg, world.size, str(world.device))
+        if world.is_main and not os.environ.get(LAUNCHED) and not args.json:
+            print("\n".join(pf.lines), flush=True)
+        check_fits(pf, cfg, world.size)
+    except PreflightError as e:
+        print(f"echo-learner: {e}", file=sys.stderr)
+        close(world)
+        return 2
+    if not world.is_main:
+        return _follow(cfg, world, args.resume)
+    learner = Learner(cfg, world, resume=args.resume, as_json=args.json)
     signal.signal(signal.SIGTERM, _interrupt)  # a polite kill stops the run like Ctrl-C
     try:
         return asyncio.run(learner.run())
@@ -77,21 +104,67 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         learner.kill_workers()
+        close(world)
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _relaunch(cfg: LearnerConfig, argv: list[str], config_path, as_json: bool) -> int:
+    """`--nproc N`: check the plan here, then run this same command as N torchrun ranks."""
+    try:
+        pf = preflight(cfg, cfg.run.nproc, cfg.model.device if not cfg.model.device.startswith("cuda") else "cuda:0")
+        if not as_json:
+            print("\n".join(pf.lines), flush=True)
+        check_fits(pf, cfg, cfg.run.nproc)
+    except PreflightError as e:
+        print(f"echo-learner: {e}", file=sys.stderr)
+        return 2
+    # --nproc would reach torchrun's own parser (a prefix of its --nproc-per-node): pass the config key.
+    args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.run.nproc),
+           "-m", "learner.main", *args, "--run.nproc", str(cfg.run.nproc)]
+    env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops its ranks
+        return proc.wait()
+
+
+def _follow(cfg: LearnerConfig, world: World, resume: Path | None) -> int:
+    """Ranks 1..N-1: build the same trainer, then replay rank 0's calls until it says stop."""
+    import torch
+
+    from learner.trainer import Trainer
+
+    torch.set_num_threads(cfg.run.threads)
+    checkpoint = (resume / "checkpoints" / "latest").resolve() if resume else None
+    trainer = Trainer(cfg, world, checkpoint)
+    Lockstep(trainer, world).follow()
+    close(world)
+    return 0
+
+
 class Learner:
-    def __init__(self, cfg: LearnerConfig, resume: Path | None = None, as_json: bool = False):
+    def __init__(self, cfg: LearnerConfig, world: World | None = None, resume: Path | None = None,
+                 as_json: bool = False):
         self.cfg = cfg
+        self.world = world or World()
         self.as_json = as_json
         self.run_dir = resume or cfg.run.dir / f"{cfg.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
         self.resume = resume
         self.token = cfg.resolve_token()
         self.procs: list[subprocess.Popen] = []
         self.published_at: dict[int, float] = {}
+        # One thread runs every trainer call, in order (collectives must not interleave), with the
+        # rank's CUDA device current (a fresh thread would start on cuda:0).
+        self.trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="trainer", initializer=self.world.use_device)
+        self.last_eval: EvalResult | None = None
+
+    async def _on_trainer(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.trainer_thread, fn, *args)
 
     async def run(self) -> int:
         import torch
@@ -103,10 +176,11 @@ class Learner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(cfg))
         checkpoint = (self.run_dir / "checkpoints" / "latest").resolve() if self.resume else None
-        trainer = await asyncio.to_thread(Trainer, cfg, checkpoint)
-        resumed = trainer.load_checkpoint(checkpoint) if checkpoint else {}
+        trainer = await self._on_trainer(Trainer, cfg, self.world, checkpoint)
+        drive = Lockstep(trainer, self.world)
+        resumed = trainer.resumed
         task = cfg.task.build()
-        evals = task.eval_prompts()
+        evals = task.eval_prompts()[: cfg.eval.limit or None]
 
         buffer = AsyncBuffer(StalenessBuffer(cfg.buffer.type, cfg.buffer.max_staleness,
                                              cfg.trainer.batch_prompts, cfg.buffer.queue_factor))
@@ -116,6 +190,7 @@ class Learner:
         state = LearnerState(cfg, self.token, buffer, leases, trainer.encode, trainer.vocab_size, cfg.model.path)
         state.learner_version = trainer.version
         log = RunLog(self.run_dir / "metrics.jsonl")
+        on_workers = cfg.eval.where == "workers"
 
         runner = web.AppRunner(build_app(state), access_log=None)
         await runner.setup()
@@ -143,57 +218,83 @@ class Learner:
 
         I = cfg.publish_every
         display = StatusDisplay(cfg.run.steps, enabled=not self.as_json)
+        ranks = f", {self.world.size} ranks (FSDP2)" if self.world.distributed else ""
         display.banner(
             f"echo-learner at {url}  run dir {self.run_dir}\n"
             f"  join: echo-worker join {url} --token {self.token}\n"
-            f"  model {cfg.model.path} ({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M params), "
+            f"  model {cfg.model.path} ({trainer.num_parameters / 1e6:.2f}M params{ranks}), "
             f"task {cfg.task.name}, B = {G}×{cfg.rollout.group_size} = {cfg.batch_rollouts} rollouts/step, "
-            f"S = {S}, I = {I}, buffer {cfg.buffer.type}\n"
+            f"S = {S}, I = {I}, buffer {cfg.buffer.type}, eval on {cfg.eval.where} ({len(evals)} prompts)\n"
             f"  status: v = newest published snapshot, idle = share of wall time the trainer waited for data, "
             f"recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
             f"of what workers sampled vs what was trained")
         (self.run_dir / "url").write_text(url + "\n")
 
-        await self._publish(state, trainer)
-        acc0 = resumed.get("eval_accuracy") if resumed else None
-        if acc0 is None:
-            acc0 = await asyncio.to_thread(trainer.evaluate, task, evals)
-        first_acc = resumed.get("first_eval_accuracy", acc0)
-        log.write({"event": "eval", "step": trainer.version, "eval_accuracy": acc0})
-        self.cost.record_eval(acc0)
-        state.metrics.eval_accuracy.set(acc0)
+        first_acc = resumed.get("first_eval_accuracy")
+        if on_workers:
+            state.evals = EvalBook(evals, cfg.server.lease_ttl, cfg.eval.prompts_per_lease)
+
+            def finished_round(result: EvalResult) -> None:
+                nonlocal first_acc
+                self.last_eval = result
+                first_acc = result.accuracy if first_acc is None else first_acc
+                self.cost.record_eval(result.accuracy)
+                log.write({"event": "eval", "step": result.version, "eval_accuracy": result.accuracy,
+                           "where": "workers", "prompts": result.prompts, "seconds": round(result.seconds, 3),
+                           "workers": result.workers, "restarts": result.restarts})
+                display.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
+                             f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
+                             + (f", {result.restarts} restarts" if result.restarts else "") + ")")
+
+            state.on_eval = finished_round
+        await self._publish(state, drive)
+        if on_workers:
+            state.evals.open(trainer.version, time.monotonic())
+        else:
+            acc0 = resumed.get("eval_accuracy")
+            if acc0 is None:
+                acc0 = await self._on_trainer(trainer.evaluate, task, evals)
+            first_acc = resumed.get("first_eval_accuracy", acc0)
+            self._learner_eval(trainer.version, acc0, state, log)
+        last_eval_opened = trainer.version
         self._spawn_workers(url, cfg)
         watch = asyncio.create_task(self._watch_workers())
         schedule = asyncio.create_task(self._schedule(state, log, display)) if state.fleet else None
 
-        t_start, waited, last_acc = time.monotonic(), 0.0, acc0
+        t_start, waited = time.monotonic(), 0.0
         display.start(trainer.version)
         try:
             while trainer.version < cfg.run.steps:
                 t0 = time.monotonic()
                 batch = await buffer.get_batch(trainer.version)
                 t1 = time.monotonic()
-                stats = await asyncio.to_thread(trainer.step, batch)
+                stats = await self._on_trainer(drive.call, "step", batch)
                 t2 = time.monotonic()
                 waited += t1 - t0
                 state.learner_version = trainer.version
-                if trainer.version % I == 0 or trainer.version == cfg.run.steps:
-                    await self._publish(state, trainer)
+                last = trainer.version == cfg.run.steps
+                if trainer.version % I == 0 or last:
+                    await self._publish(state, drive)
+                    due = cfg.run.eval_every and trainer.version - last_eval_opened >= cfg.run.eval_every
+                    if on_workers and (last or (due and state.evals.round is None)):
+                        state.evals.open(trainer.version, time.monotonic())
+                        last_eval_opened = trainer.version
                 record = self._record(trainer, batch, stats, state, wait=t1 - t0, train=t2 - t1,
                                       idle=waited / max(1e-9, time.monotonic() - t_start))
                 record.update(self._account(state, wait=t1 - t0, train=t2 - t1))
-                due = cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0
-                if due or trainer.version == cfg.run.steps:
-                    last_acc = record["eval_accuracy"] = await asyncio.to_thread(trainer.evaluate, task, evals)
-                    state.metrics.eval_accuracy.set(last_acc)
-                    self.cost.record_eval(last_acc)
+                if not on_workers and (last or (cfg.run.eval_every and trainer.version % cfg.run.eval_every == 0)):
+                    acc = record["eval_accuracy"] = await self._on_trainer(trainer.evaluate, task, evals)
+                    self._learner_eval(trainer.version, acc, state, None)
                 log.write(record)
-                display.step(record, last_acc)
+                display.step(record, self.last_eval)
                 if self.as_json:
                     print(json.dumps(record), flush=True)
                 if cfg.run.checkpoint_every and trainer.version % cfg.run.checkpoint_every == 0:
-                    await asyncio.to_thread(trainer.save_checkpoint, self.run_dir / "checkpoints",
-                                            {"eval_accuracy": last_acc, "first_eval_accuracy": first_acc})
+                    await self._on_trainer(drive.call, "save_checkpoint", self.run_dir / "checkpoints",
+                                           self._checkpoint_state(first_acc))
+            if on_workers:  # the last version's eval: workers generate nothing else meanwhile
+                state.training_done = True
+                await self._final_eval(state, trainer.version, display)
         finally:
             display.stop()
             state.finished = True
@@ -201,14 +302,17 @@ class Learner:
             watch.cancel()
             if schedule is not None:
                 schedule.cancel()
-        await asyncio.to_thread(trainer.save_checkpoint, self.run_dir / "checkpoints",
-                                {"eval_accuracy": last_acc, "first_eval_accuracy": first_acc})
+        await self._on_trainer(drive.call, "save_checkpoint", self.run_dir / "checkpoints",
+                               self._checkpoint_state(first_acc))
+        await self._on_trainer(drive.call, "export", self.run_dir / "model")
+        await self._on_trainer(drive.stop)
         await self._stop_workers(state, grace=2 * cfg.server.heartbeat_interval + 3)
         if self.provider is not None:
             self.provider.close()
         await self.publisher.stop()
         await runner.cleanup()
-        summary = self._summary(state, first_acc, last_acc, time.monotonic() - t_start, waited)
+        self.trainer_thread.shutdown()
+        summary = self._summary(state, first_acc, time.monotonic() - t_start, waited)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         log.write({"event": "summary", **summary})
         log.close()
@@ -218,12 +322,37 @@ class Learner:
             display.summary(summary)
         return 0
 
-    async def _publish(self, state: LearnerState, trainer) -> None:
-        blob = await asyncio.to_thread(trainer.snapshot)
-        self.published_at[trainer.version] = time.monotonic()
+    def _learner_eval(self, version: int, accuracy: float, state: LearnerState, log: RunLog | None) -> None:
+        """[eval] where = 'learner': an accuracy computed here between steps."""
+        self.last_eval = EvalResult(version, accuracy, 0, 0.0, 0, 0)
+        self.cost.record_eval(accuracy)
+        state.metrics.eval_accuracy.set(accuracy)
+        if log is not None:
+            log.write({"event": "eval", "step": version, "eval_accuracy": accuracy, "where": "learner"})
+
+    def _checkpoint_state(self, first_acc) -> dict:
+        last = self.last_eval
+        return {"eval_accuracy": last.accuracy if last else None, "eval_version": last.version if last else None,
+                "first_eval_accuracy": first_acc}
+
+    async def _final_eval(self, state: LearnerState, version: int, display) -> None:
+        """Serve the workers until the last version's eval round is answered (or the timeout)."""
+        deadline = time.monotonic() + self.cfg.eval.final_timeout_s
+        while (self.last_eval is None or self.last_eval.version < version) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.last_eval is None or self.last_eval.version < version:
+            r = state.evals.round
+            answered = len(r.rewards) if r else 0
+            display.note(f"eval of v{version} incomplete after {self.cfg.eval.final_timeout_s:.0f} s "
+                         f"({answered}/{len(state.evals.prompts)} answered; are workers holding v{version}?)")
+
+    async def _publish(self, state: LearnerState, drive: Lockstep) -> None:
+        blob = await self._on_trainer(drive.call, "snapshot")
+        version = drive.target.version
+        self.published_at[version] = time.monotonic()
         workers = [w for w in state.alive_workers(time.monotonic()) if w.active]
-        state.announcement = await self.publisher.publish(trainer.version, blob, workers)
-        state.metrics.published.set(trainer.version)
+        state.announcement = await self.publisher.publish(version, blob, workers)
+        state.metrics.published.set(version)
 
     def _broadcast_times(self, state: LearnerState) -> dict[int, float]:
         """T_bcast of each version every active worker has now installed: publication until the
@@ -367,13 +496,15 @@ class Learner:
                     print(f"echo-learner: local worker {i} exited with code {p.returncode}; "
                           f"see {self.run_dir / 'workers' / f'local-{i}.log'}", file=sys.stderr)
 
-    def _summary(self, state: LearnerState, first_acc, last_acc, wall, waited) -> dict:
+    def _summary(self, state: LearnerState, first_acc, wall, waited) -> dict:
         buf = state.buffer.buffer.metrics()
         rejected = {s.labels["reason"]: int(s.value) for m in state.metrics.rejected.collect()
                     for s in m.samples if s.name.endswith("_total")}
         return {
             "run_dir": str(self.run_dir), "steps": state.learner_version,
-            "eval_accuracy_start": first_acc, "eval_accuracy_end": last_acc,
+            "eval_accuracy_start": first_acc,
+            "eval_accuracy_end": self.last_eval.accuracy if self.last_eval else None,
+            "eval_version_end": self.last_eval.version if self.last_eval else None,
             "wall_s": round(wall, 1), "learner_idle_ratio": round(waited / max(wall, 1e-9), 3),
             "groups_trained": buf["trained"], "recycled": buf["recycled"],
             "dropped_overflow": buf["dropped_overflow"], "rejected": rejected,

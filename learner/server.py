@@ -2,9 +2,11 @@
 
     POST /v1/join            run token -> worker id, sampling parameters, task, newest snapshot
     POST /v1/heartbeat       liveness + measurements; renews the worker's leases
-    POST /v1/lease           prompts to generate (204: none right now, 410: run finished)
+    POST /v1/lease           prompts to generate, or an eval lease (greedy, for the version the
+                             worker holds); 204: none right now, 410: run finished
     POST /v1/release         hand a lease back unanswered (its prompts are re-issued at once)
     POST /v1/trajectories    zstd msgpack groups (echo.wire); 4xx names the reason
+    POST /v1/eval            an eval lease's rewards (learner.evals)
     GET  /v1/model           the model directory minus weights (config, tokenizer)
     GET  /v1/snapshots/...   versioned weights (broadcast.star)
     GET  /v1/status          JSON status
@@ -32,6 +34,7 @@ from broadcast.star import BlobStore, add_star_routes
 from echo.wire import CONTENT_TYPE, Rejected, decode_submission
 from learner.buffer import AsyncBuffer, Group
 from learner.config import LearnerConfig
+from learner.evals import EvalBook, EvalRefused
 from learner.leases import LeaseBook, UnknownLease
 from learner.metrics import LearnerMetrics
 
@@ -84,6 +87,9 @@ class LearnerState:
         self.links = LinkTable(uplink=cfg.broadcast.uplink_mbit * MBIT, default=UNKNOWN_LINK_MBIT * MBIT)
         self.announcement: dict | None = None  # the newest version as workers are told of it
         self.broadcast: dict = {"mode": "star"}  # how versions travel (learner.publisher)
+        self.evals: EvalBook | None = None  # eval rounds on the workers ([eval] where = "workers")
+        self.on_eval = lambda result: None  # the learner logs each finished round
+        self.training_done = False  # only eval leases go out (the last version's round)
         self._worker_ids = itertools.count(1)
 
     @property
@@ -161,6 +167,8 @@ def build_app(state: LearnerState) -> web.Application:
         _record_installs(worker, data.get("installs", []))
         _record_links(state, worker, data)
         state.leases.renew(worker.id, worker.last_seen)
+        if state.evals is not None:
+            state.evals.renew(worker.id, worker.last_seen)
         if state.fleet is not None:
             state.fleet.heartbeat(worker.last_seen, worker.name, worker.rollouts_per_s)
             worker.active = state.fleet.is_active(worker.name)
@@ -179,11 +187,22 @@ def build_app(state: LearnerState) -> web.Application:
             return json_error(410, "finished", "the run has finished; the worker can exit")
         try:
             max_prompts = max(1, min(int(data.get("max_prompts", 1)), 1024))
+            worker.version = int(data.get("version", worker.version))  # what will generate this lease
         except (TypeError, ValueError):
-            raise web.HTTPBadRequest(text="max_prompts must be an integer") from None
+            raise web.HTTPBadRequest(text="max_prompts and version must be integers") from None
+        if state.evals is not None and worker.active:
+            got_eval = state.evals.lease(worker.id, worker.version, cfg.eval.prompts_per_lease, time.monotonic())
+            if got_eval is not None:
+                lease_id, version, eval_prompts = got_eval
+                return web.json_response({
+                    "lease_id": lease_id, "eval": {"version": version}, "expires_in": cfg.server.lease_ttl,
+                    "prompts": [{"id": p.id, "text": p.text, "answer": p.answer, "prompt_ids": state.encode(p.text)}
+                                for p in eval_prompts],
+                    "snapshot": state.announcement})
         buf = state.buffer.buffer
         full = cfg.buffer.backpressure and len(buf) >= buf.capacity
-        got = None if full or not worker.active else state.leases.lease(worker.id, max_prompts, time.monotonic())
+        idle = full or not worker.active or state.training_done
+        got = None if idle else state.leases.lease(worker.id, max_prompts, time.monotonic())
         if got is None:
             return web.Response(status=204)
         prompts = []
@@ -233,6 +252,26 @@ def build_app(state: LearnerState) -> web.Application:
         state.metrics.queue.set(len(state.buffer.buffer))
         return web.json_response({"accepted": len(groups)})
 
+    async def eval_results(request: web.Request) -> web.Response:
+        authorize(request)
+        data = await body_json(request)
+        worker = worker_of(data)
+        rewards = data.get("rewards")
+        if state.evals is None:
+            return json_error(409, "no-eval", "this learner evaluates on itself ([eval] where = 'learner')")
+        if not isinstance(rewards, dict):
+            raise web.HTTPBadRequest(text="rewards must be an object {prompt_id: reward}")
+        try:
+            result = state.evals.submit(worker.id, str(data.get("lease_id", "")), int(_number(data.get("version"))),
+                                        rewards, time.monotonic())
+        except EvalRefused as e:
+            state.metrics.rejected.labels(f"eval-{e.reason}").inc()
+            return json_error(e.status, e.reason, e.message)
+        if result is not None:
+            state.metrics.eval_accuracy.set(result.accuracy)
+            state.on_eval(result)
+        return web.json_response({"accepted": len(rewards)})
+
     async def model_files(request: web.Request) -> web.Response:
         authorize(request)
         files = {p.name: p.read_bytes() for p in sorted(state.model_dir.iterdir())
@@ -263,6 +302,7 @@ def build_app(state: LearnerState) -> web.Application:
     app.router.add_post("/v1/lease", lease)
     app.router.add_post("/v1/release", release)
     app.router.add_post("/v1/trajectories", trajectories)
+    app.router.add_post("/v1/eval", eval_results)
     app.router.add_get("/v1/model", model_files)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)
@@ -373,7 +413,11 @@ async def reaper(state: LearnerState, period: float) -> None:
     """Expire silent workers' leases so their prompts are re-issued."""
     while True:
         await asyncio.sleep(period)
-        dead = state.leases.expire(time.monotonic())
+        now = time.monotonic()
+        dead = state.leases.expire(now)
         if dead:
             state.metrics.leases_expired.inc(len(dead))
-        state.metrics.workers.set(len(state.alive_workers(time.monotonic())))
+        alive = state.alive_workers(now)
+        if state.evals is not None:
+            state.evals.expire(now, {w.version for w in alive if w.active}, state.published_version)
+        state.metrics.workers.set(len(alive))

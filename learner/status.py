@@ -7,9 +7,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-def status_line(r: dict, eval_accuracy: float | None) -> str:
-    """One line per step; the `Staleness stats:` part keeps the format other async RL stacks log."""
-    acc = f"{eval_accuracy:.3f}" if eval_accuracy is not None else "-"
+def status_line(r: dict, last_eval=None) -> str:
+    """One line per step; the `Staleness stats:` part keeps the format other async RL stacks log.
+    `last_eval` (a `learner.evals.EvalResult`) shows as accuracy@version."""
+    acc = f"{last_eval.accuracy:.3f}@v{last_eval.version}" if last_eval is not None else "-"
     return (f"step {r['step']:>4} v{r['published_version']:<4} reward {r['reward_mean']:.3f} eval {acc} "
             f"idle {100 * r['idle_ratio']:3.0f}% workers {r['workers']} | "
             f"Staleness stats: recycled={r['recycled']}, avg_staleness={r['avg_staleness']:.2f}, "
@@ -36,10 +37,10 @@ class StatusDisplay:
         self.task = self.progress.add_task("train", total=self.total, completed=done)
         self.progress.start()
 
-    def step(self, record: dict, eval_accuracy: float | None) -> None:
+    def step(self, record: dict, last_eval=None) -> None:
         if not self.enabled:
             return
-        self.progress.console.print(status_line(record, eval_accuracy), soft_wrap=True)
+        self.progress.console.print(status_line(record, last_eval), soft_wrap=True)
         self.progress.update(self.task, completed=record["step"])
 
     def note(self, text: str) -> None:
@@ -52,7 +53,8 @@ class StatusDisplay:
     def summary(self, s: dict) -> None:
         table = Table(title="run summary", show_header=False)
         rows = [
-            ("eval accuracy", f"{s['eval_accuracy_start']:.3f} -> {s['eval_accuracy_end']:.3f}"),
+            ("eval accuracy", f"{_acc(s['eval_accuracy_start'])} -> {_acc(s['eval_accuracy_end'])}"
+                              + (f" (v{s['eval_version_end']})" if s.get("eval_version_end") is not None else "")),
             ("steps / wall time", f"{s['steps']} in {s['wall_s']} s"),
             ("learner idle", f"{100 * s['learner_idle_ratio']:.1f}%"),
             ("groups trained / recycled / overflow", f"{s['groups_trained']} / {s['recycled']} / {s['dropped_overflow']}"),
@@ -68,3 +70,7 @@ class StatusDisplay:
         for k, v in rows:
             table.add_row(k, v)
         self.console.print(table)
+
+
+def _acc(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "-"

@@ -45,6 +45,7 @@ def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Pa
         "trainer": {"batch_prompts": 4},
         "buffer": {"max_staleness": 1},
         "publish": {"every": 1},
+        "eval": {"limit": 16, "final_timeout_s": 30},
         "server": {"port": 0, "token": "test-token", "lease_ttl": 3.0, "heartbeat_interval": 0.5},
         "workers": {"spawn": 0},
     }

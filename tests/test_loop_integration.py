@@ -31,7 +31,12 @@ def test_two_workers_train_within_the_staleness_bound_and_survive_a_killed_worke
     assert all(0 <= s <= S for r in records for s in r["staleness"]), [r["staleness"] for r in records]
     assert summary["leases_reissued"] >= held  # the dead worker's prompts went back out
     assert summary["groups_trained"] == steps * 4
-    assert (lp.run_dir / "checkpoints" / "latest" / "model.safetensors").exists()
+    assert (lp.run_dir / "checkpoints" / "latest" / "state" / ".metadata").exists()  # torch.distributed.checkpoint
+    assert (lp.run_dir / "model" / "model.safetensors").exists()  # the trained model as an HF directory
+    # Eval ran on the workers: the first and the last version, every prompt answered.
+    evals = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert [e["step"] for e in evals] == [0, steps] and all(e["where"] == "workers" and e["prompts"] == 16 for e in evals)
+    assert summary["eval_version_end"] == steps
     assert fast.wait(30) == 0  # told the run finished, it exits cleanly
     # Versions went out by the signed push (chain mode, the default), and their arrival was timed.
     published = [r["snapshot_bytes"] for r in records if "snapshot_bytes" in r]
@@ -224,3 +229,24 @@ def test_workers_relay_over_libp2p(learner_factory, tmp_path):
     for name in ("a", "b"):  # only the version current at join is pulled; the rest came by push
         log = (tmp_path / f"{name}.log").read_text()
         assert "relay listening at p2p:" in log and log.count("from the learner") <= 1, log[-2000:]
+
+
+def test_a_two_rank_learner_trains_on_policy_with_top_p(learner_factory):
+    """`[run] nproc = 2`: the learner relaunches itself under torchrun (FSDP2 on two gloo ranks,
+    rank 0 serving), a transformers worker samples with top-p 0.9, and with S = 0 every trained
+    group is fresh: π of the sharded trainer equals the worker's μ (mismatch_kl ≈ 0, no token
+    outside the nucleus). Eval runs on the worker; the run exports the trained model. ~60 s."""
+    steps = 4
+    lp = learner_factory(run={"steps": steps, "nproc": 2}, buffer={"max_staleness": 0},
+                         rollout={"top_p": 0.9, "temperature": 0.8})
+    lp.worker("w", "--worker.max_rollouts_per_s", "200")
+    assert lp.proc.wait(240) == 0, lp.output()[-4000:]
+    records, summary = lp.records(), json.loads((lp.run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and len(records) == steps
+    assert all(s == 0 for r in records for s in r["staleness"])
+    assert all(abs(r["mismatch_kl"]) < 1e-6 and r["outside_nucleus_fraction"] == 0 for r in records), \
+        [(r["mismatch_kl"], r["outside_nucleus_fraction"]) for r in records]
+    assert summary["eval_version_end"] == steps
+    assert (lp.run_dir / "model" / "model.safetensors").exists()
+    state = json.loads((lp.run_dir / "checkpoints" / "latest" / "learner_state.json").read_text())
+    assert state["ranks"] == 2 and state["version"] == steps

@@ -56,8 +56,15 @@ class LearnerClient:
     async def heartbeat(self, info: dict[str, Any]) -> dict[str, Any]:
         return await self._json("/v1/heartbeat", {"worker_id": self.worker_id, **info})
 
-    async def lease(self, max_prompts: int) -> dict[str, Any] | None:
-        return await self._json("/v1/lease", {"worker_id": self.worker_id, "max_prompts": max_prompts})
+    async def lease(self, max_prompts: int, version: int) -> dict[str, Any] | None:
+        """Prompts to generate with `version` (the installed snapshot): training prompts, or an
+        eval lease (`"eval": {"version": v}`: greedy, one sample each)."""
+        return await self._json("/v1/lease", {"worker_id": self.worker_id, "max_prompts": max_prompts,
+                                              "version": version})
+
+    async def submit_eval(self, lease_id: str, version: int, rewards: dict[str, float]) -> dict[str, Any]:
+        return await self._json("/v1/eval", {"worker_id": self.worker_id, "lease_id": lease_id, "version": version,
+                                             "rewards": rewards})
 
     async def release(self, lease_id: str) -> dict[str, Any]:
         """Give a lease's prompts back unanswered (they are re-issued at once)."""

@@ -8,6 +8,7 @@ them and every later group is stamped with the new one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -272,14 +273,17 @@ class Worker:
             if self.engine.version < 0:
                 await asyncio.sleep(0.1)
                 continue
-            lease = await client.lease(self.cfg.worker.prompts_per_lease)
+            version = self.engine.version  # the weights that will generate this whole lease
+            lease = await client.lease(self.cfg.worker.prompts_per_lease, version)
             if lease is None:
                 await asyncio.sleep(0.1)
                 continue
             self._notice(client, lease.get("snapshot"))
-            t0 = time.monotonic()
-            version = self.engine.version  # the weights that will generate this whole batch
             prompts = [Prompt(p["id"], p["text"], p["answer"]) for p in lease["prompts"]]
+            if "eval" in lease:
+                await self._evaluate(client, lease, prompts, version)
+                continue
+            t0 = time.monotonic()
             groups = await asyncio.to_thread(self.engine.generate, [p["prompt_ids"] for p in lease["prompts"]], self.params)
             msgs = []
             for prompt, samples in zip(prompts, groups):
@@ -303,6 +307,18 @@ class Worker:
                 continue
             self.rollouts += n_rollouts
             self.meter.add(n_rollouts, time.monotonic())
+
+
+    async def _evaluate(self, client: LearnerClient, lease: dict, prompts: list[Prompt], version: int) -> None:
+        """An eval lease: one greedy sample per prompt with `version`, scored, rewards sent back."""
+        greedy = dataclasses.replace(self.params, n=1, temperature=0.0, top_p=1.0)
+        groups = await asyncio.to_thread(self.engine.generate, [p["prompt_ids"] for p in lease["prompts"]], greedy)
+        texts = self.tokenizer.batch_decode([g[0].tokens for g in groups], skip_special_tokens=True)
+        rewards = await asyncio.to_thread(lambda: {p.id: self.task.reward(p, t) for p, t in zip(prompts, texts)})
+        try:
+            await client.submit_eval(lease["lease_id"], version, rewards)
+        except LearnerError as e:  # the round moved on (restarted, or its lease expired): nothing to keep
+            log.warning("%s: eval of v%d refused: %s", self.name, version, e)
 
 
 @functools.cache  # asked at every heartbeat; the answer never changes

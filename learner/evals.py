@@ -1,0 +1,137 @@
+"""Greedy evaluation on the workers, one version at a time: the learner never generates.
+
+A *round* evaluates snapshot `v` on the task's eval prompts. Its prompts go out as eval leases
+(greedy, one sample each), only to workers whose installed version is exactly `v` (they say so
+when they ask for a lease, and generate the batch before installing anything else), so every
+answer of the round is `v`'s. Eval leases come before training prompts. A worker that dies
+loses nothing: its eval lease expires like any other and the prompts go back to the round.
+If no live worker holds `v` any more (all moved on before the round finished), the round starts
+again at the newest version and says so (`restarts`): an accuracy is always one version's.
+
+Plain logic with an injectable clock, like `LeaseBook`; the server and the learner's loop drive it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+
+from echo.tasks import Prompt
+
+
+class EvalRefused(Exception):
+    """An eval upload that does not match an outstanding eval lease; `status` and `reason` for HTTP."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass
+class EvalResult:
+    version: int
+    accuracy: float
+    prompts: int
+    seconds: float  # round opened → last answer
+    workers: int
+    restarts: int
+
+
+@dataclass
+class _Lease:
+    worker_id: str
+    deadline: float
+    prompt_ids: list[str]
+
+
+@dataclass
+class _Round:
+    version: int
+    opened: float
+    pending: deque[str]
+    leased: dict[str, _Lease] = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)
+    workers: set[str] = field(default_factory=set)
+    restarts: int = 0
+
+
+class EvalBook:
+    """Invariant of the open round: every prompt is pending, leased once, or answered."""
+
+    def __init__(self, prompts: list[Prompt], ttl: float, per_lease: int):
+        if not prompts:
+            raise ValueError("the task has no eval prompts")
+        self.prompts = {p.id: p for p in prompts}
+        self.ttl, self.per_lease = ttl, per_lease
+        self.round: _Round | None = None
+        self.results: list[EvalResult] = []
+        self._ids = itertools.count()
+
+    @property
+    def version(self) -> int | None:
+        return self.round.version if self.round else None
+
+    def open(self, version: int, now: float) -> None:
+        """Start evaluating `version` (a round already running is replaced)."""
+        self.round = _Round(version, now, deque(self.prompts))
+
+    def lease(self, worker_id: str, worker_version: int, max_prompts: int, now: float) -> tuple[str, int, list[Prompt]] | None:
+        r = self.round
+        if r is None or not r.pending or worker_version != r.version:
+            return None
+        ids = [r.pending.popleft() for _ in range(min(max_prompts, self.per_lease, len(r.pending)))]
+        lease_id = f"E{next(self._ids)}-{secrets.token_hex(4)}"
+        r.leased[lease_id] = _Lease(worker_id, now + self.ttl, ids)
+        return lease_id, r.version, [self.prompts[i] for i in ids]
+
+    def submit(self, worker_id: str, lease_id: str, version: int, rewards: dict[str, float],
+               now: float) -> EvalResult | None:
+        """Record an eval lease's rewards; the round's result when this completes it."""
+        r = self.round
+        lease = r.leased.get(lease_id) if r else None
+        if r is None or lease is None or lease.worker_id != worker_id:
+            raise EvalRefused(409, "unknown-lease", f"eval lease {lease_id!r} is not outstanding for this worker "
+                                                    "(expired, or its round was restarted)")
+        if version != r.version:
+            raise EvalRefused(409, "wrong-version", f"eval lease {lease_id!r} evaluates v{r.version}, not v{version}")
+        if set(rewards) != set(lease.prompt_ids):
+            raise EvalRefused(422, "wrong-prompts", f"eval lease {lease_id!r} holds {len(lease.prompt_ids)} prompts; "
+                                                    "send exactly one reward for each")
+        bad = [k for k, v in rewards.items() if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0]
+        if bad:
+            raise EvalRefused(422, "bad-reward", f"rewards must be numbers in [0, 1]; got {rewards[bad[0]]!r}")
+        del r.leased[lease_id]
+        r.rewards.update({k: float(v) for k, v in rewards.items()})
+        r.workers.add(worker_id)
+        if len(r.rewards) < len(self.prompts):
+            return None
+        result = EvalResult(r.version, sum(r.rewards.values()) / len(r.rewards), len(r.rewards), now - r.opened,
+                            len(r.workers), r.restarts)
+        self.results.append(result)
+        self.round = None
+        return result
+
+    def renew(self, worker_id: str, now: float) -> None:
+        if self.round:
+            for lease in self.round.leased.values():
+                if lease.worker_id == worker_id:
+                    lease.deadline = now + self.ttl
+
+    def expire(self, now: float, live_versions: set[int], newest: int) -> bool:
+        """Give expired leases' prompts back; restart the round at `newest` when nobody alive
+        holds its version and nothing is leased (returns True when it restarted)."""
+        r = self.round
+        if r is None:
+            return False
+        for lease_id, lease in list(r.leased.items()):
+            if lease.deadline < now:
+                del r.leased[lease_id]
+                r.pending.extendleft(reversed(lease.prompt_ids))
+        if r.version not in live_versions and not r.leased and newest > r.version:
+            restarts = r.restarts + 1
+            self.open(newest, r.opened)
+            self.round.restarts = restarts
+            return True
+        return False
