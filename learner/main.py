@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue a run from its latest checkpoint (its config.toml is the base config)")
     parser.add_argument("--nproc", type=int, metavar="N",
                         help="trainer ranks on this node (FSDP2 under torchrun; same as --run.nproc N)")
+    parser.add_argument("--preflight", action="store_true",
+                        help="print the model, dtypes and predicted memory per rank, check they fit, and exit "
+                             "(reads config.json and the tokenizer only: no weights)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per step and a JSON summary")
     args, overrides = parser.parse_known_args(argv)
     if args.nproc is not None:
@@ -80,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build the demo model "
               f"with `echo-rl build-model --config {config_path}` or set [model] path.", file=sys.stderr)
         return 2
-    if cfg.run.nproc > 1 and not under_torchrun():
-        return _relaunch(cfg, argv, config_path, args.json)
+    if args.preflight or (cfg.run.nproc > 1 and not under_torchrun()):
+        return _launch(cfg, argv, args.json, check_only=args.preflight)
     world = init_world(cfg.model.device)
     try:
         pf = preflight(cfg, world.size, str(world.device))
@@ -111,16 +114,23 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _relaunch(cfg: LearnerConfig, argv: list[str], config_path, as_json: bool) -> int:
-    """`--nproc N`: check the plan here, then run this same command as N torchrun ranks."""
+def _launch(cfg: LearnerConfig, argv: list[str], as_json: bool, check_only: bool) -> int:
+    """Check the plan here (`--preflight` stops there), then run this same command as
+    `[run] nproc` torchrun ranks."""
     try:
-        pf = preflight(cfg, cfg.run.nproc, cfg.model.device if not cfg.model.device.startswith("cuda") else "cuda:0")
-        if not as_json:
+        pf = preflight(cfg, cfg.run.nproc, cfg.model.device if not cfg.model.device.startswith("cuda") else "cuda:0",
+                       need_tokenizer=not check_only)
+        if as_json and check_only:
+            print(json.dumps({"parameters": pf.shape.params, "ranks": cfg.run.nproc, "available_bytes": pf.available,
+                              "predicted_bytes": pf.plan.total, "predicted": vars(pf.plan)}))
+        elif not as_json:
             print("\n".join(pf.lines), flush=True)
         check_fits(pf, cfg, cfg.run.nproc)
     except PreflightError as e:
         print(f"echo-learner: {e}", file=sys.stderr)
         return 2
+    if check_only:
+        return 0
     # --nproc would reach torchrun's own parser (a prefix of its --nproc-per-node): pass the config key.
     args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.run.nproc),

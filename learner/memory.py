@@ -11,12 +11,16 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
                  or T·L·A          working set A recomputed at a time; without: every layer's A
     head         c·V·(16 [+16])    one chunk of c tokens: logits, their grad and softmax in
                                    fp32 (+ the sort of top-p)
-    runtime      1 GiB             CUDA context / interpreter and allocator slack
+    runtime      1 GiB on a GPU    CUDA context and workspaces; 0.4 GiB on a CPU (the
+                                   interpreter with torch and transformers imported)
 
-with `A = (2·4 + 4·b)·H + 2·b·H_kv + 4·b·I` bytes per token for a pre-norm decoder layer with
-SwiGLU (two fp32 residual inputs, the normed inputs, q/k/v/o, gate/up/act/product in the
-compute dtype `b`; SDPA keeps no attention matrix). `echo-rl bench learner` prints this
-prediction beside the measured peak on this machine.
+with `A = (8 + 16·b)·H + 2·b·H_kv + 8·b·I` bytes per token for a pre-norm decoder layer with
+SwiGLU in compute dtype `b`: the fp32 residual stream, about sixteen hidden-sized tensors
+autograd keeps (norm statistics and outputs, q and its rotary copy, attention in and out,
+projections), two key/value-sized ones and eight intermediate-sized ones (gate, up, their
+activation and product, with allocator slack); SDPA keeps no attention matrix. Counted from a
+Qwen2 layer and checked against the peak `echo-rl bench learner` measures on this machine
+(fp32, table 1 of the README), where it lands within 10%.
 """
 
 from __future__ import annotations
@@ -86,10 +90,10 @@ class MemoryPlan:
 
 
 def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_bytes: int, checkpointing: bool,
-            reference: bool, chunk_tokens: int, top_p: float) -> MemoryPlan:
+            reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False) -> MemoryPlan:
     P, N, T, H = shape.params, ranks, micro_batch_tokens, shape.hidden
     b = compute_bytes
-    per_token_layer = (8 + 4 * b) * H + 2 * b * shape.kv_dim + 4 * b * shape.intermediate
+    per_token_layer = (8 + 16 * b) * H + 2 * b * shape.kv_dim + 8 * b * shape.intermediate
     if checkpointing:
         activations = T * (shape.layers * 4 * H + 2 * per_token_layer)  # the layer's work and its grads
     else:
@@ -101,7 +105,7 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
         gathered=8 * (shape.root_params + 2 * shape.layer_params) if N > 1 else 0.0,
         activations=float(activations),
         head=float(chunk_tokens * shape.vocab * (16 + (16 if top_p < 1 else 0))),
-        runtime=GiB,
+        runtime=GiB if gpu else 0.4 * GiB,
     )
 
 
@@ -111,6 +115,8 @@ def available_bytes(device: str, ranks_per_node: int) -> tuple[float, str]:
     if device.startswith("cuda"):
         import torch
 
+        if not torch.cuda.is_available():
+            return float("inf"), "no GPU on this machine: a prediction only"
         free, total = torch.cuda.mem_get_info(torch.device(device))
         return float(free), f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB on {torch.cuda.get_device_name(device)}"
     available = _meminfo_available()

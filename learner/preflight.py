@@ -15,6 +15,9 @@ from learner.memory import GiB, ModelShape, MemoryPlan, available_bytes, predict
 from learner.model import DTYPES, saved_dtype
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 class PreflightError(Exception):
     """The configuration cannot train this model here; the message says what to change."""
 
@@ -28,7 +31,9 @@ class Preflight:
     lines: list[str]
 
 
-def preflight(cfg: LearnerConfig, ranks: int, device: str) -> Preflight:
+def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool = True) -> Preflight:
+    """The report and the prediction; `need_tokenizer=False` (`--preflight`) also reads a
+    directory that holds only a config.json (to plan a model not downloaded yet)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from echo.hf import chunk_tokens_for
@@ -37,9 +42,17 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str) -> Preflight:
     path = cfg.model.path
     shape = ModelShape.of(path)
     arch = "/".join(AutoConfig.from_pretrained(path).architectures or ["?"])
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if len(tokenizer) > shape.vocab:
-        raise PreflightError(f"the tokenizer of {path} has {len(tokenizer)} tokens but the model's output layer "
+    tokens = None
+    if any((path / name).exists() for name in TOKENIZER_FILES):
+        try:
+            tokens = len(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError, TypeError) as e:
+            raise PreflightError(f"cannot load the tokenizer of {path}: {e}") from None
+    elif need_tokenizer:
+        raise PreflightError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the tokenizer into the "
+                             "model directory (tokenizer.save_pretrained)")
+    if tokens is not None and tokens > shape.vocab:
+        raise PreflightError(f"the tokenizer of {path} has {tokens} tokens but the model's output layer "
                              f"has {shape.vocab} rows: tokens past {shape.vocab - 1} would index out of range. "
                              "Resize the embeddings (model.resize_token_embeddings) and save the model again")
     compute = t.compute_dtype
@@ -48,11 +61,12 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str) -> Preflight:
     chunk = min(chunk_tokens_for(shape.vocab, t.logprob_chunk_tokens), t.micro_batch_tokens)
     plan = predict(shape, ranks=ranks, micro_batch_tokens=t.micro_batch_tokens, compute_bytes=DTYPES[compute].itemsize,
                    checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
-                   top_p=cfg.rollout.top_p)
+                   top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"))
     available, where = available_bytes(device, ranks)
     lines = [
         f"model {path}: {shape.params / 1e6:.1f}M parameters ({arch}, {shape.layers} layers, hidden {shape.hidden}, "
-        f"vocab {shape.vocab}; tokenizer {len(tokenizer)} tokens), tied embeddings: {'yes' if shape.tied else 'no'}",
+        f"vocab {shape.vocab}; tokenizer {tokens if tokens is not None else 'not in the directory'}"
+        f"{' tokens' if tokens is not None else ''}), tied embeddings: {'yes' if shape.tied else 'no'}",
         f"  weights: fp32 master + AdamW state; forward/backward {compute}"
         f"{' autocast' if compute != 'float32' else ''}; snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)",
         f"  memory: {ranks} rank{'s' if ranks > 1 else ''} on {device}, micro-batches of {t.micro_batch_tokens} tokens, "

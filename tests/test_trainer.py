@@ -82,13 +82,8 @@ def test_one_two_and_four_micro_batches_give_the_same_gradient(tiny_model):
     for count in (1, 2, 4):
         trainer = _trainer(tiny_model, "--trainer.micro_batch_tokens", str(budgets[count]))
         captured = {}
-        step = trainer.optimizer.step
-
-        def record(*a, _step=step, _captured=captured, _trainer=trainer, **k):
-            _captured.update({n: p.grad.clone() for n, p in _trainer.policy.named_parameters()})
-            return _step(*a, **k)
-
-        trainer.optimizer.step = record
+        trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs, _c=captured, _t=trainer: _c.update(
+            {n: p.grad.clone() for n, p in _t.policy.named_parameters()}))
         trainer.step(batch)
         grads[count] = captured
     for count in (2, 4):
@@ -150,3 +145,43 @@ def test_a_step_on_cuda_keeps_every_tensor_on_the_device(tiny_model, dtype):
     stats = trainer.step(synthetic_batch(0, trainer.vocab_size))
     assert math.isfinite(stats["loss"]) and next(trainer.policy.parameters()).is_cuda
     assert trainer.snapshot() is not None
+
+
+# --- fail before loading ---------------------------------------------------------------------------
+
+def test_preflight_predicts_qwen3_8b_from_its_config_and_refuses_what_cannot_fit():
+    """Qwen3-8B's published config (configs/models/Qwen3-8B, no weights): 8.19B parameters; the
+    4-rank plan fits an 80 GB A100, one rank on this machine does not and says what to change."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from learner.memory import ModelShape, predict
+
+    root = Path(__file__).resolve().parents[1]
+    shape = ModelShape.of(root / "configs/models/Qwen3-8B")
+    assert shape.params == pytest.approx(8.19e9, rel=1e-3) and not shape.tied and shape.layers == 36
+    plans = {n: predict(shape, ranks=n, micro_batch_tokens=16384, compute_bytes=2, checkpointing=True,
+                        reference=False, chunk_tokens=220, top_p=0.95, gpu=True) for n in (1, 4)}
+    assert plans[4].state == pytest.approx(plans[1].state / 4)
+    assert plans[4].total < 80e9 < plans[1].total
+    out = subprocess.run([sys.executable, "-m", "learner.main", "--config", "configs/learner-8b.toml", "--preflight",
+                          "--model.path", "configs/models/Qwen3-8B", "--model.device", "cpu", "--nproc", "1"],
+                         cwd=root, capture_output=True, text=True)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "8190.7M parameters" in out.stdout and "predicted to need" in out.stderr and "--nproc 2" in out.stderr
+
+
+def test_preflight_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from echo.tinymodel import build_tokenizer
+    from learner.preflight import PreflightError, preflight
+
+    tok = build_tokenizer()  # 19 tokens
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = load_learner_config(None, ["--model.path", str(tmp_path)])
+    with pytest.raises(PreflightError, match="19 tokens but the model's output layer has 12 rows"):
+        preflight(cfg, 1, "cpu")

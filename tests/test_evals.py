@@ -1,0 +1,60 @@
+"""Eval rounds on workers (learner.evals): one version per round, every prompt answered once,
+nothing lost to a dead worker, and a round nobody can finish restarts at the newest version."""
+
+import pytest
+
+from echo.tasks import Prompt
+from learner.evals import EvalBook, EvalRefused
+
+PROMPTS = [Prompt(f"e{i}", f"{i}+1=", str(i + 1)) for i in range(10)]
+
+
+def test_a_round_goes_only_to_workers_on_its_version_and_completes_once():
+    book = EvalBook(PROMPTS, ttl=5.0, per_lease=4)
+    book.open(3, now=0.0)
+    assert book.lease("w1", worker_version=2, max_prompts=8, now=0.0) is None  # not on v3 yet
+    lid, version, got = book.lease("w1", worker_version=3, max_prompts=8, now=0.0)
+    assert version == 3 and len(got) == 4  # per_lease caps the worker's ask
+    lid2, _, got2 = book.lease("w2", worker_version=3, max_prompts=100, now=0.0)
+    lid3, _, got3 = book.lease("w2", worker_version=3, max_prompts=100, now=0.0)
+    assert book.lease("w1", 3, 8, 0.0) is None  # everything is out
+    with pytest.raises(EvalRefused, match="not outstanding for this worker"):
+        book.submit("w2", lid, 3, {p.id: 1.0 for p in got}, now=1.0)
+    with pytest.raises(EvalRefused, match="one reward for each"):
+        book.submit("w1", lid, 3, {got[0].id: 1.0}, now=1.0)
+    with pytest.raises(EvalRefused, match="evaluates v3"):
+        book.submit("w1", lid, 2, {p.id: 1.0 for p in got}, now=1.0)
+    with pytest.raises(EvalRefused, match=r"in \[0, 1\]"):
+        book.submit("w1", lid, 3, {p.id: 7.0 for p in got}, now=1.0)
+    assert book.submit("w1", lid, 3, {p.id: 1.0 for p in got}, now=1.0) is None
+    assert book.submit("w2", lid2, 3, {p.id: 0.0 for p in got2}, now=1.5) is None
+    result = book.submit("w2", lid3, 3, {p.id: 1.0 for p in got3}, now=2.0)
+    assert (result.version, result.prompts, result.workers, result.restarts) == (3, 10, 2, 0)
+    assert result.accuracy == pytest.approx(6 / 10) and result.seconds == 2.0
+    assert book.round is None and book.results == [result]
+
+
+def test_a_dead_workers_eval_lease_expires_and_its_prompts_go_to_another():
+    book = EvalBook(PROMPTS, ttl=5.0, per_lease=10)
+    book.open(1, now=0.0)
+    lid, _, got = book.lease("dead", 1, 10, now=0.0)
+    book.renew("dead", now=4.0)  # heartbeats keep it alive...
+    assert not book.expire(now=8.0, live_versions={1}, newest=1) and book.lease("w", 1, 10, 8.0) is None
+    book.expire(now=9.5, live_versions={1}, newest=1)  # ...until they stop
+    lid2, _, again = book.lease("w", 1, 10, now=10.0)
+    assert [p.id for p in again] == [p.id for p in got]
+    with pytest.raises(EvalRefused):
+        book.submit("dead", lid, 1, {p.id: 1.0 for p in got}, now=10.0)
+    assert book.submit("w", lid2, 1, {p.id: 1.0 for p in again}, now=11.0).accuracy == 1.0
+
+
+def test_a_round_nobody_can_finish_restarts_at_the_newest_version():
+    book = EvalBook(PROMPTS, ttl=5.0, per_lease=10)
+    book.open(4, now=0.0)
+    assert not book.expire(now=1.0, live_versions={2}, newest=4)  # v4 still on its way to the workers
+    assert not book.expire(now=2.0, live_versions={4, 8}, newest=8)  # someone still holds v4
+    assert book.expire(now=3.0, live_versions={8}, newest=8)  # everyone moved on: evaluate v8 instead
+    assert book.version == 8 and book.round.restarts == 1
+    lid, version, got = book.lease("w", 8, 10, now=3.0)
+    result = book.submit("w", lid, 8, {p.id: 0.0 for p in got}, now=4.0)
+    assert (result.version, result.restarts, result.seconds) == (8, 1, 4.0)
