@@ -97,8 +97,9 @@ class TrainerSection(Section):
 
 
 class BufferSection(Section):
-    type: Literal["queue-drop", "queue-max"] = Field("queue-drop", description="[buffer] type: 'queue-drop' (capacity q·B, drop oldest) or 'queue-max' (drop only what exceeds S)")
-    max_staleness: int = Field(2, ge=0, le=1000, description="[buffer] max_staleness: S; a rollout of version v is trained at version t only if t - v <= S")
+    type: Literal["queue-drop", "queue-max"] = Field("queue-drop", description="[buffer] type: 'queue-drop' (capacity q·G groups, the oldest dropped when full) or 'queue-max' (no capacity, groups staler than S discarded)")
+    max_staleness: int = Field(2, ge=0, le=1000, description="[buffer] max_staleness: S; a rollout of version v is trained at version t only if t - v <= S (with the staleness filter)")
+    staleness_filter: bool = Field(True, description="[buffer] staleness_filter: refuse and discard groups staler than S; off with queue-drop is the blog's pure queue-drop, bounded by its capacity alone (queue-max always filters)")
     queue_factor: float = Field(2.0, ge=1.0, le=100.0, description="[buffer] queue_factor: q; queue-drop capacity is q·G groups")
     backpressure: bool = Field(True, description="[buffer] backpressure: lease no prompts while q·G groups are queued, so workers idle instead of generating rollouts that would be dropped")
 
@@ -123,6 +124,7 @@ class BroadcastSection(Section):
     uplink_mbit: float = Field(1000.0, gt=0.0, description="[broadcast] uplink_mbit: the learner's upload bandwidth (Mbit/s), for planning and pacing")
     key_file: Path | None = Field(None, description="[broadcast] key_file: ed25519 signing key (PEM; created if missing; default: in the run directory)")
     fallback_s: float = Field(10.0, gt=0.0, description="[broadcast] fallback_s: a worker not reached by the push within this many seconds pulls the version from the learner")
+    done_fraction: float = Field(0.9, gt=0.0, le=1.0, description="[broadcast] done_fraction: T_bcast is measured until this share of the active workers received a version (a straggler does not set it)")
 
 
 class ServerSection(Section):
@@ -132,7 +134,8 @@ class ServerSection(Section):
     lease_ttl: float = Field(20.0, gt=0.0, description="[server] lease_ttl: seconds a lease lives without a heartbeat before its prompts are re-issued")
     heartbeat_interval: float = Field(2.0, gt=0.0, description="[server] heartbeat_interval: seconds between worker heartbeats")
     max_body_mb: float = Field(8.0, gt=0.0, description="[server] max_body_mb: largest accepted trajectory upload (MiB)")
-    max_inflight_prompts: int = Field(0, ge=0, description="[server] max_inflight_prompts: leased-but-unfinished prompt cap (0: 2·G + workers' leases)")
+    max_inflight_prompts: int = Field(0, ge=0, description="[server] max_inflight_prompts: leased-but-unfinished prompt cap (0: (S + 1)·G)")
+    refuse_stale_leases: bool = Field(True, description="[server] refuse_stale_leases: give no prompts to a worker whose installed version is already staler than S (its groups would be refused); it gets them once it installs a newer one")
 
 
 class WorkersSection(Section):

@@ -4,6 +4,9 @@ A worker leases a few prompts, generates a group for each and submits them. A le
 `ttl` seconds and every heartbeat of its worker renews it; when a worker goes silent its
 lease expires and the unfinished prompts go to the front of the queue, so nothing is lost.
 
+A prompt whose group was accepted but then dropped by the buffer (overflow, or staler than
+`S`) is `recycle`d: queued again like an expired one, so every prompt is eventually trained.
+
 Plain logic with an injectable clock; the server calls `expire()` periodically.
 Invariant: issued = completed + reissued + outstanding (prompt-issues).
 """
@@ -38,6 +41,7 @@ class LeaseStats:
     expired_prompts: int = 0
     expired_leases: int = 0
     reissued: int = 0  # prompts queued again (expired leases and refused stale groups)
+    dropped_reissued: int = 0  # completed prompts queued again because the buffer dropped their group
 
 
 class LeaseBook:
@@ -96,6 +100,11 @@ class LeaseBook:
             del self._leases[lease_id]
         self._retry.append(prompt)
         self.stats.reissued += 1
+
+    def recycle(self, prompt: Prompt) -> None:
+        """A completed prompt's group was dropped before training: issue the prompt again."""
+        self._retry.append(prompt)
+        self.stats.dropped_reissued += 1
 
     def release(self, lease_id: str, worker_id: str) -> int:
         """The worker hands a whole lease back unanswered: re-issue its prompts now."""

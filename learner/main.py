@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -192,11 +194,12 @@ class Learner:
         task = cfg.task.build()
         evals = task.eval_prompts()[: cfg.eval.limit or None]
 
-        buffer = AsyncBuffer(StalenessBuffer(cfg.buffer.type, cfg.buffer.max_staleness,
-                                             cfg.trainer.batch_prompts, cfg.buffer.queue_factor))
         S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
         leases = LeaseBook(_unique_ids(task.train_prompts(cfg.run.seed + trainer.version)), cfg.server.lease_ttl,
                            cfg.server.max_inflight_prompts or (S + 1) * G)
+        buffer = AsyncBuffer(StalenessBuffer(
+            cfg.buffer.type, S, G, cfg.buffer.queue_factor, staleness_filter=cfg.buffer.staleness_filter,
+            on_drop=lambda group, reason: group.prompt and leases.recycle(group.prompt)))  # dropped: issue it again
         state = LearnerState(cfg, self.token, buffer, leases, trainer.encode, trainer.vocab_size, cfg.model.path)
         state.learner_version = trainer.version
         log = RunLog(self.run_dir / "metrics.jsonl")
@@ -215,8 +218,9 @@ class Learner:
             pool = load_pool(cfg.scheduler.pool) if cfg.scheduler.pool else None
             sc = cfg.scheduler
             state.fleet = Fleet(pool, self.provider, sc.controller_params(), batch=cfg.batch_rollouts,
-                                publish_every=cfg.publish_every, t_train_prior=sc.t_train_s,
-                                t_bcast_prior=sc.t_bcast_s, launch_timeout_s=sc.launch_timeout_s)
+                                publish_every=cfg.publish_every, max_staleness=cfg.buffer.max_staleness,
+                                t_train_prior=sc.t_train_s, t_bcast_prior=sc.t_bcast_s, install_prior=sc.install_s,
+                                launch_timeout_s=sc.launch_timeout_s, rule=sc.rule)
 
         b = cfg.broadcast
         self.publisher = Publisher(state.blobs, b.mode, chunk_bytes=int(b.chunk_mib * (1 << 20)), deltas=b.deltas,
@@ -365,20 +369,31 @@ class Learner:
         state.metrics.published.set(version)
 
     def _broadcast_times(self, state: LearnerState) -> dict[int, float]:
-        """T_bcast of each version every active worker has now installed: publication until the
-        last of them had it (or a newer one). Each version is reported once."""
+        """T_bcast of each version that `[broadcast] done_fraction` of the active workers have
+        received (whole and verified): publication until the last of that fraction had it (or a
+        newer one). Reception, not install: a worker installs between two batches, and the batch
+        it drains meanwhile is rollout time, not broadcast time. Each version is reported once."""
         active = [w for w in state.alive_workers(time.monotonic()) if w.active and w.installs]
+        fraction = self.cfg.broadcast.done_fraction
         done = {}
         for version, published in list(self.published_at.items()):
             # Workers that joined after the publication measure their start-up, not the broadcast.
             present = [w for w in active if w.joined <= published]
-            arrivals = [next((t for v, t in w.installs if v >= version), None) for w in present]
+            arrivals = sorted(r - published for r in (next((r for v, _, r, _ in w.installs if v >= version), None)
+                                                      for w in present) if r is not None)
+            need = math.ceil(fraction * len(present) - 1e-9)
             if not present and time.monotonic() - published > 60:
                 del self.published_at[version]  # nobody to measure it on
-            elif present and None not in arrivals:
-                done[version] = max(0.0, max(arrivals) - published)
+            elif present and len(arrivals) >= need:
+                done[version] = max(0.0, arrivals[need - 1])
                 del self.published_at[version]
         return done
+
+    @staticmethod
+    def _install_time(state: LearnerState) -> float | None:
+        """τ: the median engine install time of the active workers' recent installs (seconds)."""
+        times = [d for w in state.alive_workers(time.monotonic()) if w.active for _, _, _, d in w.installs[-5:] if d > 0]
+        return statistics.median(times) if times else None
 
     def _account(self, state: LearnerState, *, wait: float, train: float) -> dict:
         """Cost of the step and the fleet's view of capacity (ECHO-2 §3, formulas.md §1)."""
@@ -399,9 +414,18 @@ class Learner:
             if state.fleet is not None:
                 for t in bcast.values():
                     state.fleet.broadcast(t)
+        install = self._install_time(state)
+        if install is not None:
+            out["install_s"] = round(install, 4)
+            if state.fleet is not None:
+                state.fleet.installed(install)
+        active = [w for w in state.alive_workers(time.monotonic()) if w.active]
+        out.update(capacity=round(sum(w.capacity_per_s for w in active), 3),  # rollouts per engine-busy second
+                   delivered=round(sum(w.rollouts_per_s for w in active), 3))  # accepted rollouts per wall second
         if state.fleet is not None and state.fleet.status is not None:
             st = state.fleet.status
-            out.update(r_req=round(st.r_req, 3), r_eff=round(st.r_eff, 3), active_workers=len(st.active))
+            out.update(r_req=round(st.r_req, 3), r_eff=round(st.r_eff, 3), active_workers=len(st.active),
+                       binding=st.binding)
         return out
 
     def _make_provider(self, url: str):
@@ -457,6 +481,7 @@ class Learner:
             "trained_mean_length": round(buf["trained_mean_length"], 4),
             "wait_s": round(wait, 4), "train_s": round(train, 4), "idle_ratio": round(idle, 4),
             "workers": len(state.alive_workers(now)), "leases_reissued": state.leases.stats.reissued,
+            "dropped_reissued": state.leases.stats.dropped_reissued,
         }
 
     def _spawn_workers(self, url: str, cfg: LearnerConfig) -> None:
@@ -518,7 +543,7 @@ class Learner:
             "wall_s": round(wall, 1), "learner_idle_ratio": round(waited / max(wall, 1e-9), 3),
             "groups_trained": buf["trained"], "recycled": buf["recycled"],
             "dropped_overflow": buf["dropped_overflow"], "rejected": rejected,
-            "leases_reissued": state.leases.stats.reissued,
+            "leases_reissued": state.leases.stats.reissued, "dropped_reissued": state.leases.stats.dropped_reissued,
             "sampled_mean_length": round(buf["sampled_mean_length"], 3),
             "trained_mean_length": round(buf["trained_mean_length"], 3),
             "workers": [{"id": w.id, "name": w.name, "groups": w.groups_accepted} for w in state.workers.values()],

@@ -60,7 +60,8 @@ class WorkerInfo:
     told_finished: bool = False
     active: bool = True  # the scheduler may idle a worker: it then gets no prompts
     relay_url: str = ""  # where this worker's broadcast relay listens (chain mode)
-    installs: list[tuple[int, float]] = field(default_factory=list)  # (version, monotonic time installed)
+    installs: list[tuple[int, float, float, float]] = field(default_factory=list)  # (version, installed, received, install s)
+    capacity_per_s: float = 0.0  # rollouts per engine-busy second (what the scheduler provisions with)
     extra: dict = field(default_factory=dict)
 
 
@@ -170,7 +171,7 @@ def build_app(state: LearnerState) -> web.Application:
         if state.evals is not None:
             state.evals.renew(worker.id, worker.last_seen)
         if state.fleet is not None:
-            state.fleet.heartbeat(worker.last_seen, worker.name, worker.rollouts_per_s)
+            state.fleet.heartbeat(worker.last_seen, worker.name, worker.capacity_per_s)
             worker.active = state.fleet.is_active(worker.name)
         worker.told_finished = state.finished
         return web.json_response({
@@ -201,7 +202,10 @@ def build_app(state: LearnerState) -> web.Application:
                     "snapshot": state.announcement})
         buf = state.buffer.buffer
         full = cfg.buffer.backpressure and len(buf) >= buf.capacity
-        idle = full or not worker.active or state.training_done
+        # A worker on a version already too old to be admitted would only generate refusals.
+        too_old = cfg.server.refuse_stale_leases and worker.version >= 0 and not buf.admissible(
+            worker.version, state.learner_version)
+        idle = full or too_old or not worker.active or state.training_done
         got = None if idle else state.leases.lease(worker.id, max_prompts, time.monotonic())
         if got is None:
             return web.Response(status=204)
@@ -250,7 +254,7 @@ def build_app(state: LearnerState) -> web.Application:
             worker.groups_accepted += 1
             state.metrics.accepted.inc()
         state.metrics.queue.set(len(state.buffer.buffer))
-        return web.json_response({"accepted": len(groups)})
+        return web.json_response({"accepted": len(groups), "given_back": len(sub.groups) - len(groups)})
 
     async def eval_results(request: web.Request) -> web.Response:
         authorize(request)
@@ -311,40 +315,58 @@ def build_app(state: LearnerState) -> web.Application:
 
 
 def _admit(state: LearnerState, sub) -> list[Group]:
-    """Check every group against the lease and the version window; all or nothing."""
-    S = state.cfg.buffer.max_staleness
-    groups = []
+    """Check an upload group by group. What makes the upload itself wrong refuses all of it
+    before anything is queued: a prompt twice (422), a prompt not outstanding in this lease
+    (409), a version never published (422). Then each group on its own: fresh ones are
+    accepted, the prompt of each stale one is given back at once to be generated again; an
+    upload with nothing fresh is refused (409) after the prompts went back."""
+    seen: set[str] = set()
     for g in sub.groups:
+        if g.prompt_id in seen:
+            raise Rejected(422, "duplicate-prompt", f"prompt {g.prompt_id!r} appears twice in one upload; send one "
+                                                    "group per prompt (nothing of this upload was queued)")
+        seen.add(g.prompt_id)
         try:
             state.leases.prompt_of(sub.lease_id, g.prompt_id)
         except UnknownLease as e:
             raise Rejected(409, "unknown-lease", str(e.args[0])) from None
         if g.version > state.published_version or g.version < 0:
             raise Rejected(422, "future-version", f"version {g.version} was never published (newest: {state.published_version})")
-        if state.learner_version - g.version > S:
-            # The prompt itself is fine: give it back so a fresher snapshot generates it.
-            state.leases.give_back(sub.lease_id, g.prompt_id)
-            raise Rejected(409, "stale-version",
-                           f"version {g.version} is {state.learner_version - g.version} updates old at learner version "
-                           f"{state.learner_version}; max staleness is {S}. Install the newest snapshot.")
-        groups.append(Group(
-            prompt_id=g.prompt_id, version=g.version, prompt_ids=state.prompt_ids[g.prompt_id],
-            completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
-            rewards=[s.reward for s in g.samples], worker_id=sub.worker_id))
-    return groups
+    buf = state.buffer.buffer
+    fresh, stale = [], []
+    for g in sub.groups:
+        (fresh if buf.admissible(g.version, state.learner_version) else stale).append(g)
+    for g in stale:  # the prompt itself is fine: a fresher snapshot generates it
+        state.leases.give_back(sub.lease_id, g.prompt_id)
+    if not fresh:
+        S, oldest = state.cfg.buffer.max_staleness, min(g.version for g in stale)
+        raise Rejected(409, "stale-version",
+                       f"version {oldest} is {state.learner_version - oldest} updates old at learner version "
+                       f"{state.learner_version}; max staleness is {S}. Install the newest snapshot "
+                       f"({len(stale)} prompts were given back)")
+    state.metrics.rejected.labels("stale-version").inc(len(stale))
+    return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=state.prompt_ids[g.prompt_id],
+                  completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
+                  rewards=[s.reward for s in g.samples], worker_id=sub.worker_id,
+                  prompt=state.leases.prompt_of(sub.lease_id, g.prompt_id)) for g in fresh]
 
 
 def _record_installs(worker: WorkerInfo, installs) -> None:
-    """Install times the worker reports as (version, seconds ago); kept for T_bcast."""
+    """Installs the worker reports as `[version, installed_ago, received_ago, install_s]` (seconds
+    ago, since clocks differ between machines; older workers send the first two only): kept for
+    T_bcast (publication → received) and the install time τ, each on its own."""
+    usage = "installs must be a list of [version, installed_ago, received_ago, install_s]"
     if not isinstance(installs, list):
-        raise web.HTTPBadRequest(text="installs must be a list of [version, seconds_ago]")
+        raise web.HTTPBadRequest(text=usage)
     known = worker.installs[-1][0] if worker.installs else -1
     for item in installs[-64:]:
-        if not (isinstance(item, list) and len(item) == 2):
-            raise web.HTTPBadRequest(text="installs must be a list of [version, seconds_ago]")
+        if not (isinstance(item, list) and len(item) in (2, 4)):
+            raise web.HTTPBadRequest(text=usage)
         version, ago = int(_number(item[0])), max(0.0, _number(item[1]))
+        received_ago = max(ago, _number(item[2])) if len(item) == 4 else ago
+        install_s = max(0.0, _number(item[3])) if len(item) == 4 else 0.0
         if version > known:
-            worker.installs.append((version, worker.last_seen - ago))
+            worker.installs.append((version, worker.last_seen - ago, worker.last_seen - received_ago, install_s))
             known = version
     del worker.installs[:-64]
 
@@ -377,7 +399,7 @@ def _number(value) -> float:
 
 
 def _update_worker(w: WorkerInfo, data: dict) -> None:
-    for key, kind in (("version", int), ("rollouts_per_s", float), ("price_per_hour", float),
+    for key, kind in (("version", int), ("rollouts_per_s", float), ("capacity_per_s", float), ("price_per_hour", float),
                       ("download_mbit", float), ("upload_mbit", float)):
         if key in data:
             try:

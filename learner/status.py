@@ -16,7 +16,8 @@ def status_line(r: dict, last_eval=None) -> str:
             f"Staleness stats: recycled={r['recycled']}, avg_staleness={r['avg_staleness']:.2f}, "
             f"max_staleness={r['max_staleness']} | queue {r['queue_size']} | "
             f"length sampled {r['sampled_mean_length']:.2f} trained {r['trained_mean_length']:.2f} | "
-            f"${r['dollars_step']:.5f}/step" + (f" R_eff {r['r_eff']:.0f}/{r['r_req']:.0f} rollouts/s" if "r_req" in r else ""))
+            f"${r['dollars_step']:.5f}/step" + (f" R_eff {r['r_eff']:.0f}/{r['r_req']:.0f}" if "r_req" in r else "")
+            + (f" capacity {r['capacity']:.0f} delivered {r['delivered']:.0f} rollouts/s" if "capacity" in r else ""))
 
 
 class StatusDisplay:
@@ -59,7 +60,7 @@ class StatusDisplay:
             ("learner idle", f"{100 * s['learner_idle_ratio']:.1f}%"),
             ("groups trained / recycled / overflow", f"{s['groups_trained']} / {s['recycled']} / {s['dropped_overflow']}"),
             ("uploads rejected", ", ".join(f"{k}={v}" for k, v in s["rejected"].items()) or "none"),
-            ("prompts re-issued", str(s["leases_reissued"])),
+            ("prompts re-issued", f"{s['leases_reissued']} (leases lost or refused), {s.get('dropped_reissued', 0)} (groups dropped)"),
             ("mean length sampled / trained", f"{s['sampled_mean_length']} / {s['trained_mean_length']}"),
             ("cost", f"${s['cost']['dollars']:.4f} total, ${s['cost']['dollars_per_step']:.6f}/step"
                      + (f", ${s['cost']['dollars_per_improvement']:.4f} per unit of eval improvement"

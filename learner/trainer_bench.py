@@ -306,7 +306,7 @@ def cli(argv: list[str]) -> int:
         result["ranks"] = bench_ranks(models, 64 if quick else 512, 1 if quick else 8, 512 if quick else 32000,
                                       GROUP if quick else 4 * GROUP, 1024)
     if "fit" in only:
-        candidates = [(64, 1)] if quick else [(1024, 16), (1536, 20), (2048, 16), (2048, 18), (2048, 20)]
+        candidates = [(64, 1)] if quick else [(1024, 16), (1536, 20), (2048, 14), (2048, 16)]
         result["fit"] = bench_fit(models, args.fit_gib, candidates, 512 if quick else 32000, 512)
         result["fit_limit_gib"], result["fit_micro"] = args.fit_gib, 512
     if args.json:

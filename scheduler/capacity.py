@@ -1,11 +1,24 @@
-"""The ECHO-2 overlap rule: how much rollout capacity keeps the learner busy, and what
-staleness that implies (formulas.md §1, the paper's §3.3 and App. A).
+"""How much rollout capacity keeps the learner busy, and what staleness that implies
+(formulas.md §1, the paper's §3.3 and App. A).
 
 Symbols: `B` rollouts per update, `T` seconds per update (T_train), `I` publication period
-(updates), `T_b` learner-visible broadcast time (s), `R` aggregate rollout rate (rollouts/s).
+(updates), `S` staleness budget, `T_b` learner-visible broadcast time (s: publication until
+workers can generate with the snapshot, install included), `τ` install downtime (s), `R`
+aggregate rollout capacity (rollouts/s).
 
-- overlap condition (1): `I·B/R + T_b ≤ I·T`
-- capacity requirement (2): `R ≥ R_req = I·B / (I·T − T_b)`, defined only when `I·T > T_b`
+Two rules (`requirement(rule, ...)`):
+
+- `"paper"`: ECHO-2's sufficient condition, as if nothing generated while a snapshot is in
+  flight were usable. Overlap (1): `I·B/R + T_b ≤ I·T`; capacity (2): `R ≥ I·B/(I·T − T_b)`,
+  defined only when `I·T > T_b`.
+- `"overlapped"` (default): this system, where the learner keeps training on older snapshots'
+  rollouts while a new one travels, so the broadcast only has to be hidden within the
+  staleness budget. Throughput: `R·(I·T − τ) ≥ I·B`; admissibility:
+  `I − 1 + ⌈(T_b + B/R)/T⌉ ≤ S` ⟺ `R ≥ B/((S − I + 1)·T − T_b)`; dissemination: one version
+  per period, `M_wire/r_bcast ≤ I·T`. `R_req` is the larger of the first two; feasible iff
+  `T_b < (S − I + 1)·T` (so `I ≤ S`), `τ < I·T` and the dissemination holds.
+  `echo-rl bench overlap` measured the knee of the bubble against both (README).
+
 - worst case (App. A): `s_max ≤ I − 1 + ⌈(T_b + B/R)/T⌉`; under (1) `s_max ≤ I + ⌈(1 − 1/I)·T_b/T⌉`
 
 Everything here takes plain numbers and is exact up to a small tolerance on ceilings, so a
@@ -43,8 +56,10 @@ def smallest_feasible_period(t_train: float, t_bcast: float) -> int:
     return period
 
 
-def required_rate(batch: int, t_train: float, t_bcast: float, publish_every: int) -> float:
-    """`R_req = I·B/(I·T − T_b)` rollouts/s; raises `InfeasibleOverlap` when `I·T ≤ T_b`.
+def required_rate(batch: int, t_train: float, t_bcast: float, publish_every: int,
+                  max_staleness: int | None = None) -> float:
+    """The paper's rule: `R_req = I·B/(I·T − T_b)` rollouts/s; raises `InfeasibleOverlap` when
+    `I·T ≤ T_b`, naming the smallest feasible `I` and the `S` it needs.
 
     Invariant: at `R = R_req` the overlap condition holds with equality.
     """
@@ -53,10 +68,77 @@ def required_rate(batch: int, t_train: float, t_bcast: float, publish_every: int
         raise SchedulerError(f"t_bcast must be ≥ 0, got {t_bcast!r}")
     slack = publish_every * t_train - t_bcast
     if slack <= 0:
-        raise InfeasibleOverlap(publish_every, t_train, t_bcast, smallest_feasible_period(t_train, t_bcast))
+        smallest = smallest_feasible_period(t_train, t_bcast)
+        budget = f" (now S = {max_staleness})" if max_staleness is not None else ""
+        raise InfeasibleOverlap(
+            f"overlap is infeasible (paper's rule): I·T_train = {publish_every}·{t_train:.3g} s = "
+            f"{publish_every * t_train:.3g} s does not exceed T_bcast = {t_bcast:.3g} s, so the learner waits "
+            f"whatever the rollout capacity. Publish less often (I ≥ {smallest}, which needs a staleness budget "
+            f"S ≥ {smallest + 1}{budget}) or make the broadcast faster (< {publish_every * t_train:.3g} s)",
+            condition="overlap", publish_every=publish_every, max_staleness=max_staleness, t_train=t_train,
+            t_bcast=t_bcast, smallest_feasible_period=smallest, smallest_feasible_staleness=smallest + 1)
     rate = publish_every * batch / slack
     assert math.isclose(publish_every * batch / rate + t_bcast, publish_every * t_train, rel_tol=1e-9)
     return rate
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """`R_req` under one rule, with the rate each condition asks for and which one binds."""
+
+    rule: str
+    r_req: float
+    conditions: dict[str, float]
+    binding: str
+
+
+RULES = ("overlapped", "paper")
+
+
+def requirement(rule: str, *, batch: int, t_train: float, t_bcast: float, publish_every: int,
+                max_staleness: int, install_s: float = 0.0, transfer_s: float | None = None) -> Requirement:
+    """`R_req` under `rule` (see the module docstring); `InfeasibleOverlap` when no capacity can
+    do, with what to change. `t_bcast` is learner-visible (reception + install); `transfer_s`
+    the time one version takes on the wire (`M_wire/r_bcast`; None: not checked)."""
+    if rule == "paper":
+        r = required_rate(batch, t_train, t_bcast, publish_every, max_staleness)
+        return Requirement(rule, r, {"overlap": r}, "overlap")
+    if rule != "overlapped":
+        raise SchedulerError(f"unknown capacity rule {rule!r}; choose one of {', '.join(RULES)}")
+    _check_positive(batch=batch, t_train=t_train, publish_every=publish_every)
+    if t_bcast < 0 or install_s < 0:
+        raise SchedulerError(f"t_bcast and install_s must be ≥ 0, got {t_bcast!r}, {install_s!r}")
+    B, T, Tb, I, S = batch, t_train, t_bcast, publish_every, max_staleness
+    common = dict(publish_every=I, max_staleness=S, t_train=T, t_bcast=Tb)
+    window = (S - I + 1) * T - Tb  # time a snapshot's rollouts have to reach the learner within S
+    if window <= 0:
+        largest = next((i for i in range(min(S, I - 1), 0, -1) if (S - i + 1) * T > Tb), None)
+        smallest_s = I - 1 + math.floor(Tb / T * (1 + _EPS)) + 1
+        fixes = [f"publish more often (I ≤ {largest})"] if largest else []
+        fixes += [f"allow more staleness (S ≥ {smallest_s})",
+                  f"make the broadcast faster (T_bcast < {max(0.0, (S - I + 1) * T):.3g} s)"]
+        raise InfeasibleOverlap(
+            f"infeasible at S = {S}, I = {I}: a snapshot takes T_bcast = {Tb:.3g} s to reach the workers, but its "
+            f"rollouts must be trained within (S − I + 1)·T_train = {max(0, S - I + 1)}·{T:.3g} s = "
+            f"{max(0.0, (S - I + 1) * T):.3g} s to stay within S, so they would be dropped whatever the capacity. "
+            f"{fixes[0][0].upper()}{fixes[0][1:]}, " + (f"{fixes[1]}, or {fixes[2]}" if len(fixes) == 3 else
+                                                       f"or {fixes[1]}"),
+            condition="admissibility", largest_feasible_period=largest, smallest_feasible_staleness=smallest_s,
+            **common)
+    busy = I * T - install_s
+    if busy <= 0:
+        raise InfeasibleOverlap(
+            f"infeasible at I = {I}: installing a snapshot takes τ = {install_s:.3g} s, a whole publication period "
+            f"(I·T_train = {I * T:.3g} s); publish less often (within S = {S}) or make installs faster",
+            condition="throughput", **common)
+    if transfer_s is not None and transfer_s > I * T:
+        raise InfeasibleOverlap(
+            f"infeasible at I = {I}: one version takes {transfer_s:.3g} s on the wire, longer than a publication "
+            f"period (I·T_train = {I * T:.3g} s), so versions pile up; publish less often (within S = {S}) or make "
+            "the broadcast faster (deltas, more chains)", condition="dissemination", **common)
+    conditions = {"throughput": I * B / busy, "admissibility": B / window}
+    binding = max(conditions, key=conditions.get)
+    return Requirement(rule, conditions[binding], conditions, binding)
 
 
 def overlap_holds(batch: int, t_train: float, t_bcast: float, publish_every: int, rate: float) -> bool:

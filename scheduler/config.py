@@ -16,10 +16,12 @@ from scheduler.controller import ControllerParams
 class SchedulerSection(Section):
     pool: Path | None = Field(None, description="[scheduler] pool: pool file of candidate workers (configs/pools/*.toml); none = whoever joins")
     alpha: float = Field(1.2, ge=1.0, le=10.0, description="[scheduler] alpha: safety factor α; activation targets α·R_req")
+    rule: Literal["overlapped", "paper"] = Field("overlapped", description="[scheduler] rule: the capacity rule R_req comes from: 'overlapped' (this system: training continues on older snapshots while a new one travels, the broadcast hidden within S) or 'paper' (ECHO-2's sufficient condition I·B/(I·T − T_bcast))")
     activation: Literal["greedy", "exact"] = Field("exact", description="[scheduler] activation: how echo-rl plan chooses workers, 'greedy' by unit cost or 'exact' min-cost ILP (the live controller adds and removes workers greedily, one decision at a time)")
     learner_price_per_hour: float = Field(3.06, ge=0.0, le=1000.0, description="[scheduler] learner_price_per_hour: $/h of the learner node (cost accounting)")
     t_train_s: float = Field(120.0, gt=0.0, le=1e6, description="[scheduler] t_train_s: expected seconds per update until measured (plan + first activation)")
-    t_bcast_s: float = Field(60.0, ge=0.0, le=1e6, description="[scheduler] t_bcast_s: expected learner-visible broadcast seconds until measured")
+    t_bcast_s: float = Field(60.0, ge=0.0, le=1e6, description="[scheduler] t_bcast_s: expected broadcast seconds (publication until [broadcast] done_fraction of the workers received a version) until measured")
+    install_s: float = Field(0.0, ge=0.0, le=1e6, description="[scheduler] install_s: expected engine install seconds until measured")
     length_sigma: float = Field(0.6, ge=0.0, le=3.0, description="[scheduler] length_sigma: tailness σ of the lognormal response-length model used by plan")
     window_s: float = Field(60.0, ge=0.0, description="[scheduler] window_s: a capacity deviation must last this long before workers are (de)activated")
     release_margin: float = Field(0.3, ge=0.0, le=10.0, description="[scheduler] release_margin: release workers only when R_eff > (1 + margin)·α·R_req")

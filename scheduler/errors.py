@@ -8,23 +8,26 @@ class SchedulerError(ValueError):
 
 
 class InfeasibleOverlap(SchedulerError):
-    """`I·T_train ≤ T_bcast`: no rollout capacity can hide the broadcast.
+    """No rollout capacity can keep the learner busy with this `I`, `S` and broadcast time.
 
-    `smallest_feasible_period` is the smallest publication period `I` that makes it feasible.
+    `condition` names what fails (`overlap`: the paper's `I·T ≤ T_b`; `admissibility`: rollouts
+    of a new snapshot cannot reach the learner within `S`; `throughput`: installs take a whole
+    period). The message names `I`, `S` and `T_bcast` together and what to change: the largest
+    feasible `I` for this `S`, the smallest feasible `S` for this `I`, or the broadcast time
+    that would do. `smallest_feasible_period` is kept for the paper's rule (None otherwise).
     """
 
-    def __init__(self, publish_every: int, t_train: float, t_bcast: float, smallest_feasible_period: int):
-        self.publish_every = publish_every
-        self.t_train = t_train
-        self.t_bcast = t_bcast
+    def __init__(self, message: str, *, condition: str = "overlap", publish_every: int = 0,
+                 max_staleness: int | None = None, t_train: float = 0.0, t_bcast: float = 0.0,
+                 smallest_feasible_period: int | None = None, largest_feasible_period: int | None = None,
+                 smallest_feasible_staleness: int | None = None):
+        self.condition = condition
+        self.publish_every, self.max_staleness = publish_every, max_staleness
+        self.t_train, self.t_bcast = t_train, t_bcast
         self.smallest_feasible_period = smallest_feasible_period
-        super().__init__(
-            f"overlap is infeasible: I·T_train = {publish_every}·{t_train:g} s = "
-            f"{publish_every * t_train:g} s does not exceed T_bcast = {t_bcast:g} s, so the learner "
-            f"waits whatever the rollout capacity. Publish less often (smallest feasible I = "
-            f"{smallest_feasible_period}, which needs staleness budget S ≥ {smallest_feasible_period + 1}) "
-            f"or make the broadcast faster."
-        )
+        self.largest_feasible_period = largest_feasible_period
+        self.smallest_feasible_staleness = smallest_feasible_staleness
+        super().__init__(message)
 
 
 class InsufficientCapacity(SchedulerError):

@@ -16,9 +16,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.capacity import required_rate, smallest_feasible_period
+from scheduler.capacity import requirement
 from scheduler.controller import Controller, ControllerParams, Decision
-from scheduler.errors import SchedulerError
+from scheduler.errors import InfeasibleOverlap
 from scheduler.pool import Pool
 from scheduler.providers import Machine, Provider
 
@@ -35,26 +35,30 @@ class _Candidate:
 class FleetStatus:
     r_req: float
     target: float
-    r_eff: float
+    r_eff: float  # Σ capacity of the active workers (rollouts per engine-busy second)
     active: list[str]
     active_price: float
     t_train: float
     t_bcast: float
+    install_s: float
+    binding: str = ""  # which condition of the rule sets R_req
     infeasible: str = ""
     decisions: list[Decision] = field(default_factory=list)
 
 
 class Fleet:
     def __init__(self, pool: Pool | None, provider: Provider, params: ControllerParams, *, batch: int,
-                 publish_every: int, t_train_prior: float, t_bcast_prior: float, launch_timeout_s: float):
+                 publish_every: int, max_staleness: int, t_train_prior: float, t_bcast_prior: float,
+                 launch_timeout_s: float, rule: str = "overlapped", install_prior: float = 0.0):
         self.provider = provider
         self.controller = Controller(params)
-        self.batch, self.publish_every = batch, publish_every
-        self.t_train_prior, self.t_bcast_prior = t_train_prior, t_bcast_prior
+        self.batch, self.publish_every, self.max_staleness, self.rule = batch, publish_every, max_staleness, rule
+        self.t_train_prior, self.t_bcast_prior, self.install_prior = t_train_prior, t_bcast_prior, install_prior
         self.launch_timeout_s = launch_timeout_s
         self.candidates: dict[str, _Candidate] = {}
         self._train_times: deque[float] = deque(maxlen=20)
         self._bcast_times: deque[float] = deque(maxlen=5)
+        self._install_times: deque[float] = deque(maxlen=5)
         self.status: FleetStatus | None = None
         if pool is not None:  # a static provider's pool entries become available when they join
             for c in pool.candidates():
@@ -76,17 +80,23 @@ class Fleet:
         cand.joined, cand.last_seen = True, now
         self.controller.observe(now, name, alive=True)
 
-    def heartbeat(self, now: float, name: str, rollouts_per_s: float) -> None:
+    def heartbeat(self, now: float, name: str, capacity_per_s: float) -> None:
+        """A worker beat, reporting its capacity: rollouts per engine-busy second. Not what it
+        delivered: with back-pressure that is capped by what the learner consumes, and a
+        controller fed demand would never see a surplus to release."""
         cand = self.candidates.get(name)
         if cand is not None:
             cand.last_seen = now
-            self.controller.observe(now, name, alive=True, rollouts_per_s=rollouts_per_s)
+            self.controller.observe(now, name, alive=True, rollouts_per_s=capacity_per_s if capacity_per_s > 0 else None)
 
     def trained(self, seconds: float) -> None:
         self._train_times.append(seconds)
 
     def broadcast(self, seconds: float) -> None:
         self._bcast_times.append(seconds)
+
+    def installed(self, seconds: float) -> None:
+        self._install_times.append(seconds)
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -97,6 +107,10 @@ class Fleet:
     @property
     def t_bcast(self) -> float:
         return statistics.median(self._bcast_times) if self._bcast_times else self.t_bcast_prior
+
+    @property
+    def install_s(self) -> float:
+        return statistics.median(self._install_times) if self._install_times else self.install_prior
 
     def is_active(self, name: str) -> bool:
         return name in self.controller.active
@@ -109,14 +123,14 @@ class Fleet:
             waiting = cand.launched_at is not None and now - cand.launched_at > self.launch_timeout_s
             # A machine the provider can still bring up is available; one that never joined is not.
             self.controller.observe(now, cand.machine.id, alive=self.provider.launches_machines and not waiting)
-        infeasible = ""
-        try:
-            r_req = required_rate(self.batch, self.t_train, self.t_bcast, self.publish_every)
-        except SchedulerError:
-            smallest = smallest_feasible_period(self.t_train, self.t_bcast)
-            infeasible = (f"infeasible: I·T_train = {self.publish_every * self.t_train:.3g} s ≤ T_bcast = "
-                          f"{self.t_bcast:.3g} s; publish every ≥ {smallest} updates")
-            r_req = math.inf
+        infeasible, binding = "", ""
+        try:  # learner-visible broadcast: reception by the workers, then their install
+            req = requirement(self.rule, batch=self.batch, t_train=self.t_train, t_bcast=self.t_bcast + self.install_s,
+                              publish_every=self.publish_every, max_staleness=self.max_staleness,
+                              install_s=self.install_s)
+            r_req, binding = req.r_req, req.binding
+        except InfeasibleOverlap as e:  # says what to change: I, S and the broadcast time together
+            infeasible, r_req = str(e), math.inf
         decisions = self.controller.tick(now, r_req if math.isfinite(r_req) else 1e12)
         for d in decisions:
             cand = self.candidates[d.worker_id]
@@ -132,7 +146,8 @@ class Fleet:
         assert all(a in self.candidates for a in active)
         self.status = FleetStatus(r_req=r_req, target=st.target, r_eff=st.r_eff, active=active,
                                   active_price=st.active_price, t_train=self.t_train, t_bcast=self.t_bcast,
-                                  infeasible=infeasible, decisions=decisions)
+                                  install_s=self.install_s, binding=binding, infeasible=infeasible,
+                                  decisions=decisions)
         return self.status
 
     def active_prices(self) -> list[float]:

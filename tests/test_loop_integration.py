@@ -6,6 +6,7 @@ import json
 import signal
 
 import msgpack
+import pytest
 import zstandard
 
 from echo.wire import CONTENT_TYPE, GroupMsg, SampleMsg, Submission, encode_submission
@@ -116,6 +117,83 @@ def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(lear
                    "oversized", "stale-version"):
         assert f'echo_trajectories_rejected_total{{reason="{reason}"}}' in metrics, reason
     assert "echo_joins_refused_total 2.0" in metrics
+
+
+def test_stale_groups_give_every_prompt_back_and_duplicates_queue_nothing(learner_factory):
+    """The last round's lease leak: an upload of several stale groups gave back only the first
+    prompt, and heartbeats kept the rest leased for ever (four such uploads starved the learner).
+    Now each stale group's prompt goes back, fresh groups of the same upload are kept, a prompt
+    twice is refused before anything is queued, and the lease is left with nothing outstanding."""
+    S = 1
+    lp = learner_factory(run={"steps": 100000}, buffer={"max_staleness": S})
+    lp.worker("w", "--worker.max_rollouts_per_s", "200")
+    status, joined = lp.request("POST", "/v1/join", {"name": "probe"})
+    wid = joined["worker_id"]
+    lp.wait_until(lambda: lp.status()["published_version"] >= 0, 30, "a published snapshot")
+    status, lease = lp.request("POST", "/v1/lease", {"worker_id": wid, "max_prompts": 4})
+    assert status == 200, lease
+    old = lease["snapshot"]["version"]
+    ids = [p["id"] for p in lease["prompts"]]
+    assert len(ids) == 4
+
+    def submit(groups):
+        return lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
+                          content_type=CONTENT_TYPE)
+
+    def leased() -> int:
+        return next(w["leased_prompts"] for w in lp.status()["workers"] if w["id"] == wid)
+
+    accepted = lp.status()["buffer"]["accepted"]
+    status, body = submit([_group(ids[0], old), _group(ids[0], old)])
+    assert (status, body["error"]) == (422, "duplicate-prompt") and "nothing of this upload was queued" in body["message"]
+    assert leased() == 4  # the lease is untouched: a corrected upload can follow
+
+    def past_window():
+        lp.request("POST", "/v1/heartbeat", {"worker_id": wid})  # keeps the lease alive, as a real worker would
+        return lp.status()["learner_version"] > old + S
+
+    lp.wait_until(past_window, 90, "the learner to move past the staleness window")
+    fresh = lp.status()["published_version"]
+    reissued = lp.status()["leases"]["reissued"]
+    # Two stale groups and one fresh in one upload: the fresh one is kept, both stale prompts go back.
+    status, body = submit([_group(ids[0], old), _group(ids[1], old), _group(ids[2], fresh)])
+    assert status == 200 and body == {"accepted": 1, "given_back": 2}
+    assert lp.status()["leases"]["reissued"] == reissued + 2 and leased() == 1
+    # All stale: refused, and every prompt of it goes back.
+    status, body = submit([_group(ids[3], old)])
+    assert (status, body["error"]) == (409, "stale-version") and "1 prompts were given back" in body["message"]
+    assert leased() == 0 and lp.status()["leases"]["reissued"] == reissued + 3
+    assert lp.status()["buffer"]["accepted"] >= accepted + 1
+
+
+@pytest.mark.parametrize("seconds", [pytest.param(40, id="short"),
+                                     pytest.param(600, marks=pytest.mark.slow, id="10-minutes")])
+def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, seconds):
+    """S = 1 with workers 50× apart in speed: the slow ones' groups arrive stale, are refused
+    with their prompts given back, and the workers hand their leases back; leases never pile up
+    and the learner never waits long for a batch. `make test` runs 40 s, `make test-slow` 10 min."""
+    import time
+
+    lp = learner_factory(run={"steps": 1_000_000}, buffer={"max_staleness": 1})
+    for name, rate in (("a", 200), ("b", 50), ("c", 12), ("d", 4)):
+        lp.worker(name, "--worker.max_rollouts_per_s", str(rate))
+    lp.wait_until(lambda: lp.status()["learner_version"] >= 1, 90, "the first update")
+    start, longest_wait = time.monotonic(), 0.0
+    version, since = lp.status()["learner_version"], time.monotonic()
+    while time.monotonic() - start < seconds:
+        time.sleep(0.5)
+        st = lp.status()
+        if st["learner_version"] > version:
+            version, since = st["learner_version"], time.monotonic()
+        longest_wait = max(longest_wait, time.monotonic() - since)
+        assert longest_wait < 20, f"no update for {longest_wait:.0f} s at v{version}: {st['leases']} {st['buffer']}"
+        assert st["leases"]["outstanding"] <= 2 * 4, st["leases"]  # (S + 1)·G: the cap holds, nothing leaks
+        assert lp.proc.poll() is None, lp.output()[-3000:]
+    st = lp.status()
+    assert st["leases"]["reissued"] > 0  # slow workers' stale prompts went back...
+    assert all(w["alive"] for w in st["workers"])  # ...and every worker kept working
+    records = lp.records()
+    assert all(0 <= x <= 1 for r in records for x in r["staleness"])
 
 
 def test_resume_continues_from_the_last_checkpoint(learner_factory):

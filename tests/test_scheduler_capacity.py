@@ -35,7 +35,7 @@ def test_infeasible_reports_smallest_feasible_period(period: int, t_train: float
     with pytest.raises(InfeasibleOverlap) as e:
         cap.required_rate(100, t_train, t_bcast, period)
     assert e.value.smallest_feasible_period == smallest
-    assert f"smallest feasible I = {smallest}" in str(e.value)
+    assert f"I ≥ {smallest}, which needs a staleness budget S ≥ {smallest + 1}" in str(e.value)
     # and that period really is feasible while the one below is not
     assert cap.required_rate(100, t_train, t_bcast, smallest) > 0
     with pytest.raises(InfeasibleOverlap):
@@ -92,3 +92,40 @@ def test_bubble_below_capacity() -> None:
     assert ratio == pytest.approx(wait / (I * T + wait))
     assert 0 < ratio < 1
     assert cap.bubble(B, T, Tb, I, 0.0) == (math.inf, 1.0)
+
+
+def test_overlapped_rule_takes_the_larger_of_throughput_and_admissibility() -> None:
+    # B = 64, T = 0.08 s, I = 1, S = 2, learner-visible T_b = 0.13 s, installs 0.01 s: the paper's rule
+    # gives up (I·T ≤ T_b), but training continues on older snapshots during the broadcast.
+    with pytest.raises(InfeasibleOverlap):
+        cap.requirement("paper", batch=64, t_train=0.08, t_bcast=0.13, publish_every=1, max_staleness=2)
+    req = cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=0.13, publish_every=1, max_staleness=2,
+                          install_s=0.01)
+    assert req.conditions["throughput"] == pytest.approx(64 / 0.07)
+    assert req.conditions["admissibility"] == pytest.approx(64 / (2 * 0.08 - 0.13))
+    assert req.r_req == max(req.conditions.values()) and req.binding == "admissibility"
+    # At R = R_req the App. A bound reaches S exactly: I − 1 + ⌈(T_b + B/R)/T⌉ = S.
+    assert cap.staleness_bound(64, 0.08, 0.13, 1, req.r_req) == 2
+    # With room to spare the throughput condition binds, as in the paper's rule with T_b = τ.
+    easy = cap.requirement("overlapped", batch=64, t_train=1.0, t_bcast=0.2, publish_every=2, max_staleness=4,
+                           install_s=0.1)
+    assert easy.binding == "throughput" and easy.r_req == pytest.approx(2 * 64 / (2 - 0.1))
+
+
+@pytest.mark.parametrize("I,S,t_bcast,needs", [
+    (3, 4, 0.2, ["S = 4, I = 3", "I ≤ 2", "S ≥ 5", "T_bcast < 0.16 s"]),
+    (5, 5, 0.1, ["S = 5, I = 5", "I ≤ 4", "S ≥ 6"]),  # T_b ≥ T: I = S leaves one step for the broadcast
+    (2, 2, 0.3, ["S ≥ 5"]),
+    (6, 5, 0.0, ["S = 5, I = 6", "I ≤ 5"]),  # I > S: every rollout would be dropped (the demo's old advice)
+])
+def test_overlapped_infeasibility_names_i_s_and_the_broadcast_time(I, S, t_bcast, needs) -> None:
+    with pytest.raises(InfeasibleOverlap) as e:
+        cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=t_bcast, publish_every=I, max_staleness=S)
+    assert e.value.condition == "admissibility"
+    for text in needs:
+        assert text in str(e.value), str(e.value)
+    if e.value.largest_feasible_period:  # the advice is right: that I works at this S
+        cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=t_bcast,
+                        publish_every=e.value.largest_feasible_period, max_staleness=S)
+    cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=t_bcast, publish_every=I,
+                    max_staleness=e.value.smallest_feasible_staleness)

@@ -28,10 +28,11 @@ class RecordingProvider(Provider):
         self.released.append(machine.id)
 
 
-def fleet(provider, **params):
-    # B = 100 rollouts, T = 4 s, T_b = 0 -> R_req = 25/s, target α·R_req = 30/s
+def fleet(provider, rule="overlapped", **params):
+    # B = 100 rollouts, T = 4 s, T_b = 0, I = 1, S = 2 -> R_req = 25/s (both rules), target α·R_req = 30/s
     return Fleet(POOL, provider, ControllerParams(alpha=1.2, window_s=5, warmup_s=0, heartbeat_timeout_s=3, **params),
-                 batch=100, publish_every=1, t_train_prior=4.0, t_bcast_prior=0.0, launch_timeout_s=20)
+                 batch=100, publish_every=1, max_staleness=2, t_train_prior=4.0, t_bcast_prior=0.0,
+                 launch_timeout_s=20, rule=rule)
 
 
 def test_cheapest_sufficient_set_is_launched_first():
@@ -58,18 +59,31 @@ def test_dead_worker_is_replaced_and_capacity_recomputed():
 
 
 def test_measured_step_time_moves_the_requirement_and_infeasibility_is_reported():
-    f = fleet(RecordingProvider())
-    for _ in range(5):
-        f.trained(2.0)
-    assert f.tick(0.0).r_req == 50.0
-    f.broadcast(3.0)  # I·T = 2 s ≤ T_bcast: no number of workers can keep up
-    st = f.tick(1.0)
-    assert "publish every ≥ 2" in st.infeasible
+    for rule in ("paper", "overlapped"):
+        f = fleet(RecordingProvider(), rule=rule)
+        for _ in range(5):
+            f.trained(2.0)
+        assert f.tick(0.0).r_req == 50.0
+    paper, overlapped = fleet(RecordingProvider(), rule="paper"), fleet(RecordingProvider())
+    for f in (paper, overlapped):
+        for _ in range(5):
+            f.trained(2.0)
+        f.broadcast(2.5)
+        f.installed(0.5)  # learner-visible: received after 2.5 s, generating after 3 s
+    # I·T = 2 s ≤ 3 s: the paper's rule gives up, and says what I and S it would take...
+    assert "I ≥ 2, which needs a staleness budget S ≥ 3 (now S = 2)" in paper.tick(1.0).infeasible
+    # ...while training goes on during the broadcast: rollouts of the new snapshot have
+    # (S − I + 1)·T − T_b = 4 − 3 = 1 s to arrive, so R_req = B / 1 s (admissibility binds).
+    st = overlapped.tick(1.0)
+    assert not st.infeasible and st.r_req == 100.0 and st.binding == "admissibility"
+    overlapped.broadcast(4.0)
+    overlapped.broadcast(4.0)  # the median moves: 4 s + 0.5 s ≥ (S − I + 1)·T = 4 s: nothing arrives in time
+    assert "S = 2, I = 1" in overlapped.tick(2.0).infeasible and "S ≥ 3" in overlapped.status.infeasible
 
 
 def test_self_joined_workers_are_candidates_at_their_declared_price():
     f = Fleet(None, Provider(), ControllerParams(alpha=1.2, window_s=0, warmup_s=0), batch=100,
-              publish_every=1, t_train_prior=4.0, t_bcast_prior=0.0, launch_timeout_s=20)
+              publish_every=1, max_staleness=2, t_train_prior=4.0, t_bcast_prior=0.0, launch_timeout_s=20)
     f.joined(0.0, "a", price=0.5, declared_rate=40)
     f.joined(0.0, "b", price=0.1, declared_rate=40)
     f.tick(0.0)

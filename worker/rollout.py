@@ -8,6 +8,7 @@ them and every later group is stamped with the new one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -31,10 +32,9 @@ log = logging.getLogger("echo.worker")
 
 
 class RateMeter:
-    """Smoothed rollouts/s over delivered, rewarded rollouts (what the scheduler needs).
-
-    Measured over wall time between deliveries, so waiting for leases counts against it.
-    """
+    """Smoothed delivered rollouts/s: accepted, rewarded rollouts over wall time between
+    deliveries, so waiting for leases counts against it. Capped by what the learner consumes
+    (back-pressure), so it measures demand, not what this machine could do."""
 
     def __init__(self, half_life: float = 10.0):
         self.half_life, self.rate, self._last = half_life, 0.0, time.monotonic()
@@ -48,6 +48,31 @@ class RateMeter:
         self.rate += weight * (instant - self.rate)
 
 
+class CapacityMeter:
+    """Rollouts per second of engine-busy time: generating and scoring a lease (and the
+    emulated slowness of a throttled worker), never waiting for a lease, idled by the scheduler
+    or held back by the learner. What the scheduler provisions with.
+
+    Exponentially weighted sums of rollouts and busy seconds, with a half-life in busy seconds,
+    so a long batch weighs as much as several short ones of the same total time.
+    """
+
+    def __init__(self, half_life_s: float = 30.0):
+        self.half_life_s = half_life_s
+        self.rollouts = self.busy = 0.0
+
+    def add(self, rollouts: int, busy_s: float) -> None:
+        if busy_s <= 0:
+            return
+        keep = 0.5 ** (busy_s / self.half_life_s)
+        self.rollouts = keep * self.rollouts + rollouts
+        self.busy = keep * self.busy + busy_s
+
+    @property
+    def rate(self) -> float:
+        return self.rollouts / self.busy if self.busy > 0 else 0.0
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, url: str, token: str):
         self.cfg = cfg
@@ -59,26 +84,31 @@ class Worker:
         self.base: tuple | None = None  # chain mode: (manifest, blob) of the installed version
         self.relay = None  # chain mode: broadcast.relay.Relay
         self.downloading: int | None = None
-        self.meter = RateMeter()
+        self.meter = RateMeter()  # delivered
+        self.capacity = CapacityMeter()
         self.rollouts = 0
         self.stopped = asyncio.Event()
         self.unreachable = False
         self.give_up_s = 60.0  # no heartbeat answered this long: the learner is gone
         self.active = asyncio.Event()  # the learner's scheduler may idle this worker
         self.active.set()
-        self.installs: deque[tuple[int, float]] = deque(maxlen=32)  # (version, monotonic time) for T_bcast
+        # (version, installed at, received at, install seconds): T_bcast and install time, apart
+        self.installs: deque[tuple[int, float, float, float]] = deque(maxlen=32)
+        self.received_at: dict[int, float] = {}  # version -> when it arrived whole and verified
         self.rtt: float | None = None  # seconds, the latest heartbeat's round trip
 
     def _info(self) -> dict:
         w = self.cfg.worker
         return {
             "name": self.name, "version": self.engine.version if self.engine else -1,
-            "rollouts_per_s": round(self.meter.rate, 4), "price_per_hour": w.price_per_hour,
+            "rollouts_per_s": round(self.meter.rate, 4), "capacity_per_s": round(self.capacity.rate, 4),
+            "price_per_hour": w.price_per_hour,
             "gpu": w.gpu or _gpu_name(), "device": self.cfg.engine.device, "engine": self.cfg.engine.type,
             "download_mbit": w.download_mbit, "upload_mbit": w.upload_mbit,
             "expected_rollouts_per_s": w.max_rollouts_per_s,
             # When each recent version was installed, as "seconds ago" (clocks differ between machines).
-            "installs": [[v, round(time.monotonic() - t, 4)] for v, t in self.installs],
+            "installs": [[v, round(time.monotonic() - t, 4), round(time.monotonic() - r, 4), round(d, 4)]
+                         for v, t, r, d in self.installs],
             "relay_url": self.relay.url if self.relay is not None else "",
             # Measured links: the heartbeat round trip, and each finished version's goodput
             # (broadcast.links); the learner plans the next broadcast with them.
@@ -166,6 +196,7 @@ class Worker:
             return
         if self.pending is None or m.version > self.pending[0]:
             self.pending, self.pending_manifest = (m.version, bytes(blob)), m
+            self.received_at[m.version] = time.monotonic()
 
     async def _fetch(self, client: LearnerClient, snapshot: dict, wait_for_push: bool = True) -> None:
         """Get an announced version: by star download, or in chain mode from the push — and if the
@@ -208,6 +239,7 @@ class Worker:
             self.downloading = None
         if self.pending is None or info.version > self.pending[0]:
             self.pending = (info.version, blob)
+            self.received_at[info.version] = time.monotonic()
 
     async def _heartbeats(self, client: LearnerClient, interval: float) -> None:
         failing_since = None
@@ -262,7 +294,10 @@ class Worker:
             return
         if manifest is not None:
             self.base = (manifest, blob)
-        self.installs.append((version, time.monotonic()))
+        now = time.monotonic()
+        received = self.received_at.pop(version, now)
+        self.received_at = {v: t for v, t in self.received_at.items() if v > version}
+        self.installs.append((version, now, received, time.perf_counter() - t0))
         log.info("%s: installed v%d in %.3f s", self.name, version, time.perf_counter() - t0)
 
     async def _loop(self, client: LearnerClient) -> None:
@@ -284,15 +319,11 @@ class Worker:
                 await self._evaluate(client, lease, prompts, version)
                 continue
             t0 = time.monotonic()
-            groups = await asyncio.to_thread(self.engine.generate, [p["prompt_ids"] for p in lease["prompts"]], self.params)
-            msgs = []
-            for prompt, samples in zip(prompts, groups):
-                texts = self.tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-                msgs.append(GroupMsg(prompt.id, version, [
-                    SampleMsg(s.tokens, s.logprobs, self.task.reward(prompt, text)) for s, text in zip(samples, texts)]))
+            msgs = await asyncio.to_thread(self._generate, lease, prompts, version)
             n_rollouts = sum(len(g.samples) for g in msgs)
             if throttle:  # emulate a slower machine: hold the results until the budgeted time
                 await asyncio.sleep(max(0.0, n_rollouts / throttle - (time.monotonic() - t0)))
+            self.capacity.add(n_rollouts, time.monotonic() - t0)  # busy: generate, score, emulated slowness
             if self.cfg.engine.on_new_version == "abort" and self.pending and self.pending[0] > version:
                 # A newer version arrived while this batch ran: hand the prompts back rather than
                 # submit work of the old weights (it is re-issued, and generated with the new one).
@@ -301,13 +332,27 @@ class Worker:
                          self.pending[0], version, len(prompts))
                 continue
             try:
-                await client.submit(Submission(client.worker_id, lease["lease_id"], msgs))
+                reply = await client.submit(Submission(client.worker_id, lease["lease_id"], msgs))
             except LearnerError as e:
+                # Refused whole (malformed, unknown lease, duplicate): hand back whatever the lease
+                # still holds, so its prompts are re-issued now instead of when it expires.
                 log.warning("%s: %d groups of v%d refused: %s", self.name, len(msgs), version, e)
+                with contextlib.suppress(LearnerError):
+                    await client.release(lease["lease_id"])
                 continue
-            self.rollouts += n_rollouts
-            self.meter.add(n_rollouts, time.monotonic())
+            accepted = int(reply.get("accepted", 0))
+            self.rollouts += accepted * self.params.n
+            self.meter.add(accepted * self.params.n, time.monotonic())
 
+    def _generate(self, lease: dict, prompts: list[Prompt], version: int) -> list[GroupMsg]:
+        """Generate the lease's groups and score them (blocking: runs on a thread)."""
+        groups = self.engine.generate([p["prompt_ids"] for p in lease["prompts"]], self.params)
+        msgs = []
+        for prompt, samples in zip(prompts, groups):
+            texts = self.tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+            msgs.append(GroupMsg(prompt.id, version, [
+                SampleMsg(s.tokens, s.logprobs, self.task.reward(prompt, text)) for s, text in zip(samples, texts)]))
+        return msgs
 
     async def _evaluate(self, client: LearnerClient, lease: dict, prompts: list[Prompt], version: int) -> None:
         """An eval lease: one greedy sample per prompt with `version`, scored, rewards sent back."""
