@@ -5,10 +5,12 @@
         --tailness-multiplier 1.5 [--simulate]
     echo-rl plan sweep --out DIR
 
-The main form prints R_req, the workers greedy and exact activation choose and their cost, the
-worst-case staleness bound, mean staleness by closed form (PQS and IQS) and by the simulator
-(ECHO-2 pipeline: publication every I steps, broadcast delay), utilization ρ, the predicted
-bubble, $/step, and warnings. Values come from, in increasing priority: built-in defaults, the
+The main form prints R_req (by the `overlapped` rule, or `--rule paper`), the workers greedy
+and exact activation choose and their cost — or, with `--active rtx4090=3,rtx3090=2`, predicts
+the fleet you already chose — the worst-case staleness bound, mean staleness by closed form
+(PQS and IQS) and by the simulator (ECHO-2 pipeline: publication every I steps, broadcast
+delay, the learner's blocking back-pressure), utilization ρ, the predicted bubble, $/step,
+and warnings. Values come from, in increasing priority: built-in defaults, the
 `--config` TOML, command-line flags. Keys read from `--config` (all optional):
 
     [trainer]   batch_prompts          groups per step G (B = G · group_size)
@@ -16,6 +18,7 @@ bubble, $/step, and warnings. Values come from, in increasing priority: built-in
     [buffer]    max_staleness          S
                 queue_factor           q
                 type                   "queue-drop" | "queue-max"
+                backpressure           blocking queue (default true)
     [publish]   every                  I (default S − 1, at least 1)
     [scheduler] pool, alpha, activation, learner_price_per_hour, t_train_s, t_bcast_s,
                 length_sigma, ...      (scheduler.config.SchedulerSection; unknown keys are errors)
@@ -100,6 +103,8 @@ def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
         values["queue_factor"] = float(buffer["queue_factor"])
     if "type" in buffer:
         values["buffer"] = buffer["type"]
+    if "backpressure" in buffer:
+        values["blocking"] = bool(buffer["backpressure"])
     try:
         sched = SchedulerSection.model_validate(data.get("scheduler", {}))
     except ValidationError as e:
@@ -108,6 +113,7 @@ def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
     values.update(
         alpha=sched.alpha, activation=sched.activation, learner_price=sched.learner_price_per_hour,
         t_train=sched.t_train_s, t_bcast=sched.t_bcast_s, length_sigma=sched.length_sigma,
+        rule=sched.rule, install_s=sched.install_s,
     )
     pool = _resolve(sched.pool, Path(path).parent) if sched.pool else None
     return values, pool
@@ -135,6 +141,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("-I", "--publish-every", type=int, help="I: publish a snapshot every I updates (default S − 1)")
     p.add_argument("--t-train", type=float, help="T_train: seconds per update (default 120)")
     p.add_argument("--t-bcast", type=float, help="T_bcast: learner-visible broadcast seconds (default 60)")
+    p.add_argument("--install-s", type=float, help="τ: seconds a worker's engine is down installing a version (default 0)")
+    p.add_argument("--rule", choices=["overlapped", "paper"],
+                   help="capacity rule: 'overlapped' (training continues during the broadcast; default) or 'paper'")
+    p.add_argument("--active", metavar="NAME=COUNT,...",
+                   help="predict this fleet instead of choosing one: counts per pool entry, e.g. rtx4090=3,rtx3090=2")
+    p.add_argument("--non-blocking", action="store_true",
+                   help="simulate slots that never wait (the blog's model); default: the learner's back-pressure")
     p.add_argument("--learner-price", type=float, help="learner node $/h (default 3.06)")
     p.add_argument("--alpha", type=float, help="safety factor α: activation covers α·R_req (default 1.2)")
     p.add_argument("--queue-factor", type=float, help="q: queue-drop capacity in batches (default 1)")
@@ -153,8 +166,18 @@ _FLAG_TO_INPUT = {
     "publish_every": "publish_every", "t_train": "t_train", "t_bcast": "t_bcast",
     "learner_price": "learner_price", "alpha": "alpha", "queue_factor": "queue_factor",
     "buffer": "buffer", "length_sigma": "length_sigma", "activation": "activation",
-    "sim_steps": "sim_steps", "seed": "seed",
+    "sim_steps": "sim_steps", "seed": "seed", "install_s": "install_s", "rule": "rule",
 }
+
+
+def _parse_active(text: str) -> tuple[tuple[str, int], ...]:
+    pairs = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, count = item.partition("=")
+        if not eq or not count.strip().isdigit():
+            raise ConfigError(f"--active {text!r}: expected NAME=COUNT pairs separated by commas, e.g. rtx4090=3")
+        pairs.append((name.strip(), int(count)))
+    return tuple(pairs)
 
 
 def _plan_cli(argv: list[str]) -> int:
@@ -173,12 +196,18 @@ def _plan_cli(argv: list[str]) -> int:
                 values[key] = getattr(args, flag)
         if args.no_simulate:
             values["simulate"] = False
+        if args.non_blocking:
+            values["blocking"] = False
+        if args.active:
+            values["active"] = _parse_active(args.active)
         pool_path = _resolve(args.pool) if args.pool else pool_path or _resolve(DEFAULT_POOL)
         inputs = PlanInputs(**values)
         pool = load_pool(pool_path)
         plan = make_plan(inputs, pool)
     except InfeasibleOverlap as e:
-        return _fail(str(e), args.json, smallest_feasible_period=e.smallest_feasible_period)
+        return _fail(str(e), args.json, condition=e.condition, smallest_feasible_period=e.smallest_feasible_period,
+                     largest_feasible_period=e.largest_feasible_period,
+                     smallest_feasible_staleness=e.smallest_feasible_staleness)
     except (SchedulerError, ConfigError) as e:
         return _fail(str(e), args.json)
     plan["inputs"]["pool_file"] = str(pool_path)
@@ -197,24 +226,26 @@ def render_plan(plan: dict) -> str:
          f"T_bcast = {inp['t_bcast']:g} s, I = {I}, S = {S}, α = {inp['alpha']:g}, q = {inp['queue_factor']:g} "
          f"({inp['buffer']}), length σ = {inp['length_sigma']:g} (M_tail = {cf['m_tail']:.2f})"),
         "",
-        f"capacity   R_req = I·B/(I·T − T_b) = {capd['r_req']:.3f} rollouts/s; target α·R_req = {capd['target']:.3f}",
+        _capacity_line(capd, inp),
         "",
     ]
-    width = max(9, *(len(actd[m]["summary"]) + 2 for m in ("greedy", "exact")))
+    shown = [m for m in ("greedy", "exact", "given") if actd.get(m)]
+    width = max(9, *(len(actd[m]["summary"]) + 2 for m in shown))
     lines.append(f"  {'activation':<12}{'workers':<{width}}{'rollouts/s':>11}{'$/h':>8}{'solve':>10}")
-    for name in ("greedy", "exact"):
+    for name in shown:
         a = actd[name]
         mark = " ← used" if actd["used"] == name else ""
         opt = "" if a["optimal"] else " (time limit)"
         lines.append(f"  {name:<12}{a['summary']:<{width}}{a['rate']:>11.3f}{a['cost_per_hour']:>8.3f}"
                      f"{a['solve_s'] * 1e3:>8.1f}ms{opt}{mark}")
+    if actd["gap_per_hour"] is not None:
+        lines.append(f"  gap: greedy costs ${actd['gap_per_hour']:.3f}/h ({actd['gap_rel']:.1%}) more than the exact optimum")
     lines += [
-        f"  gap: greedy costs ${actd['gap_per_hour']:.3f}/h ({actd['gap_rel']:.1%}) more than the exact optimum",
         "",
         (f"pipeline   R = {pipe['rate']:.3f} rollouts/s, ρ = R·T/B = {pipe['rho']:.2f} ({pipe['regime']}), "
          f"C = {pipe['concurrency']} slots (C/B = {pipe['c_over_b']:.2f})"),
-        (f"           overlap I·B/R + T_b ≤ I·T: {'holds' if pipe['overlap_holds'] else 'FAILS'}; predicted wait "
-         f"{pipe['wait_per_period_s']:.1f} s per period, bubble {pipe['bubble']:.1%}"),
+        (f"           paper's overlap I·B/R + T_b ≤ I·T: {'holds' if pipe['overlap_holds'] else 'fails'}; predicted "
+         f"wait ({capd['rule']} rule) {pipe['wait_per_period_s']:.3g} s per period, bubble {pipe['bubble']:.1%}"),
         (f"cost       ${cost['dollars_per_step']:.4f}/step = (T + wait/I)·${cost['dollars_per_hour']:.3f}/h / 3600 "
          f"(learner {cost['learner_per_hour']:.2f} + workers {cost['workers_per_hour']:.3f})"),
         "",
@@ -239,6 +270,19 @@ def render_plan(plan: dict) -> str:
         lines.append("")
         lines += [f"warning: {w}" for w in plan["warnings"]]
     return "\n".join(lines)
+
+
+def _capacity_line(capd: dict, inp: dict) -> str:
+    if capd["r_req"] is None:
+        return f"capacity   infeasible ({capd['rule']} rule): {capd['infeasible']}"
+    if capd["rule"] == "paper":
+        formula = "I·B/(I·T − T_b)"
+    else:
+        c = capd["conditions"]
+        formula = (f"max(I·B/(I·T − τ) = {c['throughput']:.3f}, B/((S − I + 1)·T − T_b) = {c['admissibility']:.3f}),"
+                   f" {capd['binding']} binds; τ = {inp['install_s']:g} s")
+    return (f"capacity   R_req = {formula} = {capd['r_req']:.3f} rollouts/s ({capd['rule']} rule); "
+            f"target α·R_req = {capd['target']:.3f}")
 
 
 # --- echo-rl plan staleness -------------------------------------------------------------------

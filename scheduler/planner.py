@@ -1,8 +1,10 @@
 """Everything `echo-rl plan` predicts for one configuration, as plain data.
 
-`make_plan(PlanInputs, Pool)` chains the pieces: capacity rule → activation (greedy and exact)
-→ utilization, bubble and $/step of the chosen set → staleness bound (App. A), closed form
-(PQS, IQS) and the simulator in ECHO-2's pipeline mode → warnings. `echo/plan.py` parses the
+`make_plan(PlanInputs, Pool)` chains the pieces: capacity rule (`overlapped` or the paper's)
+→ activation (greedy and exact), or the fleet given with `active` (machines already chosen,
+counts per pool entry) → utilization, bubble and $/step of that set → staleness bound
+(App. A), closed form (PQS, IQS) and the simulator in ECHO-2's pipeline mode, blocking when
+the learner's back-pressure is on (as it is by default) → warnings. `echo/plan.py` parses the
 command line and prints; this module only computes, so tests call it directly.
 """
 
@@ -28,7 +30,11 @@ class PlanInputs:
     max_staleness: int = 3  # S
     publish_every: int | None = None  # I; None = S − 1 (at least 1)
     t_train: float = 120.0  # s per update
-    t_bcast: float = 60.0  # learner-visible broadcast time, s
+    t_bcast: float = 60.0  # learner-visible broadcast time, s (reception + install)
+    install_s: float = 0.0  # τ: install downtime of a worker per version, s
+    rule: Literal["overlapped", "paper"] = "overlapped"  # which capacity rule R_req comes from
+    active: tuple[tuple[str, int], ...] = ()  # a given fleet: (pool entry, count) pairs; () = activate
+    blocking: bool = True  # the learner's back-pressure: no new prompts while the queue is full
     learner_price: float = 3.06  # $/h
     alpha: float = 1.2
     queue_factor: float = 1.0  # q
@@ -51,6 +57,8 @@ class PlanInputs:
             raise SchedulerError(f"the publication period I must be ≥ 1, got {self.publish_every}")
         if self.queue_factor < 1:
             raise SchedulerError(f"the queue factor q must be ≥ 1, got {self.queue_factor}")
+        if any(count < 0 for _, count in self.active):
+            raise SchedulerError("--active counts must be ≥ 0")
 
     @property
     def period(self) -> int:
@@ -76,15 +84,29 @@ def make_plan(inp: PlanInputs, pool: Pool) -> dict:
     `InsufficientCapacity` (typed, with what to do) when there is nothing to plan."""
     I = inp.period
     B, T, Tb = inp.batch, inp.t_train, inp.t_bcast
-    capacity = cap.plan_capacity(B, T, Tb, I, inp.alpha)
+    try:
+        req = cap.requirement(inp.rule, batch=B, t_train=T, t_bcast=Tb, publish_every=I,
+                              max_staleness=inp.max_staleness, install_s=inp.install_s)
+    except cap.InfeasibleOverlap as e:
+        if not inp.active:
+            raise
+        req, infeasible = None, str(e)  # a given fleet is still predicted: how bad is it?
+    else:
+        infeasible = ""
     cands = pool.candidates()
-    cmp = act.compare(cands, capacity.target)
-    used = cmp.exact if inp.activation == "exact" else cmp.greedy
+    cmp = act.compare(cands, inp.alpha * req.r_req) if req is not None else None
+    if inp.active:
+        used = given_fleet(pool, inp.active)
+    else:
+        used = cmp.exact if inp.activation == "exact" else cmp.greedy
     R = used.capacity
     kinds = {c.id: pool.kind_of(c.id) for c in used.chosen}
     concurrency = sum(kinds[c.id].slots for c in used.chosen)
     rho = R * T / B
-    wait, bub = cap.bubble(B, T, Tb, I, R)
+    if inp.rule == "paper":
+        wait, bub = cap.bubble(B, T, Tb, I, R)
+    else:  # training goes on during the broadcast: only installs and generation can leave it waiting
+        wait, bub = cap.bubble(B, T, inp.install_s, I, R)
     bound = cap.staleness_bound(B, T, Tb, I, R)
     bound_overlap = cap.staleness_bound_under_overlap(T, Tb, I)
     m_tail = st.tail_multiplier(inp.length_sigma, inp.group_size)
@@ -93,11 +115,18 @@ def make_plan(inp: PlanInputs, pool: Pool) -> dict:
     snapshot_lag = (I - 1) / 2 + Tb / t_eff
     worker_prices = [c.price for c in used.chosen]
     out: dict = {
-        "inputs": {**asdict(inp), "publish_every": I, "pool": pool.name, "pool_size": pool.size},
-        "capacity": {"r_req": capacity.r_req, "target": capacity.target, "alpha": inp.alpha},
+        "inputs": {**asdict(inp), "publish_every": I, "pool": pool.name, "pool_size": pool.size,
+                   "active": dict(inp.active)},
+        "capacity": {"rule": inp.rule, "r_req": req.r_req if req else None,
+                     "target": inp.alpha * req.r_req if req else None, "alpha": inp.alpha,
+                     "conditions": req.conditions if req else {}, "binding": req.binding if req else None,
+                     "infeasible": infeasible},
         "activation": {
-            "greedy": _activation_dict(cmp.greedy, pool), "exact": _activation_dict(cmp.exact, pool),
-            "gap_per_hour": cmp.gap, "gap_rel": cmp.gap_rel, "used": inp.activation,
+            "greedy": _activation_dict(cmp.greedy, pool) if cmp else None,
+            "exact": _activation_dict(cmp.exact, pool) if cmp else None,
+            "gap_per_hour": cmp.gap if cmp else None, "gap_rel": cmp.gap_rel if cmp else None,
+            "used": "given" if inp.active else inp.activation,
+            "given": _activation_dict(used, pool) if inp.active else None,
         },
         "pipeline": {
             "rate": R, "rho": rho, "regime": closed.regime, "concurrency": concurrency,
@@ -124,10 +153,31 @@ def make_plan(inp: PlanInputs, pool: Pool) -> dict:
             queue_factor=inp.queue_factor if inp.buffer == "queue-drop" else None,
             max_staleness=inp.max_staleness, sigma=inp.length_sigma,
             steps=inp.sim_steps, warmup_steps=max(10, inp.sim_steps // 10), seed=inp.seed,
+            blocking_groups=max(B // inp.group_size, round(inp.queue_factor * B / inp.group_size))
+            if inp.blocking else None,
         ))
         out["staleness"]["simulator"] = sim.as_dict()
     out["warnings"] = warnings(inp, out, sim)
     return out
+
+
+def given_fleet(pool: Pool, counts: tuple[tuple[str, int], ...]) -> act.Activation:
+    """The first `count` machines of each named pool entry, as an activation of them."""
+    by_kind: dict[str, list[act.Candidate]] = {}
+    for c in pool.candidates():
+        by_kind.setdefault(pool.kind_of(c.id).name, []).append(c)
+    chosen: list[act.Candidate] = []
+    for name, count in counts:
+        if name not in by_kind:
+            raise SchedulerError(f"--active names {name!r}, which is not in pool {pool.name!r} "
+                                 f"(entries: {', '.join(by_kind)})")
+        if count > len(by_kind[name]):
+            raise SchedulerError(f"--active asks for {count} × {name} but pool {pool.name!r} has {len(by_kind[name])}")
+        chosen += by_kind[name][:count]
+    if not chosen:
+        raise SchedulerError("--active chose no machine; give at least one NAME=COUNT with COUNT ≥ 1")
+    rate = sum(c.rate for c in chosen)
+    return act.Activation("greedy", tuple(chosen), target=rate)
 
 
 def warnings(inp: PlanInputs, plan: dict, sim) -> list[str]:
@@ -165,8 +215,13 @@ def warnings(inp: PlanInputs, plan: dict, sim) -> list[str]:
             "bound assumes rollouts appear at rate R as soon as a snapshot lands and ignores generation "
             f"latency (groups take ~{stale['closed_form']['pqs']:.2f} train steps to generate here)"
         )
+    if plan["capacity"]["infeasible"]:
+        msgs.append(plan["capacity"]["infeasible"])
     if plan["pipeline"]["bubble"] > 0:
-        msgs.append(f"the overlap condition fails: predicted bubble {plan['pipeline']['bubble']:.1%}")
+        msgs.append(f"the capacity rule fails for these workers: predicted bubble {plan['pipeline']['bubble']:.1%}")
+    r_req = plan["capacity"]["r_req"]
+    if inp.active and r_req and plan["pipeline"]["rate"] < r_req:
+        msgs.append(f"the given fleet supplies {plan['pipeline']['rate']:.3g} rollouts/s, below R_req = {r_req:.3g}")
     return msgs
 
 

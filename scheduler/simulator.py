@@ -9,8 +9,12 @@ Model:
   sample of its worker's open group, or opens a new group stamped with the snapshot version
   the worker has installed (the trainer version when sync is instant);
 - a group enters the queue when its `n` samples finish. Queue-drop: at capacity
-  `queue_groups` the oldest queued group is dropped. Queue-max: a group whose staleness
-  exceeds `max_staleness` when it reaches the head of the queue is discarded. Both may be on;
+  `queue_groups` the oldest queued group is dropped. Staleness filter (queue-max, or queue-drop
+  with the filter on): when the trainer takes a batch, every queued group staler than
+  `max_staleness` is discarded first (as `learner.buffer` does). Both may be on;
+- blocking (the learner's back-pressure, `blocking_groups`): while that many groups are
+  queued, no slot opens a new group (a group already open keeps getting its samples); idle
+  slots start again when the trainer takes a batch. Off, slots never idle (the blog's model);
 - the trainer, idle with ≥ G groups queued, takes the oldest G admissible groups, trains for
   `t_train` seconds, then increments its version; every `publish_every` versions a snapshot
   is published and workers generate with it `sync_delay` seconds later.
@@ -20,6 +24,10 @@ split into PQS (trainer version at enqueue − stamp) and IQS (the rest).
 
 Invariants (asserted at the end of every run): staleness ≥ 0; trained staleness ≤
 `max_staleness` when set; conservation `started = trained + dropped + queued + in_flight`.
+
+`record=True` keeps the run's events (`SimResult.events`: group completions with their stamp,
+batches with the groups they took, drops), so a trace can be replayed through the live
+learner's buffer and both compared (tests/test_scheduler_simulator.py).
 
 The hot loop handles one sample completion per iteration with one `heapreplace` on a heap of
 `(finish_time, slot)`; trainer and install events are rare and are compared against a single
@@ -68,6 +76,8 @@ class SimConfig:
     max_staleness: int | None = None  # queue-max threshold; None = no limit
     publish_every: int = 1  # I
     sync_delay: float = 0.0  # seconds from publication to workers generating with it (T_b)
+    blocking_groups: int | None = None  # back-pressure: no new group while this many are queued
+    record: bool = False  # keep the event trace (SimResult.events)
     steps: int = 2000  # measured trainer steps
     warmup_steps: int = 200  # trainer steps ignored before measuring
     seed: int = 0
@@ -128,6 +138,7 @@ class SimResult:
     in_flight: int
     rollouts: int  # samples completed, whole run
     wall_s: float  # host seconds the run took
+    events: tuple = ()  # record=True: ("done", t, gid, stamp), ("evict", t, version), ("drop", reason, gid), ("batch", t, version, gids)
 
     @property
     def total(self) -> float:
@@ -146,6 +157,7 @@ class SimResult:
         d = asdict(self)
         d.update(total=self.total, bubble=self.bubble, rollouts_per_s=self.rollouts_per_s)
         d["histogram"] = list(self.histogram)
+        del d["events"]
         return d
 
 
@@ -179,12 +191,16 @@ def simulate(cfg: SimConfig) -> SimResult:
     draw = chain.from_iterable(_length_chunks(cfg.seed, cfg.mu0, cfg.sigma, cfg.cap)).__next__
     heapreplace = heapq.heapreplace
 
-    # Workers and slots. A group is [remaining, stamp, length_sum, max_length, enqueue_version].
+    # Workers and slots. A group is [remaining, stamp, length_sum, max_length, enqueue_version, id].
     nw = len(cfg.workers)
     inv_speed = [1.0 / w.speed for w in cfg.workers]
     wver = [0] * nw  # snapshot version each worker generates with
     left = [0] * nw  # samples of the worker's open group not yet started
-    open_group: list[list] = [[0, 0, 0.0, 0.0, 0]] * nw
+    open_group: list[list] = [[0, 0, 0.0, 0.0, 0, -1]] * nw
+    block = cfg.blocking_groups if cfg.blocking_groups is not None else 1 << 62
+    idle: list[int] = []  # slots waiting for back-pressure to lift
+    record = cfg.record
+    events: list[tuple] = []
     slot_w: list[int] = []
     slot_group: list[list] = []
     heap: list[tuple[float, int]] = []
@@ -192,7 +208,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     for w, spec in enumerate(cfg.workers):
         for _ in range(spec.slots):
             if not left[w]:
-                open_group[w] = [n, 0, 0.0, 0.0, 0]
+                open_group[w] = [n, 0, 0.0, 0.0, 0, started]
                 left[w] = n
                 started += 1
             left[w] -= 1
@@ -203,6 +219,7 @@ def simulate(cfg: SimConfig) -> SimResult:
             heap.append((length * inv_speed[w], len(slot_w)))
             slot_w.append(w)
             slot_group.append(g)
+    heap.append((inf, -1))  # sentinel: when every slot idles, the next event is the trainer's
     heapq.heapify(heap)
 
     queue: deque[list] = deque()
@@ -249,17 +266,23 @@ def simulate(cfg: SimConfig) -> SimResult:
                 for w in range(nw):
                     wver[w] = v
             if not busy and len(queue) >= G:
-                # the oldest G admissible groups; stale ones met on the way are discarded
-                batch = []
-                while queue and len(batch) < G:
-                    g = queue.popleft()
-                    if version - g[1] > smax:
-                        dropped_stale += 1
-                    else:
-                        batch.append(g)
-                if len(batch) < G:
-                    queue.extendleft(reversed(batch))
-                else:
+                # every group staler than the bound is discarded, then the oldest G are taken
+                if smax < 1 << 62 and any(version - g[1] > smax for g in queue):
+                    if record:
+                        events.append(("evict", t, version))
+                    kept = deque()
+                    for g in queue:
+                        if version - g[1] > smax:
+                            dropped_stale += 1
+                            if record:
+                                events.append(("drop", "stale", g[5]))
+                        else:
+                            kept.append(g)
+                    queue = kept
+                if len(queue) >= G:
+                    batch = [queue.popleft() for _ in range(G)]
+                    if record:
+                        events.append(("batch", t, version, [g[5] for g in batch]))
                     busy = True
                     t_train_end = t + T
                     trained += G
@@ -276,7 +299,26 @@ def simulate(cfg: SimConfig) -> SimResult:
                             trained_len += g[2]
                             if g[3] > trained_max:  # noqa: PLR1730
                                 trained_max = g[3]
+            if idle and len(queue) < block:  # back-pressure lifted: idle slots open groups again
+                for s in idle:
+                    w = slot_w[s]
+                    if left[w]:
+                        left[w] -= 1
+                        g = open_group[w]
+                    else:
+                        g = [n, wver[w], 0.0, 0.0, 0, started]
+                        open_group[w] = g
+                        left[w] = n - 1
+                        started += 1
+                    slot_group[s] = g
+                    length = draw()
+                    g[2] += length
+                    g[3] = max(g[3], length)
+                    heapq.heappush(heap, (t + length * inv_speed[w], s))
+                idle.clear()
             t_other = min(t_train_end, installs[0][0] if installs else inf)
+            if t_other == inf and heap[0][1] == -1:
+                raise SchedulerError("the simulated pipeline deadlocked: every slot idles and the trainer waits")
             continue
 
         # --- hot path: the sample in slot s finishes at t ----------------------------------
@@ -292,17 +334,25 @@ def simulate(cfg: SimConfig) -> SimResult:
                 if g[3] > sampled_max:  # noqa: PLR1730
                     sampled_max = g[3]
             if len(queue) >= qcap:
-                queue.popleft()
+                dropped = queue.popleft()
                 dropped_overflow += 1
+                if record:
+                    events.append(("drop", "overflow", dropped[5]))
             queue.append(g)
+            if record:
+                events.append(("done", t, g[5], g[1]))
             if not busy and len(queue) >= G:
                 t_other = t  # the trainer can start now: handled as a rare event
         w = slot_w[s]
         if left[w]:
             left[w] -= 1
             g = open_group[w]
+        elif len(queue) >= block:  # back-pressure: this slot waits for the trainer
+            heapq.heappop(heap)
+            idle.append(s)
+            continue
         else:
-            g = [n, wver[w], 0.0, 0.0, 0]
+            g = [n, wver[w], 0.0, 0.0, 0, started]
             open_group[w] = g
             left[w] = n - 1
             started += 1
@@ -341,6 +391,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         in_flight=in_flight,
         rollouts=rollouts,
         wall_s=time.perf_counter() - t_start,
+        events=tuple(events),
     )
 
 
@@ -399,6 +450,8 @@ def pipeline_config(
     steps: int = 1000,
     warmup_steps: int = 100,
     seed: int = 0,
+    blocking_groups: int | None = None,
+    record: bool = False,
 ) -> SimConfig:
     """ECHO-2's pipeline: heterogeneous workers given by their rollout rates (rollouts/s) and
     slot counts; each slot's speed is chosen so the worker completes exactly `rate` rollouts/s."""
@@ -420,6 +473,8 @@ def pipeline_config(
         max_staleness=max_staleness,
         publish_every=publish_every,
         sync_delay=t_bcast,
+        blocking_groups=blocking_groups,
+        record=record,
         steps=steps,
         warmup_steps=warmup_steps,
         seed=seed,

@@ -35,14 +35,16 @@ def test_plan_json_on_every_shipped_pool(capsys: pytest.CaptureFixture[str], poo
     assert code == 0
     inp, act = plan["inputs"], plan["activation"]
     B, T, Tb, I = inp["batch"], inp["t_train"], inp["t_bcast"], inp["publish_every"]
-    assert plan["capacity"]["r_req"] == pytest.approx(cap.required_rate(B, T, Tb, I))
+    req = cap.requirement("overlapped", batch=B, t_train=T, t_bcast=Tb, publish_every=I,
+                          max_staleness=inp["max_staleness"])
+    assert plan["capacity"]["r_req"] == pytest.approx(req.r_req) and plan["capacity"]["rule"] == "overlapped"
     assert act["exact"]["cost_per_hour"] <= act["greedy"]["cost_per_hour"] + 1e-9
     assert act["gap_per_hour"] == pytest.approx(act["greedy"]["cost_per_hour"] - act["exact"]["cost_per_hour"])
     for name in ("greedy", "exact"):
         assert act[name]["rate"] >= plan["capacity"]["target"] - 1e-9
     pipe = plan["pipeline"]
     assert pipe["rho"] == pytest.approx(pipe["rate"] * T / B)
-    assert pipe["overlap_holds"] and pipe["bubble"] == 0
+    assert pipe["bubble"] == 0
     cf = plan["staleness"]["closed_form"]
     assert cf["total"] == pytest.approx(cf["pqs"] + cf["iqs"])
     sim = plan["staleness"]["simulator"]
@@ -52,10 +54,34 @@ def test_plan_json_on_every_shipped_pool(capsys: pytest.CaptureFixture[str], poo
 
 
 def test_infeasible_overlap_exits_2_with_smallest_period(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run_json(capsys, ["-I", "1", "--t-train", "100", "--t-bcast", "250"])
+    code, out = run_json(capsys, ["-I", "1", "--t-train", "100", "--t-bcast", "250", "--rule", "paper"])
     assert code == 2
     assert out["smallest_feasible_period"] == 3
-    assert "smallest feasible I = 3" in out["error"]
+    assert "I ≥ 3, which needs a staleness budget S ≥ 4 (now S = 3)" in out["error"]
+    # The overlapped rule hides the same broadcast within S = 3: (3 − 1 + 1)·100 s > 250 s.
+    code, plan = run_json(capsys, ["-I", "1", "--t-train", "100", "--t-bcast", "250", "--sim-steps", "100"])
+    assert code == 0 and plan["capacity"]["binding"] == "admissibility"
+    # ...but not at S = 2, and the advice names S and I together.
+    code, out = run_json(capsys, ["-I", "2", "-S", "2", "--t-train", "100", "--t-bcast", "250"])
+    assert code == 2 and out["condition"] == "admissibility" and out["smallest_feasible_staleness"] == 4
+    assert "S = 2, I = 2" in out["error"] and "I ≤ 1" not in out["error"]
+
+
+def test_a_given_fleet_is_predicted_even_when_it_falls_short(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--active`: the machines someone already chose, checked against the rule."""
+    pool = REPO / "configs" / "pools" / "demo-local.toml"
+    base = ["--pool", str(pool), "--batch", "64", "--group-size", "8", "--t-train", "0.025", "--t-bcast", "0.01",
+            "-S", "2", "--sim-steps", "200"]
+    code, plan = run_json(capsys, base + ["--active", "cpu-cheap=1"])
+    assert code == 0 and plan["activation"]["used"] == "given"
+    given = plan["activation"]["given"]
+    assert given["count"] == 1 and given["rate"] == pytest.approx(plan["pipeline"]["rate"])
+    assert plan["pipeline"]["bubble"] > 0.5 and any("below R_req" in w for w in plan["warnings"])
+    code, enough = run_json(capsys, base + ["--active", "cpu-cheap=1,cpu-mid=1,cpu-fast=1,cpu-pricey=1"])
+    assert code == 0 and enough["pipeline"]["bubble"] < plan["pipeline"]["bubble"]
+    assert enough["staleness"]["simulator"]["bubble"] < plan["staleness"]["simulator"]["bubble"]
+    code, out = run_json(capsys, base + ["--active", "h100=2"])
+    assert code == 2 and "not in pool" in out["error"]
 
 
 def test_not_enough_capacity_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
