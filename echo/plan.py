@@ -260,7 +260,7 @@ def render_plan(plan: dict) -> str:
     if sim:
         lines += [
             (f"  {'simulator (I, T_bcast, S applied)':<34}{sim['pqs']:>7.2f}{sim['iqs']:>7.2f}{sim['total']:>7.2f}"
-             f"{sim['max_staleness']:>5}"),
+             f"{sim['max_staleness']:>5}   ({'blocking back-pressure, as the learner' if inp['blocking'] else 'slots never wait'})"),
             (f"  simulator: bubble {sim['bubble']:.1%}, dropped {sim['dropped_overflow']} overflow + "
              f"{sim['dropped_stale']} stale of {sim['started']} groups, mean length sampled "
              f"{sim['sampled_mean_length']:.0f} / trained {sim['trained_mean_length']:.0f} tokens "

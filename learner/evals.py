@@ -19,14 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from echo.tasks import Prompt
-
-
-class EvalRefused(Exception):
-    """An eval upload that does not match an outstanding eval lease; `status` and `reason` for HTTP."""
-
-    def __init__(self, status: int, reason: str, message: str):
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+from echo.wire import Rejected
 
 
 @dataclass
@@ -92,16 +85,16 @@ class EvalBook:
         r = self.round
         lease = r.leased.get(lease_id) if r else None
         if r is None or lease is None or lease.worker_id != worker_id:
-            raise EvalRefused(409, "unknown-lease", f"eval lease {lease_id!r} is not outstanding for this worker "
+            raise Rejected(409, "unknown-lease", f"eval lease {lease_id!r} is not outstanding for this worker "
                                                     "(expired, or its round was restarted)")
         if version != r.version:
-            raise EvalRefused(409, "wrong-version", f"eval lease {lease_id!r} evaluates v{r.version}, not v{version}")
+            raise Rejected(409, "wrong-version", f"eval lease {lease_id!r} evaluates v{r.version}, not v{version}")
         if set(rewards) != set(lease.prompt_ids):
-            raise EvalRefused(422, "wrong-prompts", f"eval lease {lease_id!r} holds {len(lease.prompt_ids)} prompts; "
+            raise Rejected(422, "wrong-prompts", f"eval lease {lease_id!r} holds {len(lease.prompt_ids)} prompts; "
                                                     "send exactly one reward for each")
         bad = [k for k, v in rewards.items() if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0]
         if bad:
-            raise EvalRefused(422, "bad-reward", f"rewards must be numbers in [0, 1]; got {rewards[bad[0]]!r}")
+            raise Rejected(422, "bad-reward", f"rewards must be numbers in [0, 1]; got {rewards[bad[0]]!r}")
         del r.leased[lease_id]
         r.rewards.update({k: float(v) for k, v in rewards.items()})
         r.workers.add(worker_id)

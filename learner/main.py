@@ -303,7 +303,7 @@ class Learner:
                 display.step(record, self.last_eval)
                 if self.as_json:
                     print(json.dumps(record), flush=True)
-                if cfg.run.checkpoint_every and trainer.version % cfg.run.checkpoint_every == 0:
+                if cfg.run.checkpoint_every and trainer.version % cfg.run.checkpoint_every == 0 and not last:
                     await self._on_trainer(drive.call, "save_checkpoint", self.run_dir / "checkpoints",
                                            self._checkpoint_state(first_acc))
             if on_workers:  # the last version's eval: workers generate nothing else meanwhile

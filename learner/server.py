@@ -34,7 +34,7 @@ from broadcast.star import BlobStore, add_star_routes
 from echo.wire import CONTENT_TYPE, Rejected, decode_submission
 from learner.buffer import AsyncBuffer, Group
 from learner.config import LearnerConfig
-from learner.evals import EvalBook, EvalRefused
+from learner.evals import EvalBook
 from learner.leases import LeaseBook, UnknownLease
 from learner.metrics import LearnerMetrics
 
@@ -268,7 +268,7 @@ def build_app(state: LearnerState) -> web.Application:
         try:
             result = state.evals.submit(worker.id, str(data.get("lease_id", "")), int(_number(data.get("version"))),
                                         rewards, time.monotonic())
-        except EvalRefused as e:
+        except Rejected as e:
             state.metrics.rejected.labels(f"eval-{e.reason}").inc()
             return json_error(e.status, e.reason, e.message)
         if result is not None:

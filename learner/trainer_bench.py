@@ -202,7 +202,7 @@ def bench_logprobs(tokens: int, hidden: int, vocabs: list[int]) -> list[dict]:
     for vocab in vocabs:
         for kind in ("naive", "chunked"):
             r = _run_child("logprobs", {"kind": kind, "tokens": tokens, "hidden": hidden, "vocab": vocab, "threads": 2})[0]
-            rows.append({"vocab": vocab, "kind": kind, "tokens": tokens, **r})
+            rows.append({"vocab": vocab, "kind": kind, "tokens": tokens, "hidden": hidden, **r})
     return rows
 
 
@@ -249,12 +249,17 @@ def _print_tables(result: dict) -> None:
         print()
     lp = result.get("logprobs")
     if lp:
-        print("2. head log-probs of %d tokens with backward: full log-softmax vs chunked" % lp[0]["tokens"])
-        print(f"{'vocab':>8} {'kind':>8} {'peak extra':>11} {'seconds':>8} {'|Δ checksum|':>13}")
+        print("2. head log-probs of %d tokens (hidden %d) with backward: full log-softmax vs chunked"
+              % (lp[0]["tokens"], lp[0]["hidden"]))
+        print(f"{'vocab':>8} {'kind':>8} {'peak extra':>11} {'beyond W, dW':>13} {'× naive':>8} {'seconds':>8} "
+              f"{'|Δ checksum|':>13}")
         for r in lp:
             ref = next(x for x in lp if x["vocab"] == r["vocab"] and x["kind"] == "naive")
             delta = abs(r["checksum"] - ref["checksum"]) if "checksum" in r and "checksum" in ref else float("nan")
-            print(f"{r['vocab']:>8} {r['kind']:>8} {r['peak_extra'] / MiB:>9.0f}Mi {r['seconds']:>8.2f} {delta:>13.2e}")
+            weights = 2 * 4 * r["vocab"] * r["hidden"]  # the head and its gradient, the same in both
+            logits, ref_logits = r["peak_extra"] - weights, ref["peak_extra"] - weights
+            print(f"{r['vocab']:>8} {r['kind']:>8} {r['peak_extra'] / MiB:>9.0f}Mi {logits / MiB:>11.0f}Mi "
+                  f"{logits / ref_logits:>8.2f} {r['seconds']:>8.2f} {delta:>13.2e}")
         print()
     rk = result.get("ranks")
     if rk:

@@ -4,7 +4,8 @@ nothing lost to a dead worker, and a round nobody can finish restarts at the new
 import pytest
 
 from echo.tasks import Prompt
-from learner.evals import EvalBook, EvalRefused
+from echo.wire import Rejected
+from learner.evals import EvalBook
 
 PROMPTS = [Prompt(f"e{i}", f"{i}+1=", str(i + 1)) for i in range(10)]
 
@@ -18,13 +19,13 @@ def test_a_round_goes_only_to_workers_on_its_version_and_completes_once():
     lid2, _, got2 = book.lease("w2", worker_version=3, max_prompts=100, now=0.0)
     lid3, _, got3 = book.lease("w2", worker_version=3, max_prompts=100, now=0.0)
     assert book.lease("w1", 3, 8, 0.0) is None  # everything is out
-    with pytest.raises(EvalRefused, match="not outstanding for this worker"):
+    with pytest.raises(Rejected, match="not outstanding for this worker"):
         book.submit("w2", lid, 3, {p.id: 1.0 for p in got}, now=1.0)
-    with pytest.raises(EvalRefused, match="one reward for each"):
+    with pytest.raises(Rejected, match="one reward for each"):
         book.submit("w1", lid, 3, {got[0].id: 1.0}, now=1.0)
-    with pytest.raises(EvalRefused, match="evaluates v3"):
+    with pytest.raises(Rejected, match="evaluates v3"):
         book.submit("w1", lid, 2, {p.id: 1.0 for p in got}, now=1.0)
-    with pytest.raises(EvalRefused, match=r"in \[0, 1\]"):
+    with pytest.raises(Rejected, match=r"in \[0, 1\]"):
         book.submit("w1", lid, 3, {p.id: 7.0 for p in got}, now=1.0)
     assert book.submit("w1", lid, 3, {p.id: 1.0 for p in got}, now=1.0) is None
     assert book.submit("w2", lid2, 3, {p.id: 0.0 for p in got2}, now=1.5) is None
@@ -43,7 +44,7 @@ def test_a_dead_workers_eval_lease_expires_and_its_prompts_go_to_another():
     book.expire(now=9.5, live_versions={1}, newest=1)  # ...until they stop
     lid2, _, again = book.lease("w", 1, 10, now=10.0)
     assert [p.id for p in again] == [p.id for p in got]
-    with pytest.raises(EvalRefused):
+    with pytest.raises(Rejected):
         book.submit("dead", lid, 1, {p.id: 1.0 for p in got}, now=10.0)
     assert book.submit("w", lid2, 1, {p.id: 1.0 for p in again}, now=11.0).accuracy == 1.0
 
