@@ -344,7 +344,8 @@ def _admit(state: LearnerState, sub) -> list[Group]:
                        f"version {oldest} is {state.learner_version - oldest} updates old at learner version "
                        f"{state.learner_version}; max staleness is {S}. Install the newest snapshot "
                        f"({len(stale)} prompts were given back)")
-    state.metrics.rejected.labels("stale-version").inc(len(stale))
+    if stale:
+        state.metrics.rejected.labels("stale-version").inc(len(stale))
     return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=state.prompt_ids[g.prompt_id],
                   completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
                   rewards=[s.reward for s in g.samples], worker_id=sub.worker_id,
