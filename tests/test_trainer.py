@@ -185,3 +185,39 @@ def test_preflight_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
     cfg = load_learner_config(None, ["--model.path", str(tmp_path)])
     with pytest.raises(PreflightError, match="19 tokens but the model's output layer has 12 rows"):
         preflight(cfg, 1, "cpu")
+
+
+def test_fp16_autocast_with_loss_scaling_trains(tiny_model):
+    """compute_dtype = 'float16': autocast with a gradient scaler (fp16 overflows without one);
+    the masters stay fp32 and move."""
+    trainer = _trainer(tiny_model, "--trainer.compute_dtype", "float16", "--trainer.lr", "1e-4")
+    assert trainer.scaler is not None
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    for step in range(3):
+        assert math.isfinite(trainer.step(synthetic_batch(step, trainer.vocab_size))["loss"])
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.named_parameters())
+    assert moved > 0.5 * sum(p.numel() for p in before.values())
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+
+
+def test_prompts_go_through_the_tokenizers_chat_template_with_a_system_prompt(tiny_model, tmp_path):
+    import shutil
+
+    from echo.hf import PromptEncoder
+
+    model = tmp_path / "chat"
+    shutil.copytree(tiny_model, model)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}={% else %}"
+                         "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}")
+    tok.save_pretrained(model)
+    plain = PromptEncoder(AutoTokenizer.from_pretrained(tiny_model))("1+2")
+    assert not PromptEncoder(AutoTokenizer.from_pretrained(tiny_model)).chat  # no template: plain text
+    with pytest.raises(ValueError, match="no chat template"):
+        PromptEncoder(AutoTokenizer.from_pretrained(tiny_model), "on")
+    trainer = _trainer(model, "--task.system_prompt", '"9"')
+    chat = trainer.encode("1+2")
+    assert trainer.tokenizer.decode(chat) == "9=1+2=" and chat != plain
+    assert trainer.tokenizer.decode(_trainer(model, "--task.chat_template", "off").encode("1+2"), skip_special_tokens=True) == "1+2"
