@@ -299,7 +299,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                             trained_len += g[2]
                             if g[3] > trained_max:  # noqa: PLR1730
                                 trained_max = g[3]
-            if idle and len(queue) < block:  # back-pressure lifted: idle slots open groups again
+            if idle and len(queue) < block:  # back-pressure lifted: idle slots start again (as the hot path below, inlined there for speed)
                 for s in idle:
                     w = slot_w[s]
                     if left[w]:

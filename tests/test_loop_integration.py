@@ -167,7 +167,7 @@ def test_stale_groups_give_every_prompt_back_and_duplicates_queue_nothing(learne
 
 
 @pytest.mark.parametrize("seconds", [pytest.param(40, id="short"),
-                                     pytest.param(600, marks=pytest.mark.slow, id="10-minutes")])
+                                     pytest.param(600, marks=[pytest.mark.slow, pytest.mark.timeout(900)], id="10-minutes")])
 def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, seconds):
     """S = 1 with workers 50× apart in speed: the slow ones' groups arrive stale, are refused
     with their prompts given back, and the workers hand their leases back; leases never pile up
