@@ -1,6 +1,5 @@
 """Hugging Face model helpers shared by the trainer, the eval loop and the transformers engine.
 
-- `load_model_dir`: any HF causal-LM directory (config + weights + tokenizer).
 - `processed_logits`: the sampling transform, temperature then top-p with vLLM's rule. It
   defines the behaviour policy μ the workers sample from *and* the policy π the trainer
   scores, so the two are the same function of the logits.
@@ -18,7 +17,6 @@ measures.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -27,21 +25,6 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # echo draws its own progress; per-file bars are noise here
 
 LOGIT_CHUNK_ELEMENTS = 1 << 25  # default chunk: tokens × vocab ≤ 32M fp32 logits (128 MiB)
-
-
-def load_model_dir(path: str | Path, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) from a Hugging Face model directory, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{path} is not a Hugging Face model directory (no config.json); "
-            "build the demo model with `echo-rl build-model --out {path}`"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.to(device).eval(), tokenizer
 
 
 class PromptEncoder:

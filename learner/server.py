@@ -320,14 +320,13 @@ def _admit(state: LearnerState, sub) -> list[Group]:
     (409), a version never published (422). Then each group on its own: fresh ones are
     accepted, the prompt of each stale one is given back at once to be generated again; an
     upload with nothing fresh is refused (409) after the prompts went back."""
-    seen: set[str] = set()
+    prompts = {}  # prompt_id -> the leased Prompt (re-issued if the group is dropped later)
     for g in sub.groups:
-        if g.prompt_id in seen:
+        if g.prompt_id in prompts:
             raise Rejected(422, "duplicate-prompt", f"prompt {g.prompt_id!r} appears twice in one upload; send one "
                                                     "group per prompt (nothing of this upload was queued)")
-        seen.add(g.prompt_id)
         try:
-            state.leases.prompt_of(sub.lease_id, g.prompt_id)
+            prompts[g.prompt_id] = state.leases.prompt_of(sub.lease_id, g.prompt_id)
         except UnknownLease as e:
             raise Rejected(409, "unknown-lease", str(e.args[0])) from None
         if g.version > state.published_version or g.version < 0:
@@ -349,7 +348,7 @@ def _admit(state: LearnerState, sub) -> list[Group]:
     return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=state.prompt_ids[g.prompt_id],
                   completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
                   rewards=[s.reward for s in g.samples], worker_id=sub.worker_id,
-                  prompt=state.leases.prompt_of(sub.lease_id, g.prompt_id)) for g in fresh]
+                  prompt=prompts[g.prompt_id]) for g in fresh]
 
 
 def _record_installs(worker: WorkerInfo, installs) -> None:
