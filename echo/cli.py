@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("echo.report:cli", "turn a run directory's metrics.jsonl into PNG plots"),
     "plan": ("echo.plan:cli", "predict staleness, capacity and cost of a configuration"),
     "bench": ("echo.bench:cli", "run a benchmark and print its table"),
+    "experiment": ("learner.experiment:cli", "measure sync vs bounded staleness (and replay) end to end"),
 }
 
 

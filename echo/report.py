@@ -55,6 +55,44 @@ def plot(run_dir: Path, out: Path) -> Path:
     return out
 
 
+def plot_experiment(report: dict, out: Path) -> Path:
+    """`echo-rl experiment staleness`: eval accuracy against learner steps and against wall time,
+    one line per arm (the mean over seeds at each eval; replay arms dashed), the target dotted."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    arms = list(dict.fromkeys(r["arm"] for r in report["runs"] if r["ok"]))
+    colors = {a: plt.cm.viridis(i / max(1, len(arms) - 1)) for i, a in enumerate(a for a in arms if "replay" not in a)}
+    for arm in arms:
+        runs = [r for r in report["runs"] if r["arm"] == arm and r["ok"]]
+        steps = sorted({e[0] for r in runs for e in r["evals"]})
+        points = [(k, [e for r in runs for e in r["evals"] if e[0] == k]) for k in steps]
+        x = [k for k, es in points if len(es) == len(runs)]  # evals every seed reached
+        acc = [statistics.fmean(e[2] for e in es) for k, es in points if len(es) == len(runs)]
+        wall = [statistics.fmean(e[1] for e in es) for k, es in points if len(es) == len(runs)]
+        base = arm.split("-replay")[0]
+        style = dict(color=colors.get(base, "gray"), ls="--" if "replay" in arm else "-", marker=".", lw=1.4)
+        by_step.plot(x, acc, label=arm, **style)
+        by_time.plot(wall, acc, label=arm, **style)
+    for ax in (by_step, by_time):
+        ax.axhline(report["target"], color="red", ls=":", lw=1, label="target")
+        ax.grid(alpha=0.3)
+    by_step.set_xlabel("learner step")
+    by_time.set_xlabel("wall time from the first update (s)")
+    by_step.set_ylabel(f"greedy eval accuracy (mean of {report['seeds']} seeds)")
+    by_time.legend(loc="lower right", fontsize=8)
+    fig.suptitle("synchronous vs bounded staleness (dashed: with replay)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="echo-rl report", description="Plot a run directory's metrics.jsonl to PNG.")
     parser.add_argument("run_dir", type=Path, help="a run directory written by echo-learner")

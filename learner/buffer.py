@@ -15,16 +15,28 @@ off gives the blog's pure queue-drop, whose staleness only the capacity bounds. 
 group (overflow or stale) is reported to `on_drop`, so the learner re-issues its prompt and hard
 prompts, whose long groups are dropped more often, are not under-trained.
 
+Replay (`reuse > 1`, the replay-buffer paper): a trained group may be trained again, up to
+`reuse` times in all, while it is still within `S`. A step then needs only `ceil(G / reuse)`
+fresh groups (the paper's `R`, replay ratio `y = G / R`) and fills the rest of its `G` by
+sampling uniformly from the replay pool: the freshest `N` trained groups with uses left. With
+positive bias `δ` the pool keeps the freshest `(1 - δ)N` groups plus the freshest `δN` groups
+with a correct sample (reward > 0) that are not among them. When the pool is short, the step
+takes more fresh groups, so a batch is always `G` groups. With `S = 0` nothing can be replayed:
+a group trained at version `t` is already one version stale at `t + 1`.
+
 `StalenessBuffer` is plain synchronous logic (tested without a network or torch);
 `AsyncBuffer` adds the one `asyncio.Condition` the learner's event loop waits on.
 
-Invariant (asserted): accepted = trained + dropped_stale + dropped_overflow + queued.
+Invariant (asserted): accepted = trained + dropped_stale + dropped_overflow + queued, where
+`trained` counts first uses only (replays are `replayed`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import math
+import random
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,10 +58,17 @@ class Group:
     rewards: list[float]
     worker_id: str = ""
     prompt: Prompt | None = None  # what to re-issue if the group is dropped
+    uses: int = 0  # times trained so far (replay)
+    last_used: int = -1  # learner version of the latest use
 
     @property
     def mean_length(self) -> float:
         return sum(map(len, self.completions)) / max(1, len(self.completions))
+
+    @property
+    def positive(self) -> bool:
+        """Has a correct sample: what positive-biased replay keeps longer."""
+        return max(self.rewards, default=0.0) > 0
 
 
 @dataclass
@@ -58,8 +77,11 @@ class BufferStats:
     trained: int = 0
     dropped_stale: int = 0  # "recycled": exceeded the staleness bound S
     dropped_overflow: int = 0  # queue-drop only: pushed out by newer groups
+    dropped_untrusted: int = 0  # queued groups of a worker quarantined afterwards
     sampled_length_sum: float = 0.0  # over every accepted group (what workers produced)
     trained_length_sum: float = 0.0  # over every trained group (what the trainer saw)
+    replayed: int = 0  # uses after the first (replay)
+    retired_uses: Counter = field(default_factory=Counter)  # uses -> groups that left the replay pool with that many
 
 
 @dataclass
@@ -69,6 +91,18 @@ class BatchInfo:
     groups: list[Group]
     learner_version: int
     staleness: list[int] = field(default_factory=list)
+    uses: list[int] = field(default_factory=list)  # per group: times trained, this use included
+    since_last_use: list[int] = field(default_factory=list)  # per group: steps since its previous use (0: fresh)
+
+    @property
+    def replayed(self) -> int:
+        return sum(u > 1 for u in self.uses)
+
+    def reuse_fields(self) -> dict[str, Any]:
+        """What the run log records per step about replay (nothing when nothing can be replayed)."""
+        if not any(u > 1 for u in self.uses) and not self.since_last_use:
+            return {}
+        return {"uses": self.uses, "since_last_use": self.since_last_use, "replayed": self.replayed}
 
     @property
     def avg_staleness(self) -> float:
@@ -81,11 +115,13 @@ class BatchInfo:
 
 class StalenessBuffer:
     def __init__(self, policy: Policy, max_staleness: int, batch_groups: int, queue_factor: float,
-                 staleness_filter: bool = True, on_drop: Callable[[Group, str], None] | None = None):
+                 staleness_filter: bool = True, on_drop: Callable[[Group, str], None] | None = None,
+                 reuse: int = 1, replay_size: int = 0, positive_bias: float = 0.0, seed: int = 0):
         if policy not in ("queue-drop", "queue-max"):
             raise ValueError(f"unknown buffer policy {policy!r}; use 'queue-drop' or 'queue-max'")
         if max_staleness < 0 or batch_groups < 1 or queue_factor < 1:
             raise ValueError("need max_staleness >= 0, batch_groups >= 1, queue_factor >= 1")
+        check_replay(reuse, replay_size, positive_bias, max_staleness)
         self.policy = policy
         self.max_staleness = max_staleness
         self.batch_groups = batch_groups
@@ -94,6 +130,21 @@ class StalenessBuffer:
         self.on_drop = on_drop or (lambda group, reason: None)
         self._queue: deque[Group] = deque()
         self.stats = BufferStats()
+        self.reuse = reuse
+        self.fresh_per_step = math.ceil(batch_groups / reuse)  # R: fresh groups a step needs at least
+        self.replay_size = replay_size or self.capacity  # N
+        self.positive_bias = positive_bias  # δ
+        self._replay: deque[Group] = deque()  # trained groups with uses left, oldest first
+        self._rng = random.Random(seed)
+        self.taken_at = -1  # learner version of the latest batch taken (it is being trained)
+
+    @classmethod
+    def from_section(cls, section: Any, batch_groups: int, on_drop: Callable[[Group, str], None] | None = None,
+                     seed: int = 0) -> StalenessBuffer:
+        """From `[buffer]` (`learner.config.BufferSection`)."""
+        return cls(section.type, section.max_staleness, batch_groups, section.queue_factor,
+                   staleness_filter=section.staleness_filter, on_drop=on_drop, reuse=section.reuse,
+                   replay_size=section.replay_size, positive_bias=section.positive_bias, seed=seed)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -101,6 +152,14 @@ class StalenessBuffer:
     def admissible(self, version: int, learner_version: int) -> bool:
         """May a group of `version` still be trained at `learner_version`?"""
         return version <= learner_version and (not self.filters or learner_version - version <= self.max_staleness)
+
+    def leasable(self, version: int, learner_version: int) -> bool:
+        """Can a group generated *now* by `version` still be trained when it arrives? While the
+        batch of `learner_version` is being trained, the earliest it can be trained is at the
+        next version. With `S = 0` this is what makes a run synchronous without waste: no prompt
+        goes to the old snapshot while the learner trains on its batch."""
+        arrives = learner_version + 1 if self.taken_at == learner_version else learner_version
+        return version <= learner_version and (not self.filters or arrives - version <= self.max_staleness)
 
     def put(self, group: Group) -> None:
         self._queue.append(group)
@@ -111,6 +170,17 @@ class StalenessBuffer:
                 self.stats.dropped_overflow += 1
                 self.on_drop(self._queue.popleft(), "overflow")
         self._check()
+
+    def lease_room(self, learner_version: int, in_flight: int) -> int | None:
+        """How many more prompts may be leased now (None: no limit here). Only `S = 0` limits:
+        a synchronous step trains exactly the `G` groups of its version, so no more than the
+        batch still needs go out (queued and in-flight groups count), and none while it trains."""
+        if self.max_staleness > 0 or not self.filters:
+            return None
+        if self.taken_at == learner_version:
+            return 0
+        queued = sum(g.version == learner_version for g in self._queue)
+        return max(0, self.batch_groups - queued - in_flight)
 
     def evict_stale(self, learner_version: int) -> int:
         """Discard every group too old to be trained at `learner_version`; return how many."""
@@ -128,19 +198,71 @@ class StalenessBuffer:
         self._queue = kept
         return dropped
 
+    def drop_worker(self, worker_id: str) -> int:
+        """Discard a quarantined worker's queued groups (and its groups in the replay pool): its
+        prompts are re-issued through `on_drop`. Returns how many queued groups went."""
+        mine = [g for g in self._queue if g.worker_id == worker_id]
+        self._queue = deque(g for g in self._queue if g.worker_id != worker_id)
+        self._replay = deque(g for g in self._replay if g.worker_id != worker_id)
+        self.stats.dropped_untrusted += len(mine)
+        for g in mine:
+            self.on_drop(g, "untrusted")
+        self._check()
+        return len(mine)
+
     def take(self, learner_version: int) -> BatchInfo | None:
-        """The oldest `G` admissible groups, or None while fewer are queued."""
+        """The oldest admissible fresh groups plus, with replay, groups sampled from the replay
+        pool: `G` in all, or None while too few fresh groups are queued."""
         self.evict_stale(learner_version)
-        if len(self._queue) < self.batch_groups:
+        candidates = self._replay_candidates(learner_version)
+        replays = min(self.batch_groups - self.fresh_per_step, len(candidates))
+        if len(self._queue) < self.batch_groups - replays:
             return None
-        groups = [self._queue.popleft() for _ in range(self.batch_groups)]
+        fresh = [self._queue.popleft() for _ in range(self.batch_groups - replays)]
+        groups = fresh + self._rng.sample(candidates, replays)
         staleness = [learner_version - g.version for g in groups]
         assert all(0 <= s for s in staleness), staleness
         assert not self.filters or all(s <= self.max_staleness for s in staleness), staleness
-        self.stats.trained += len(groups)
-        self.stats.trained_length_sum += sum(g.mean_length for g in groups)
+        since = [learner_version - g.last_used if g.uses else 0 for g in groups]
+        for g in groups:
+            g.uses += 1
+            g.last_used = learner_version
+        assert all(g.uses <= self.reuse for g in groups)
+        self.stats.trained += len(fresh)
+        self.stats.replayed += replays
+        self.stats.trained_length_sum += sum(g.mean_length for g in fresh)
+        self.taken_at = learner_version
+        self._retain(fresh)
         self._check()
-        return BatchInfo(groups, learner_version, staleness)
+        return BatchInfo(groups, learner_version, staleness, [g.uses for g in groups],
+                         since if self.reuse > 1 else [])
+
+    def _replay_candidates(self, learner_version: int) -> list[Group]:
+        """Groups of the pool that may be trained once more at `learner_version`."""
+        return [g for g in self._replay if g.uses < self.reuse and g.last_used < learner_version
+                and self.admissible(g.version, learner_version)]
+
+    def _retain(self, fresh: list[Group]) -> None:
+        """Add the newly trained groups to the replay pool; drop what can never be used again
+        (uses spent, or staler than S from the next version on) and what the pool does not keep:
+        the freshest (1 - δ)N, plus the freshest δN positive groups not among them."""
+        if self.reuse == 1:
+            self.stats.retired_uses[1] += len(fresh)
+            return
+        self._replay.extend(fresh)
+        pool = list(self._replay)
+        n_fresh = round((1 - self.positive_bias) * self.replay_size)
+        keep = set(map(id, pool[max(0, len(pool) - n_fresh):] if n_fresh else []))
+        positives = [g for g in reversed(pool) if g.positive and id(g) not in keep][: self.replay_size - n_fresh]
+        keep |= set(map(id, positives))
+        next_version = self.taken_at + 1
+        kept: deque[Group] = deque()
+        for g in pool:
+            if id(g) in keep and g.uses < self.reuse and self.admissible(g.version, next_version):
+                kept.append(g)
+            else:
+                self.stats.retired_uses[g.uses] += 1
+        self._replay = kept
 
     def metrics(self) -> dict[str, Any]:
         s = self.stats
@@ -150,13 +272,32 @@ class StalenessBuffer:
             "trained": s.trained,
             "recycled": s.dropped_stale,
             "dropped_overflow": s.dropped_overflow,
+            "dropped_untrusted": s.dropped_untrusted,
             "sampled_mean_length": s.sampled_length_sum / s.accepted if s.accepted else 0.0,
             "trained_mean_length": s.trained_length_sum / s.trained if s.trained else 0.0,
+            "replayed": s.replayed,
+            "replay_pool": len(self._replay),
+            # groups by how often they were trained (those still in the pool counted as they are now)
+            "reuse_counts": dict(sorted((s.retired_uses + Counter(g.uses for g in self._replay)).items())),
         }
 
     def _check(self) -> None:
         s = self.stats
-        assert s.accepted == s.trained + s.dropped_stale + s.dropped_overflow + len(self._queue)
+        assert s.accepted == s.trained + s.dropped_stale + s.dropped_overflow + s.dropped_untrusted + len(self._queue)
+
+
+def check_replay(reuse: int, replay_size: int, positive_bias: float, max_staleness: int) -> None:
+    """Refuse replay settings that cannot work, saying which key to change."""
+    if not isinstance(reuse, int) or reuse < 1:
+        raise ValueError(f"[buffer] reuse = {reuse!r}: a group is trained at least once; use 1 (no replay) or more")
+    if replay_size < 0:
+        raise ValueError(f"[buffer] replay_size = {replay_size!r}: use 0 (q·G groups) or a positive number of groups")
+    if not 0.0 <= positive_bias < 1.0:
+        raise ValueError(f"[buffer] positive_bias = {positive_bias!r}: δ must be in [0, 1); 0 keeps the freshest groups only")
+    if reuse > 1 and max_staleness < 1:
+        raise ValueError(f"[buffer] reuse = {reuse} needs max_staleness >= 1: a group trained at version t is "
+                         "already one version stale at t + 1, so with S = 0 nothing can be replayed; "
+                         "set [buffer] reuse = 1 or raise [buffer] max_staleness")
 
 
 class AsyncBuffer:

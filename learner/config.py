@@ -103,6 +103,17 @@ class BufferSection(Section):
     queue_factor: float = Field(2.0, ge=1.0, le=100.0, description="[buffer] queue_factor: q; queue-drop capacity is q·G groups")
     backpressure: bool = Field(True, description="[buffer] backpressure: lease no prompts while q·G groups are queued, so workers idle instead of generating rollouts that would be dropped")
 
+    reuse: int = Field(1, ge=1, le=64, description="[buffer] reuse: times one group may be trained while within S (1: no replay); a step then needs ceil(G / reuse) fresh groups and samples the rest from the replay pool (needs max_staleness >= 1)")
+    replay_size: int = Field(0, ge=0, le=1_000_000, description="[buffer] replay_size: N, trained groups the replay pool keeps (0: q·G)")
+    positive_bias: float = Field(0.0, ge=0.0, lt=1.0, description="[buffer] positive_bias: δ; the replay pool keeps the freshest (1 - δ)N groups plus the freshest δN groups with a correct sample not among them (0: freshest only)")
+
+    @model_validator(mode="after")
+    def _replay_possible(self) -> "BufferSection":
+        if self.reuse > 1 and self.max_staleness < 1:
+            raise ValueError(f"[buffer] reuse = {self.reuse} needs max_staleness >= 1: a group trained at version t is "
+                             "already one version stale at t + 1; set reuse = 1 or raise max_staleness")
+        return self
+
 
 class PublishSection(Section):
     every: int | None = Field(None, ge=1, description="[publish] every: I, publish a snapshot every I updates (default S - 1, at least 1)")

@@ -197,8 +197,8 @@ class Learner:
         S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
         leases = LeaseBook(_unique_ids(task.train_prompts(cfg.run.seed + trainer.version)), cfg.server.lease_ttl,
                            cfg.server.max_inflight_prompts or (S + 1) * G)
-        buffer = AsyncBuffer(StalenessBuffer(
-            cfg.buffer.type, S, G, cfg.buffer.queue_factor, staleness_filter=cfg.buffer.staleness_filter,
+        buffer = AsyncBuffer(StalenessBuffer.from_section(
+            cfg.buffer, G, seed=cfg.run.seed,
             on_drop=lambda group, reason: group.prompt and leases.recycle(group.prompt)))  # dropped: issue it again
         state = LearnerState(cfg, self.token, buffer, leases, trainer.encode, trainer.vocab_size, cfg.model.path)
         state.learner_version = trainer.version
@@ -475,7 +475,7 @@ class Learner:
             "published_version": state.published_version,
             **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
             "avg_staleness": batch.avg_staleness, "max_staleness": batch.max_staleness,
-            "staleness": batch.staleness, "recycled": buf["recycled"], "queue_size": buf["queue_size"],
+            "staleness": batch.staleness, **batch.reuse_fields(), "recycled": buf["recycled"], "queue_size": buf["queue_size"],
             "dropped_overflow": buf["dropped_overflow"],
             "sampled_mean_length": round(buf["sampled_mean_length"], 4),
             "trained_mean_length": round(buf["trained_mean_length"], 4),

@@ -203,10 +203,11 @@ def build_app(state: LearnerState) -> web.Application:
         buf = state.buffer.buffer
         full = cfg.buffer.backpressure and len(buf) >= buf.capacity
         # A worker on a version already too old to be admitted would only generate refusals.
-        too_old = cfg.server.refuse_stale_leases and worker.version >= 0 and not buf.admissible(
+        too_old = cfg.server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(
             worker.version, state.learner_version)
-        idle = full or too_old or not worker.active or state.training_done
-        got = None if idle else state.leases.lease(worker.id, max_prompts, time.monotonic())
+        room = buf.lease_room(state.learner_version, state.leases.outstanding)  # S = 0: what the batch still needs
+        idle = full or too_old or not worker.active or state.training_done or room == 0
+        got = None if idle else state.leases.lease(worker.id, min(max_prompts, room or max_prompts), time.monotonic())
         if got is None:
             return web.Response(status=204)
         prompts = []

@@ -90,3 +90,155 @@ def test_async_buffer_wakes_the_waiting_trainer():
         return await asyncio.wait_for(waiter, 1)
 
     assert len(asyncio.run(scenario()).groups) == 2
+
+
+# --- replay (the replay-buffer paper) ------------------------------------------------------------
+
+
+def scored(version: int, pid: str, reward: float = 0.0) -> Group:
+    return Group(pid, version, [1], [[5, 2]], [[-0.1, -0.1]], [reward])
+
+
+def replay_buffer(**kw) -> StalenessBuffer:
+    args = dict(max_staleness=3, batch_groups=4, queue_factor=4, reuse=2, seed=1)
+    return StalenessBuffer("queue-drop", **{**args, **kw})
+
+
+def test_replay_needs_only_ceil_g_over_reuse_fresh_groups_and_fills_the_batch_from_the_pool():
+    buf = replay_buffer(reuse=2)
+    assert buf.fresh_per_step == 2
+    for i in range(4):
+        buf.put(scored(0, f"a{i}"))
+    first = buf.take(0)  # empty pool: the whole batch is fresh
+    assert first.uses == [1, 1, 1, 1] and first.replayed == 0
+    buf.put(scored(1, "b0"))
+    assert buf.take(1) is None  # two fresh groups needed, one queued
+    buf.put(scored(1, "b1"))
+    second = buf.take(1)
+    assert [g.prompt_id for g in second.groups[:2]] == ["b0", "b1"] and second.uses[:2] == [1, 1]
+    assert second.uses[2:] == [2, 2] and {g.prompt_id for g in second.groups[2:]} <= {f"a{i}" for i in range(4)}
+    assert second.since_last_use == [0, 0, 1, 1] and second.staleness == [0, 0, 1, 1]
+    s = buf.stats
+    assert (s.trained, s.replayed) == (6, 2) and s.accepted == s.trained + len(buf)  # the invariant counts first uses
+
+
+def test_no_group_is_trained_more_than_reuse_times():
+    import random
+
+    rng = random.Random(3)
+    for reuse in (2, 3):
+        buf = replay_buffer(reuse=reuse, max_staleness=4, batch_groups=6, queue_factor=2)
+        uses: dict[str, int] = {}
+        version = 0
+        for i in range(3000):
+            if rng.random() < 0.5:
+                buf.put(scored(max(0, version - rng.randint(0, 2)), f"g{i}"))
+            elif (b := buf.take(version)) is not None:
+                for g in b.groups:
+                    uses[g.prompt_id] = uses.get(g.prompt_id, 0) + 1
+                assert len({g.prompt_id for g in b.groups}) == len(b.groups)  # never twice in one batch
+                assert b.uses == [g.uses for g in b.groups]
+                version += 1
+        assert max(uses.values()) == reuse and min(uses.values()) >= 1
+        assert buf.stats.replayed == sum(uses.values()) - len(uses)
+        counts = buf.metrics()["reuse_counts"]
+        assert max(counts) == reuse and sum(counts.values()) == len(uses)
+
+
+def test_replay_never_trains_a_group_staler_than_s():
+    buf = replay_buffer(reuse=10, max_staleness=2, batch_groups=2, queue_factor=10)
+    buf.put(scored(0, "old0"))
+    buf.put(scored(0, "old1"))
+    buf.take(0)
+    for version in range(1, 6):
+        buf.put(scored(version, f"n{version}"))
+        b = buf.take(version)
+        assert b is not None and b.max_staleness <= 2, b.staleness
+        if version > 2:  # old0/old1 (v0) are past S = 2 from version 3 on
+            assert not {g.prompt_id for g in b.groups} & {"old0", "old1"}
+    assert buf.metrics()["replay_pool"] <= 3  # v3..v5: what can still be replayed at version 6 (v4, v5)
+
+
+def test_positive_bias_keeps_older_correct_groups_that_plain_replay_forgets():
+    def pool_after(bias: float) -> set[str]:
+        # G = 1: every step trains one fresh group, which then joins the pool of N = 4.
+        buf = replay_buffer(reuse=5, max_staleness=10, batch_groups=1, queue_factor=1, replay_size=4,
+                            positive_bias=bias)
+        for version, pid in enumerate(["ok0", "ok1", "bad2", "bad3", "bad4", "bad5", "bad6", "bad7"]):
+            buf.put(scored(version, pid, 1.0 if pid.startswith("ok") else 0.0))
+            assert buf.take(version).groups[0].prompt_id == pid
+        return {g.prompt_id for g in buf._replay}
+
+    assert pool_after(0.0) == {"bad4", "bad5", "bad6", "bad7"}  # the freshest N
+    assert pool_after(0.5) == {"bad6", "bad7", "ok0", "ok1"}  # freshest (1 - δ)N + freshest δN correct
+
+
+def test_positive_bias_sampling_selects_correct_groups_more_often():
+    """Over many steps, correct groups are replayed more often with δ > 0 than without."""
+    import random
+
+    def positive_share(bias: float) -> float:
+        rng = random.Random(0)
+        buf = replay_buffer(reuse=4, max_staleness=3, batch_groups=8, queue_factor=2, replay_size=8,
+                            positive_bias=bias)
+        hits = total = 0
+        for version in range(300):
+            i = 0
+            while (b := buf.take(version)) is None:  # fresh groups until the pool fills the rest
+                buf.put(scored(version, f"{version}-{i}", 1.0 if rng.random() < 0.2 else 0.0))
+                i += 1
+            replayed = [g for g, u in zip(b.groups, b.uses) if u > 1]
+            hits += sum(g.positive for g in replayed)
+            total += len(replayed)
+        return hits / total
+
+    plain, biased = positive_share(0.0), positive_share(0.75)
+    assert 0.12 < plain < 0.3  # about the 20% base rate
+    assert biased > plain + 0.15
+
+
+def test_leasable_refuses_the_old_snapshot_while_its_batch_trains():
+    """S = 0: once the batch of version t is taken, a group generated by t arrives stale."""
+    buf = StalenessBuffer("queue-drop", max_staleness=0, batch_groups=1, queue_factor=1)
+    assert buf.leasable(0, 0)
+    buf.put(group(0))
+    buf.take(0)
+    assert buf.admissible(0, 0) and not buf.leasable(0, 0)  # training step 0: v0 work would be wasted
+    assert buf.leasable(1, 1)  # the learner moved on and v1 is published
+
+
+def test_bad_replay_settings_say_what_to_do():
+    with pytest.raises(ValueError, match="reuse = 0.*use 1"):
+        replay_buffer(reuse=0)
+    with pytest.raises(ValueError, match="needs max_staleness >= 1"):
+        replay_buffer(reuse=2, max_staleness=0)
+    with pytest.raises(ValueError, match="positive_bias"):
+        replay_buffer(positive_bias=1.0)
+
+
+def test_synchronous_lease_room_is_what_the_batch_still_needs():
+    buf = StalenessBuffer("queue-drop", max_staleness=0, batch_groups=4, queue_factor=2)
+    assert buf.lease_room(0, in_flight=0) == 4
+    buf.put(group(0))
+    assert buf.lease_room(0, in_flight=2) == 1  # 1 queued + 2 generating: one more is needed
+    assert buf.lease_room(0, in_flight=3) == 0
+    for _ in range(3):
+        buf.put(group(0))
+    buf.take(0)
+    assert buf.lease_room(0, in_flight=0) == 0  # its batch is training: v0 work would arrive stale
+    assert buf.lease_room(1, in_flight=0) == 4
+    assert StalenessBuffer("queue-drop", 1, 4, 2).lease_room(0, 100) is None  # asynchronous: no limit here
+
+
+def test_drop_worker_discards_its_queued_and_replayable_groups():
+    dropped = []
+    buf = StalenessBuffer("queue-drop", 2, 2, 4, reuse=2, on_drop=lambda g, reason: dropped.append((g.prompt_id, reason)))
+    for pid, wid in (("a", "w1"), ("b", "w2")):
+        buf.put(Group(pid, 0, [1], [[5]], [[-0.1]], [1.0], worker_id=wid))
+    buf.take(0)  # both now in the replay pool
+    buf.put(Group("c", 0, [1], [[5]], [[-0.1]], [1.0], worker_id="w1"))
+    buf.put(Group("d", 0, [1], [[5]], [[-0.1]], [1.0], worker_id="w2"))
+    assert buf.drop_worker("w1") == 1 and dropped == [("c", "untrusted")]
+    assert [g.prompt_id for g in buf._queue] == ["d"] and [g.prompt_id for g in buf._replay] == ["b"]
+    s = buf.stats
+    assert s.accepted == s.trained + s.dropped_untrusted + len(buf)
