@@ -83,7 +83,15 @@ from cryptography.hazmat.primitives import serialization
 
 from broadcast.manifest import BroadcastError, Buffer
 from broadcast.signing import SigningKey, VerifyKey
-from broadcast.transport import PIECE
+from broadcast.transport import (
+    PIECE,
+    ProtocolError,
+    Refused,
+    Transport,
+    check_pull_header,
+    frame_header,
+    read_header,
+)
 
 log = logging.getLogger("echo.broadcast.libp2p")
 PUSH_PROTOCOL = "/echo/bcast/push/1.0.0"
@@ -616,3 +624,178 @@ class Libp2pHost:
             return wrapped
 
         return await self._call(dial)
+
+
+# -- the transport of `p2p:` peers (`broadcast.transport.Transport`) ------------------------------------
+def url_peer_id(url: str) -> str | None:
+    """The peer ID a `p2p:` hop URL names (its `/p2p/<id>` part); None for other URLs."""
+    if not is_p2p(url) or "/p2p/" not in url:
+        return None
+    return url.rsplit("/p2p/", 1)[1].split("/")[0] or None
+
+
+class Libp2pTransport(Transport):
+    """Push, pull and manifest streams over py-libp2p, one protocol each, the same frames as HTTP.
+
+    Its host is started with the node when the node advertises `p2p:` (`listen` on its address),
+    else on the first stream to a `p2p:` peer (then on loopback only: it is not advertised).
+    Inbound pushes are authenticated: noise proves the remote peer ID, and it must be the one
+    the signed route binds to the sender the stream names (`Node.accept_push`).
+    """
+
+    schemes = ("p2p",)
+
+    def __init__(self, node: Any, key: SigningKey, listen: str, connect_timeout: float) -> None:
+        if available() is None:
+            raise Libp2pUnavailable("p2p: peers need py-libp2p: pip install 'echo-rl[p2p]'")
+        self.node, self.key, self.listen, self.connect_timeout = node, key, listen, connect_timeout
+        self.host: Libp2pHost | None = None
+        self._lock = asyncio.Lock()
+        self._serving: set[asyncio.Task] = set()  # inbound streams being served (cancelled by stop)
+
+    async def start(self) -> None:
+        await self._host()
+
+    async def stop(self) -> None:
+        for task in list(self._serving):
+            task.cancel()
+        if self.host is not None:
+            await self.host.stop()
+            self.host = None
+
+    async def _host(self) -> Libp2pHost:
+        async with self._lock:
+            if self.host is None:
+                host = Libp2pHost(self.key, listen=self.listen)
+                for protocol, handler in ((PUSH_PROTOCOL, self._serve_push), (PULL_PROTOCOL, self._serve_pull),
+                                          (MANIFEST_PROTOCOL, self._serve_manifest)):
+                    host.set_handler(protocol, self._tracked(handler))
+                await host.start()
+                self.host = host
+            return self.host
+
+    async def _open(self, url: str, protocol: str) -> Libp2pStream:
+        return await (await self._host()).open_stream(p2p_addr(url), protocol, timeout=self.connect_timeout)
+
+    def _tracked(self, handler: StreamHandler) -> StreamHandler:
+        async def serve(stream: Libp2pStream) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._serving.add(task)
+            try:
+                await handler(stream)
+            finally:
+                self._serving.discard(task)
+
+        return serve
+
+    # -- client half -----------------------------------------------------------------------------
+    async def push(self, url: str, body: Any) -> tuple[int, str]:
+        """Write the body, half-close, read the one reply frame. The reply is read while writing,
+        as aiohttp does: a child that already has the version (409) or refuses the stream answers
+        at once, and the rest of the body is not sent."""
+        stream = await self._open(url, PUSH_PROTOCOL)
+
+        async def send() -> None:
+            async for piece in body:
+                await stream.write(piece)
+            await stream.close()  # half-close: the child reads EOF, we still read its reply
+
+        sending = asyncio.ensure_future(send())
+        sending.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        replied = asyncio.ensure_future(read_header(stream))
+        clean = False
+        try:
+            await asyncio.wait({sending, replied}, return_when=asyncio.FIRST_COMPLETED)
+            if not replied.done():
+                sending.result()  # sending failed: raise why (the reply may never come)
+            reply = await replied
+            clean = sending.done() and not sending.cancelled() and sending.exception() is None
+            try:
+                return int(reply["status"]), str(reply.get("text", ""))[:300]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ProtocolError(f"bad push reply {reply!r}") from e
+        finally:
+            sending.cancel()
+            replied.cancel()
+            if not clean:  # answered early, failed or cancelled: stop both directions now
+                stream.abort()
+
+    @contextlib.asynccontextmanager
+    async def pull(self, url: str, key: str, start: int, end: int) -> Any:
+        stream = await self._open(url, PULL_PROTOCOL)
+        finished = False
+        try:
+            await stream.write(frame_header({"key": key, "from": start, "to": end}))
+            await stream.close()
+            check_pull_header(await asyncio.wait_for(read_header(stream), self.node.stall_timeout), key, start)
+            yield stream
+            finished = True
+        finally:
+            if not finished:  # failed or cancelled: stop the peer sending (finished: it has closed)
+                stream.abort()
+
+    async def manifest(self, url: str, key: str) -> bytes | None:
+        stream = await self._open(url, MANIFEST_PROTOCOL)
+        reply: dict = {}
+        try:
+            await stream.write(frame_header({"key": key}))
+            await stream.close()
+            reply = await asyncio.wait_for(read_header(stream), self.node.stall_timeout)
+        finally:
+            if not reply:  # no answer: give up the stream (answered: the peer has closed it)
+                stream.abort()
+        return reply.get("manifest")
+
+    # -- server half ------------------------------------------------------------------------------
+    async def _serve_push(self, stream: Libp2pStream) -> None:
+        """The push stream, answered with one `{"status", "text"}` frame and a half-close (a reset
+        could overtake the reply; the sender resets the stream itself once answered early)."""
+
+        def identity(sender: Any, route: Any) -> str | None:
+            """Why the stream's proven peer ID is not the sender the signed route names, or None."""
+            expected = url_peer_id(sender.url)
+            if expected is None and sender.id == route.source.id:  # the learner's ID is its signing key's
+                expected = peer_id(self.node.verify_key)
+            if expected is None:
+                return f"{sender.id} has no libp2p identity in the route"
+            if stream.remote_peer != expected:
+                return f"stream from peer {stream.remote_peer}, but the route binds {sender.id} to {expected}"
+            return None
+
+        status, text = await self.node.accept_push(stream, peer=stream.remote_peer, identity=identity)
+        await _reply(stream, {"status": status, "text": text})
+
+    async def _serve_pull(self, stream: Libp2pStream) -> None:
+        """A `{"key", "from", "to"}` request, answered like `GET /chunks/{key}?from=&to=`."""
+        try:
+            request = await asyncio.wait_for(read_header(stream), self.node.stall_timeout)
+            store, start, end = await self.node.open_pull(str(request.get("key")), request.get("from", 0),
+                                                          request.get("to"))
+        except Refused as e:
+            return await _reply(stream, {"error": f"{e.status} {e.text}"})
+        except (ProtocolError, Libp2pError, asyncio.TimeoutError) as e:
+            return await _reply(stream, {"error": f"400 bad pull request: {type(e).__name__}: {e}"})
+        try:
+            await self.node.serve_pull(store, start, end, stream.write)
+            await stream.close()
+        except BroadcastError as e:  # Libp2pError, Stalled, VersionGone
+            log.info("%s: pull of %s from %d ended: %s", self.node.id, store.key, start, e)
+            stream.abort()
+
+    async def _serve_manifest(self, stream: Libp2pStream) -> None:
+        """`{"key"}` -> `{"manifest": signed wire}`, like `GET /manifest/{key}`."""
+        try:
+            request = await asyncio.wait_for(read_header(stream), self.node.stall_timeout)
+        except (ProtocolError, Libp2pError, asyncio.TimeoutError) as e:
+            return await _reply(stream, {"error": f"400 bad manifest request: {type(e).__name__}: {e}"})
+        wire = self.node.manifest_wire(str(request.get("key")))
+        await _reply(stream, {"manifest": wire} if wire is not None
+                     else {"error": f"404 {self.node.id} does not hold {request.get('key')}"})
+
+
+async def _reply(stream: Libp2pStream, reply: dict) -> None:
+    """Write a one-frame answer and half-close; a peer that is gone already is not an error."""
+    with contextlib.suppress(Libp2pError):
+        await stream.write(frame_header(reply))
+        await stream.close()

@@ -45,6 +45,7 @@ class PeerLink:
     down: float
     up: float
     latency: float = 0.0
+    reachable: bool = True  # False: behind NAT, accepts no connections; a leaf, its upload unused
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class Prediction:
     chains: tuple[tuple[str, ...], ...]
     rates: tuple[float, ...]
     arrivals: dict[str, float]
+    shares: tuple[float, ...] = ()  # stripes: each tree's share of the bytes (else every tree carries all)
+    parents: tuple[tuple[int, ...], ...] = ()  # each member's parent per tree (-1 source); () = chains
+    pull: tuple[str, ...] = ()  # unreachable workers: they pull from their parent
+    chunk: float = 0.0  # the chunk size the prediction assumed
 
     @property
     def makespan(self) -> float:
@@ -72,12 +77,16 @@ class Prediction:
 class Plan:
     """The chosen design, serialisable to publish with a version.
 
-    `chains` are ordered worker ids, learner side first; a star is N chains of one worker.
-    `rates` are the source's pacing rates per chain (bytes/s). `alternatives` maps every design
-    considered ("star", "chains:K") to its predicted time for the same objective.
+    `chains` are the trees' members (worker ids, learner side first); a star is N chains of one
+    worker. `rates` are the pacing rates per tree (bytes/s). Stripes (and chains with pulling
+    leaves) add `parents` (per tree, each member's parent: -1 the source, else a member index),
+    stripes `shares` (each tree's share of the bytes). `pull` names unreachable workers, which
+    pull from their parents. `alternatives` maps every design considered ("star", "chains:K",
+    "stripes:G") to its predicted time for the same objective; `chunk_bytes` is the chunk size
+    chosen for it (`choose_chunk`).
     """
 
-    kind: Literal["star", "chains"]
+    kind: Literal["star", "chains", "stripes"]
     chains: tuple[tuple[str, ...], ...]
     rates: tuple[float, ...]
     predicted_s: float
@@ -87,6 +96,9 @@ class Plan:
     chunk_bytes: int
     arrivals: dict[str, float] = field(default_factory=dict)
     alternatives: dict[str, float] = field(default_factory=dict)
+    shares: tuple[float, ...] = ()
+    parents: tuple[tuple[int, ...], ...] = ()
+    pull: tuple[str, ...] = ()
 
     @property
     def k(self) -> int:
@@ -96,12 +108,13 @@ class Plan:
         d = asdict(self)
         d["chains"] = [list(c) for c in self.chains]
         d["rates"] = list(self.rates)
+        d["shares"], d["parents"], d["pull"] = list(self.shares), [list(p) for p in self.parents], list(self.pull)
         return d
 
     def summary(self) -> dict:
         """What is published with the version (signed into its route): no per-worker arrivals."""
         return {"kind": self.kind, "predicted_s": round(self.predicted_s, 4),
-                "lower_bound_s": round(self.lower_bound_s, 4), "fraction": self.fraction,
+                "lower_bound_s": round(self.lower_bound_s, 4), "fraction": self.fraction, "chunk_bytes": self.chunk_bytes,
                 "alternatives": {k: round(v, 4) for k, v in self.alternatives.items()}}
 
     @classmethod
@@ -109,6 +122,9 @@ class Plan:
         d = dict(d)
         d["chains"] = tuple(tuple(c) for c in d["chains"])
         d["rates"] = tuple(d["rates"])
+        d["shares"] = tuple(d.get("shares", ()))
+        d["parents"] = tuple(tuple(p) for p in d.get("parents", ()))
+        d["pull"] = tuple(d.get("pull", ()))
         return cls(**d)
 
 
@@ -146,8 +162,8 @@ def lower_bound(M: float, U: float, peers: Sequence[PeerLink]) -> float:
     """Fluid lower bound T* for peer-assisted distribution (Kumar & Ross 2006)."""
     _check(M, U, peers)
     n = len(peers)
-    return max(M / U, M / min(p.down for p in peers), n * M / (U + sum(p.up for p in peers))) + min(
-        p.latency for p in peers)
+    up = sum(p.up for p in peers if p.reachable)  # an unreachable worker uploads to nobody
+    return max(M / U, M / min(p.down for p in peers), n * M / (U + up)) + min(p.latency for p in peers)
 
 
 def predict_star(M: float, U: float, peers: Sequence[PeerLink]) -> Prediction:
@@ -244,23 +260,180 @@ def candidate_ks(n: int, dense_up_to: int = 64) -> list[int]:
     return sorted(ks)
 
 
+#: Pipeline fill allowed by the chunk size, as a share of the transfer (`choose_chunk`).
+FILL_SHARE = 0.02
+MIN_CHUNK = 64 << 10
+MAX_CHUNK = 16 << 20
+MAX_CHUNKS = 1 << 16  # a manifest of ~100 B per chunk travels in every stream header
+DEFAULT_GROUP_SIZE = 32  # stripes inside groups of at most this many workers: fan-out stays bounded
+
+
+def choose_chunk(M: float, span_bytes: float, depth: int) -> int:
+    """The chunk size for a transfer whose smallest span (a stripe, or the whole snapshot down a
+    chain) is `span_bytes` and crosses `depth` store-and-forward hops.
+
+    Each hop holds a chunk until it is whole and verified, so the last byte is late by
+    `depth·c/r` after `span/r`: keeping that below `FILL_SHARE` of the transfer gives
+    `c = FILL_SHARE·span/depth`. Bounded below by per-chunk overhead (64 KiB; one hash, one
+    frame, one thread hop each) and the manifest's size (at most 65,536 chunks), above by 16 MiB;
+    a whole number of 64 KiB.
+    """
+    c = FILL_SHARE * span_bytes / depth if depth > 0 else MAX_CHUNK
+    c = max(MIN_CHUNK, math.ceil(M / MAX_CHUNKS), min(MAX_CHUNK, c))
+    return int(math.ceil(c / MIN_CHUNK) * MIN_CHUNK)
+
+
+def _leaf_parents(chains: Sequence[Sequence[PeerLink]], leaves: Sequence[PeerLink]) -> list[list[PeerLink]]:
+    """Unreachable workers hang off chain tails (whose upload a chain never uses), fastest
+    chains first, round robin: `result[k]` are chain k's leaves."""
+    out: list[list[PeerLink]] = [[] for _ in chains]
+    for i, leaf in enumerate(leaves):
+        out[i % len(chains)].append(leaf)
+    return out
+
+
+def predict_chains_with_leaves(M: float, U: float, chains: Sequence[Sequence[PeerLink]],
+                               leaves: Sequence[PeerLink], chunk: float) -> Prediction:
+    """K chains of reachable workers, each unreachable worker a leaf pulling from a tail."""
+    base = predict_chains(M, U, chains, chunk)
+    if not leaves:
+        return replace(base, chunk=chunk)
+    per_chain = _leaf_parents(chains, leaves)
+    arrivals = dict(base.arrivals)
+    trees, parents = [], []
+    for chain, feed, mine in zip(chains, base.rates, per_chain):
+        rate, lat, lag = feed, 0.0, 0.0
+        for pos, p in enumerate(chain):
+            if pos > 0:
+                rate = min(rate, chain[pos - 1].up)
+                lag += chunk / rate if rate > 0 else math.inf
+            rate = min(rate, p.down)
+            lat += p.latency
+        tail = chain[-1]
+        for leaf in mine:
+            r = min(rate, tail.up / len(mine), leaf.down)
+            arrivals[leaf.id] = M / r + lat + leaf.latency + lag + chunk / r if r > 0 else math.inf
+        trees.append(tuple(p.id for p in chain) + tuple(p.id for p in mine))
+        parents.append(tuple(range(-1, len(chain) - 1)) + (len(chain) - 1,) * len(mine))
+    return Prediction(base.name, tuple(trees), base.rates, arrivals, parents=tuple(parents),
+                      pull=tuple(p.id for p in leaves), chunk=chunk)
+
+
+def stripe_groups(peers: Sequence[PeerLink], group_size: int) -> list[list[PeerLink]]:
+    """Workers dealt into `ceil(N / group_size)` groups, by upload, round robin: every group
+    gets a like mix of fast and slow uploaders, and unreachable workers are spread too."""
+    g = max(1, math.ceil(len(peers) / group_size))
+    order = sorted(peers, key=lambda p: (not p.reachable, -p.up, p.id))
+    return [order[j::g] for j in range(g)]
+
+
+def predict_stripes(M: float, U: float, peers: Sequence[PeerLink], chunk: float | None = None,
+                    group_size: int = DEFAULT_GROUP_SIZE) -> Prediction | None:
+    """Stripes sized to uploads (Mutualcast; SplitStream's groups beyond `group_size` workers).
+
+    One group (N <= group_size): stripe `i` belongs to reachable worker `i`; the source sends
+    it to `i`, which sends it to the N - 1 others. Its rate `r_i` is `U·u_i/Σu` while the uplink
+    is the limit, else `u_i/(N - 1)` with the uplink left over sent to everyone directly as one
+    more stripe (`r_0` each): the broadcast rate `R = Σr_i + r_0 = min(U, (U + Σu)/N)`, capped at
+    the slowest download. In groups, the groups' owners of stripe `s` form a chain between
+    groups, each sending the stripe to its own group and the next owner; `r_s` is the smallest
+    `u/fan-out` of its owners (scaled down to fit `U` and the downloads). Stripe `s` carries
+    `r_s/R` of the bytes, so all end together at `M/R`; the last byte is late by one chunk per
+    store-and-forward hop at the stripe's rate — a slow uploader's stripe is so slow that its
+    one-chunk lag can outweigh its upload, so the owners are the fastest `m` uploaders of each
+    group for the `m` predicted fastest. `chunk=None` picks it (`choose_chunk`). None if no
+    worker can upload.
+    """
+    _check(M, U, peers)
+    if len(peers) < 2:
+        return None
+    groups = stripe_groups(peers, group_size)
+    owners = [[p for p in g if p.reachable and p.up > 0] for g in groups]  # fastest first
+    k = min(len(o) for o in owners)
+    best: Prediction | None = None
+    for m in sorted({max(1, k * i // 8) for i in range(1, 9)} | set(range(1, min(k, 8) + 1))):
+        pred = _stripes(M, U, peers, groups, [o[:m] for o in owners], chunk)
+        if best is None or pred.makespan < best.makespan * (1 - 1e-9):
+            best = pred
+    return best
+
+
+def _stripes(M: float, U: float, peers: Sequence[PeerLink], groups: list[list[PeerLink]],
+             owners: list[list[PeerLink]], chunk: float | None) -> Prediction:
+    n, G, k = len(peers), len(groups), len(owners[0])
+    fan = [len(g) - 1 + (1 if j < G - 1 else 0) for j, g in enumerate(groups)]
+    rates = [min(owners[j][s].up / fan[j] if fan[j] else math.inf for j in range(G)) for s in range(k)]
+    direct = 0.0
+    if sum(rates) > U:  # the uplink is the limit: stripes in proportion to what the owners can take
+        rates = [U * r / sum(rates) for r in rates]
+    elif G == 1:  # uplink to spare: one more stripe, straight from the source to everyone
+        direct = (U - sum(rates)) / n
+    R = sum(rates) + direct
+    d_min = min(p.down for p in peers)
+    if R > d_min:
+        rates, direct = [r * d_min / R for r in rates], direct * d_min / R
+        R = d_min
+    if chunk is None:
+        smallest = min(rates + ([direct] if direct > 0 else [])) / R * M
+        chunk = choose_chunk(M, smallest, G)
+    trees, parents, shares = [], [], []
+    arrivals = {p.id: 0.0 for p in peers}
+    for s in range(k):
+        members, par, at = [], [], {}
+        prev, lat_prev = -1, 0.0
+        for j, g in enumerate(groups):
+            owner = owners[j][s]
+            o_idx = len(members)
+            members.append(owner.id)
+            par.append(prev)
+            lat_o = lat_prev + owner.latency
+            at[owner.id] = (lat_o, j)
+            for p in g:
+                if p.id != owner.id:
+                    members.append(p.id)
+                    par.append(o_idx)
+                    at[p.id] = (lat_o + p.latency, j + 1)
+            prev, lat_prev = o_idx, lat_o
+        for pid, (lat, depth) in at.items():
+            arrivals[pid] = max(arrivals[pid], M / R + lat + depth * chunk / rates[s])
+        trees.append(tuple(members))
+        parents.append(tuple(par))
+        shares.append(rates[s] / R)
+    tree_rates = list(rates)
+    if direct > 0:
+        trees.append(tuple(p.id for p in peers))
+        parents.append((-1,) * n)
+        tree_rates.append(direct)
+        shares.append(direct / R)
+        for p in peers:
+            arrivals[p.id] = max(arrivals[p.id], M / R + p.latency)
+    pull = tuple(p.id for p in peers if not p.reachable)
+    return Prediction(f"stripes:{G}", tuple(trees), tuple(tree_rates), arrivals, shares=tuple(shares),
+                      parents=tuple(parents), pull=pull, chunk=chunk)
+
+
 def plan_broadcast(
     M: int,
     U: float,
     peers: Iterable[PeerLink],
-    chunk: int,
+    chunk: int | None = None,
     *,
     fraction: float = 1.0,
     ks: Iterable[int] | None = None,
     headroom: float = 1.0,
+    stripes: bool = True,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> Plan:
-    """Predict the star and K chains for every sensible K; return the fastest as a `Plan`.
+    """Predict the star, K chains for every sensible K and stripes; return the fastest as a `Plan`.
 
     The objective is the time until `fraction` of the workers hold the snapshot (1.0 = all).
-    Ties go to the star (fewest hops, nothing to repair), then to fewer chains.
+    Ties go to the star (fewest hops, nothing to repair), then to fewer chains, then chains
+    before stripes. `chunk=None` picks each design's chunk size (`choose_chunk`; the plan's
+    `chunk_bytes`), else every design is predicted with `chunk`. Unreachable workers
+    (`PeerLink.reachable`) are leaves in every design and pull; their upload is not counted.
 
     `headroom` (0 < h <= 1) plans every upload (the learner's `U`, each worker's `up`) at that
-    share of its measured rate, so chains are paced a little below their links' capacity.
+    share of its measured rate, so trees are paced a little below their links' capacity.
     Why: a link driven at exactly its capacity has no room for the ACKs of the traffic coming
     the other way (a relay's full uplink queue slows its own download) and loses every dip for
     good. Measured on netem (16 workers, 4x4 chains, U = 4b): 1.31x the bound unpaced, 1.17x
@@ -274,24 +447,43 @@ def plan_broadcast(
     bound = lower_bound(M, U, peers)
     if headroom < 1.0:
         U, peers = U * headroom, [replace(p, up=p.up * headroom) for p in peers]
-    star = predict_star(M, U, peers)
+    pull = tuple(p.id for p in peers if not p.reachable)
+    star = replace(predict_star(M, U, peers), pull=pull, chunk=chunk or choose_chunk(M, M, 0))
     best, best_t = star, star.time_to_fraction(fraction)
     alternatives = {"star": best_t}
-    for k in ks if ks is not None else candidate_ks(len(peers)):
-        pred = predict_chains(M, U, form_chains(peers, k), chunk)
+    reach = [p for p in peers if p.reachable]
+    leaves = [p for p in peers if not p.reachable]
+    candidates = []
+    if reach:
+        for k in ks if ks is not None else candidate_ks(len(reach)):
+            if not 1 <= k <= len(reach):
+                continue
+            chains = form_chains(reach, k)
+            depth = max(len(c) for c in chains) - 1 + (1 if leaves else 0)
+            c = chunk or choose_chunk(M, M, depth)
+            candidates.append(predict_chains_with_leaves(M, U, chains, leaves, c))
+    if stripes and ks is None or stripes and ks:
+        pred = predict_stripes(M, U, peers, chunk, group_size)
+        if pred is not None:
+            candidates.append(pred)
+    for pred in candidates:
         t = pred.time_to_fraction(fraction)
         alternatives[pred.name] = t
         if t < best_t * (1 - 1e-9):
             best, best_t = pred, t
+    kind = "star" if best is star else "stripes" if best.name.startswith("stripes") else "chains"
     return Plan(
-        kind="star" if best is star else "chains",
+        kind=kind,
         chains=best.chains,
         rates=best.rates,
         predicted_s=best_t,
         lower_bound_s=bound,
         fraction=fraction,
         snapshot_bytes=int(M),
-        chunk_bytes=int(chunk),
+        chunk_bytes=int(best.chunk),
         arrivals=dict(best.arrivals),
         alternatives=alternatives,
+        shares=best.shares,
+        parents=best.parents,
+        pull=best.pull,
     )

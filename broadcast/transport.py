@@ -176,3 +176,53 @@ class StallGuard:
         finally:
             if not task.done():
                 task.cancel()
+
+
+# -- transports: how a node reaches a peer, chosen by the peer URL's scheme -------------------------
+class Refused(BroadcastError):
+    """A peer (or this node) refused a request: `status` is HTTP-like (404 not held, 400 bad)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"{status} {text}")
+        self.status, self.text = status, text
+
+
+class Transport:
+    """One way of carrying broadcast streams, client and server half.
+
+    A node holds one instance per transport it speaks and picks it by the scheme of the peer's
+    URL (`Node.transport_for`). The frames are the same on every transport (module docstring);
+    a transport only opens streams and hands inbound ones to the node's transport-free core
+    (`Node.accept_push`, `Node.serve_pull`, `Node.manifest_wire`).
+    """
+
+    schemes: tuple[str, ...] = ()
+
+    async def start(self) -> None:
+        """Start serving inbound streams (if this transport listens)."""
+
+    async def stop(self) -> None:
+        """Close connections and listeners."""
+
+    async def push(self, url: str, body: Any) -> tuple[int, str]:
+        """Send a push stream (`body`: async iterator of bytes) to `url`; (status, reply text)."""
+        raise NotImplementedError
+
+    def pull(self, url: str, key: str, start: int, end: int) -> Any:
+        """Async context manager: a reader of chunks `start..end-1` of `key` from `url`, positioned
+        after the stream header; raises `Refused` if the peer answers with an error."""
+        raise NotImplementedError
+
+    async def manifest(self, url: str, key: str) -> bytes | None:
+        """The signed manifest wire of `key` held by `url`; None if it does not hold it."""
+        raise NotImplementedError
+
+
+def check_pull_header(head: dict, key: str, start: int) -> None:
+    """A pull stream's first frame: `{"key", "start"}` or `{"error"}` (then `Refused`)."""
+    if "error" in head:
+        text = str(head["error"])
+        status = int(text[:3]) if text[:3].isdigit() else 502
+        raise Refused(status, text[4:] if text[:3].isdigit() else text)
+    if head.get("start") != start:
+        raise ProtocolError(f"asked for {key} chunks from {start}, stream starts at {head.get('start')}")

@@ -1,12 +1,17 @@
-"""The publisher: snapshot v → signed manifest + chunks → K chains (or the star download).
+"""The publisher: snapshot v → signed manifest + chunks → stripes, chains or a star push.
 
 `star`: workers download each version over HTTP from the learner (`broadcast.star`), verified
-by size and sha256. `chain`: each version is signed (ed25519) and chunked (`broadcast.Source`),
-encoded as an XOR+zstd delta on the previous version when that is smaller, planned from the
-workers' links (star push or K bandwidth-sorted chains, whichever is predicted faster;
+by size and sha256. `chain`: each version is signed (ed25519) and chunked (`broadcast.Source`)
+in chunks sized for it (`broadcast.planner.choose_chunk`: the snapshot size, the rates and the
+hop count of the plan, at most `[broadcast] chunk_mib`), encoded as an XOR+zstd delta on the
+previous version when that is smaller, planned from the workers' links (star push, K
+bandwidth-sorted chains or stripes sized to uploads, whichever is predicted fastest;
 `broadcast.planner`), and pushed with its plan as the signed route (`broadcast.route`): every
 worker verifies each chunk, forwards it downstream at once and installs when the version is
-complete. Links are what workers declared at join until their transfers measure them: each
+complete. Workers the learner could not connect to at join (`WorkerInfo.reachable` False,
+`broadcast.reach.probe_relay`; None, not probed yet, counts as reachable) are leaves of every
+plan: they pull their share from a reachable parent over their own outbound connection (their
+relays follow the learner's route feed), and their upload is not counted. Links are what workers declared at join until their transfers measure them: each
 worker reports its goodput per version and its heartbeat round trip, and each push measures
 the learner's own uplink (`broadcast.links.LinkTable`). Workers that miss a push (late
 joiners, a version they lack the base for) pull the full version from the source.
@@ -18,15 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from broadcast.links import MBIT, LinkTable, uplink_sample
-from broadcast.manifest import Manifest
-from broadcast.planner import plan_broadcast
-from broadcast.relay import Source
+from broadcast.manifest import MIN_CHUNK_SIZE, Manifest
+from broadcast.planner import PeerLink, plan_broadcast
 from broadcast.signing import SigningKey
-from broadcast.transport import Hop
+from broadcast.source import Source
 from broadcast.star import BlobStore
+from broadcast.transport import Hop
 
 log = logging.getLogger("echo.learner.publisher")
 #: Plan every upload at this share of its rate: a relay uploading at full rate slows its own
@@ -62,7 +68,8 @@ class Publisher:
             return announcement
         same_layout = self._previous is not None and len(self._previous[1]) == len(blob)
         base = (self._previous[1], self._previous[2]) if self.deltas and same_layout else None
-        full, delta = await self.source.publish(blob, version, chunk_size=self.chunk_bytes, base=base)
+        chunk = self.chunk_for(len(blob), [w for w in workers if w.relay_url])
+        full, delta = await self.source.publish(blob, version, chunk_size=chunk, base=base)
         self._previous = (version, blob, full.manifest)
         # A delta only helps workers that hold its base; anyone else gets the full version.
         base_version = delta.manifest.base_version if delta else None
@@ -73,23 +80,35 @@ class Publisher:
             (delta.manifest.key if delta else None, on_base, delta.manifest if delta else None),
             (full.manifest.key, rest, full.manifest)) if key is not None and group]
         for key, group, manifest in groups:
-            peers = [self.links.link(w.id) for w in group]
-            plan = plan_broadcast(manifest.wire_size, self.links.uplink.rate, peers, self.chunk_bytes, headroom=HEADROOM)
+            peers = self.peers(group)
+            plan = plan_broadcast(manifest.wire_size, self.links.uplink.rate, peers, chunk, headroom=HEADROOM)
             hops = {w.id: Hop(w.id, w.relay_url) for w in group}
             # Two groups share the uplink, each planned as if it had it all: only a lone push measures it.
             task = asyncio.create_task(self._push(key, plan, hops, measure_uplink=len(groups) == 1))
             self.pushes.add(task)
             task.add_done_callback(self.pushes.discard)
-            plans[key] = {**plan.summary(), "chains": [list(c) for c in plan.chains],
+            plans[key] = {**plan.summary(), "chains": [list(c) for c in plan.chains], "pull": list(plan.pull),
                           "links_mbit": {p.id: [round(p.down / MBIT, 1), round(p.up / MBIT, 1)] for p in peers},
                           "uplink_mbit": round(self.links.uplink.rate / MBIT, 1)}
-        self.wire_bytes[version] = {"raw": len(blob), "full": full.manifest.wire_size,
+        self.wire_bytes[version] = {"raw": len(blob), "chunk": chunk, "full": full.manifest.wire_size,
                                     "delta": delta.manifest.wire_size if delta else None, "plans": plans}
         announcement.update(key=full.manifest.key, delta_key=delta.manifest.key if delta else None,
                             source=self.source.url,
                             plan={k: {"kind": v["kind"], "chains": len(v["chains"]), "predicted_s": v["predicted_s"]}
                                   for k, v in plans.items()})
         return announcement
+
+    def peers(self, workers: list) -> list[PeerLink]:
+        """The planner's view of `workers`: measured links, and whether they accept connections."""
+        return [replace(self.links.link(w.id), reachable=getattr(w, "reachable", None) is not False) for w in workers]
+
+    def chunk_for(self, size: int, workers: list) -> int:
+        """This version's chunk size: what the fastest plan for all workers wants, at most the
+        configured `chunk_bytes` (the planner's pick is bounded by `broadcast.planner.choose_chunk`)."""
+        if not workers:
+            return self.chunk_bytes
+        plan = plan_broadcast(size, self.links.uplink.rate, self.peers(workers), None, headroom=HEADROOM)
+        return max(MIN_CHUNK_SIZE, min(plan.chunk_bytes, self.chunk_bytes))
 
     async def _push(self, key: str, plan, hops: dict, measure_uplink: bool) -> None:
         try:
@@ -98,7 +117,8 @@ class Publisher:
             log.warning("push of %s failed: %s", key, e)
             return
         store = self.source.stores.get(key)
-        sample = uplink_sample(store.stats, plan.rates) if store is not None and measure_uplink else None
+        route = store.route.route if store is not None and store.route is not None else None
+        sample = uplink_sample(store.stats, route.rates) if route is not None and measure_uplink else None
         if sample is not None:  # the pushes measured the learner's own uplink
             self.links.observe_uplink(sample)
 

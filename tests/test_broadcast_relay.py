@@ -439,7 +439,7 @@ def test_unreachable_head_is_skipped():
     ok, ra, rb, events = asyncio.run(run())
     assert ok == [True] and bytes(ra.data) == blob and bytes(rb.data) == blob
     assert (ra.stats.parent, rb.stats.parent) == ("source", "a")
-    assert [(e["event"], e["child"], e["next"]) for e in events] == [("child_failed", "dead", "a")]
+    assert [(e["event"], e["child"], e["next"]) for e in events] == [("child_failed", "dead", ["a"])]
 
 
 def test_no_live_ancestor_fails_cleanly_without_installing():

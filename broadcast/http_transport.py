@@ -1,0 +1,111 @@
+"""The aiohttp transport (`http://`, `https://` peers): pushes as chunked POSTs, pulls as streamed
+GETs. Endpoints of every node (prefix `/bcast/v1`), each a thin adapter over the node's core:
+
+- `POST /push` — the push stream (manifest, route, sender, then chunk frames);
+- `GET /chunks/{key}?from=k&to=e` — chunks k..e-1 as they become verified (repair, pulls);
+- `GET /manifest/{key}` — the signed manifest (late joiners).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from broadcast.manifest import BroadcastError
+from broadcast.transport import Refused, Transport, check_pull_header, read_header
+
+if TYPE_CHECKING:
+    from broadcast.node import Node
+
+log = logging.getLogger("echo.broadcast")
+PREFIX = "/bcast/v1"
+
+
+class HttpTransport(Transport):
+    schemes = ("http", "https")
+
+    def __init__(self, node: "Node", connect_timeout: float) -> None:
+        self.node = node
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), auto_decompress=False)
+
+    async def stop(self) -> None:
+        await self._session.close()
+
+    # -- client half -----------------------------------------------------------------------------
+    async def push(self, url: str, body: Any) -> tuple[int, str]:
+        async with self._session.post(f"{url}{PREFIX}/push", data=body,
+                                      headers={"Content-Type": "application/octet-stream"}) as resp:
+            return resp.status, (await resp.text())[:300]
+
+    @contextlib.asynccontextmanager
+    async def pull(self, url: str, key: str, start: int, end: int) -> AsyncIterator[Any]:
+        # No read timeout here: the receiver's stall guard watches progress.
+        async with self._session.get(f"{url}{PREFIX}/chunks/{key}", params={"from": start, "to": end}) as resp:
+            if resp.status != 200:
+                raise Refused(resp.status, (await resp.text())[:200])
+            check_pull_header(await read_header(resp.content), key, start)
+            yield resp.content
+
+    async def manifest(self, url: str, key: str) -> bytes | None:
+        async with self._session.get(f"{url}{PREFIX}/manifest/{key}") as resp:
+            return await resp.read() if resp.status == 200 else None
+
+    # -- server half (routes of the node's aiohttp app) -------------------------------------------
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(PREFIX + "/push", self._handle_push),
+                web.get(PREFIX + "/chunks/{key}", self._handle_chunks),
+                web.get(PREFIX + "/manifest/{key}", self._handle_manifest)]
+
+    async def _handle_push(self, request: web.Request) -> web.StreamResponse:
+        # Plain HTTP authenticates nobody: the sender named in the stream is not checked here.
+        status, text = await self.node.accept_push(request.content, peer=request.remote, identity=None)
+        if status == 200:
+            return web.json_response(text=text)
+        if status == 409:
+            # Reply without cutting the connection: the sender must read this 409 (it means "taken
+            # care of", not "failed"); its client stops sending once it has the reply.
+            return web.Response(status=409, text=text)
+        # Refused, or a bad upstream: reply, then drop its connection so it stops sending.
+        resp = web.Response(status=status, text=text)
+        resp.force_close()
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the sender is gone already
+        if request.transport is not None:
+            request.transport.close()
+        return resp
+
+    async def _handle_chunks(self, request: web.Request) -> web.StreamResponse:
+        q = request.query
+        try:
+            store, start, end = await self.node.open_pull(request.match_info["key"], q.get("from", "0"), q.get("to"))
+        except Refused as e:
+            raise _http_error(e) from None
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await resp.prepare(request)
+        try:
+            await self.node.serve_pull(store, start, end, resp.write)
+            await resp.write_eof()
+        except (ConnectionError, aiohttp.ClientError, BroadcastError, RuntimeError) as e:
+            log.info("%s: pull of %s from %d ended: %s", self.node.id, store.key, start, e)
+            if request.transport is not None:
+                request.transport.close()
+        return resp
+
+    async def _handle_manifest(self, request: web.Request) -> web.Response:
+        wire = self.node.manifest_wire(request.match_info["key"])
+        if wire is None:
+            raise web.HTTPNotFound(text=f"{self.node.id} does not hold {request.match_info['key']}")
+        return web.Response(body=wire, content_type="application/octet-stream")
+
+
+def _http_error(e: Refused) -> web.HTTPException:
+    cls = {404: web.HTTPNotFound, 400: web.HTTPBadRequest, 409: web.HTTPConflict}.get(e.status, web.HTTPBadRequest)
+    return cls(text=e.text)

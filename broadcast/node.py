@@ -1,0 +1,331 @@
+"""What every broadcast node does, whatever its role or transport: hold versions, serve them,
+send them down the trees of a route.
+
+A `Node` is an aiohttp server (status, health, and the HTTP transport's endpoints) holding
+versions as `broadcast.store.VersionStore`s. Streams to a peer go through the transport its URL's
+scheme picks (`http(s)://`: `broadcast.http_transport`; `p2p:`: `broadcast.libp2p_transport`);
+inbound streams of every transport reach the same transport-free core: `accept_push` (relays),
+`open_pull`/`serve_pull` and `manifest_wire`.
+
+Sending follows the version's signed route (`broadcast.route`): a node pushes each tree it is in
+to its children in that tree, the span of the tree only, each chunk as soon as it is verified
+here, paced at the tree's rate when the route says so, in small pieces, so no uplink runs flat
+out (a full uplink queue delays the ACKs of the node's own download). A child that cannot be
+reached, fails or stalls is routed around: its own children are pushed to instead. Children the
+route marks as pulling (unreachable behind NAT) are never pushed to: they pull from us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from aiohttp import web
+
+from broadcast.http_transport import PREFIX, HttpTransport
+from broadcast.manifest import BroadcastError, Buffer
+from broadcast.route import SignedRoute
+from broadcast.signing import SigningKey
+from broadcast.store import VersionGone, VersionStore
+from broadcast.transport import (
+    PACED_PIECE,
+    PIECE,
+    Hop,
+    Refused,
+    StallGuard,
+    TokenBucket,
+    Transport,
+    frame_header,
+    pieces,
+)
+
+log = logging.getLogger("echo.broadcast")
+MIB = float(1 << 20)
+TRANSPORTS = ("aiohttp", "libp2p")  # what a node may advertise
+
+
+def key_version(key: str) -> int | None:
+    """The version number of a stream key ("v7", "v7-d6"); None if it is not one."""
+    try:
+        return int(key[1:].split("-")[0]) if key.startswith("v") else None
+    except ValueError:
+        return None
+
+
+class Node:
+    """Shared server side: version stores, pull and status endpoints, outbound streams.
+
+    `transport="libp2p"` also runs a py-libp2p host (identity `p2p_key`, a fresh key if None;
+    TCP `p2p_port` on `host`, any if 0) and advertises its `p2p:` address as this node's `url`
+    (or `public_url`). The HTTP server keeps running (status, and pushes from aiohttp peers).
+    Either kind of node reaches both kinds of peers.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        public_url: str | None = None,
+        up_rate: float | None = None,
+        stall_timeout: float = 15.0,
+        connect_timeout: float = 5.0,
+        keep_versions: int = 2,
+        on_event: Callable[[dict], Any] | None = None,
+        transport: str = "aiohttp",
+        p2p_key: SigningKey | None = None,
+        p2p_port: int = 0,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "libp2p":
+            from broadcast.libp2p_transport import Libp2pUnavailable, available
+
+            if available() is None:
+                raise Libp2pUnavailable("transport='libp2p' needs py-libp2p: pip install 'echo-rl[p2p]'")
+        self.id = node_id
+        self.transport = transport
+        self.host, self.port = host, port
+        self._public_url = public_url
+        self.up = TokenBucket(up_rate) if up_rate else None
+        self.stall_timeout = stall_timeout
+        self.connect_timeout = connect_timeout
+        self.keep_versions = keep_versions
+        self.on_event = on_event
+        self.stores: dict[str, VersionStore] = {}
+        self._runner: web.AppRunner | None = None
+        self._p2p_key, self._p2p_port = p2p_key, p2p_port
+        self._transports: dict[str, Transport] = {}
+        self._store_added: asyncio.Condition | None = None  # created in start() (needs a loop)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _routes(self) -> list[web.RouteDef]:
+        return [web.get(PREFIX + "/status", self._handle_status), web.get(PREFIX + "/health", self._handle_health)]
+
+    async def start(self) -> str:
+        """Start serving; returns the node's URL."""
+        self._store_added = asyncio.Condition()
+        http = HttpTransport(self, self.connect_timeout)
+        for scheme in http.schemes:
+            self._transports[scheme] = http
+        app = web.Application()
+        app.add_routes(self._routes() + http.routes())
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if self.transport == "libp2p":
+            await (await self._libp2p()).start()
+        return self.url
+
+    async def _libp2p(self) -> Transport:
+        if "p2p" not in self._transports:
+            from broadcast.libp2p_transport import Libp2pTransport, listen_addr
+
+            # Advertised: listen where the node serves; only dialling out: loopback, not advertised.
+            listen = listen_addr(self.host, self._p2p_port) if self.transport == "libp2p" else listen_addr("127.0.0.1")
+            self._transports["p2p"] = Libp2pTransport(self, self._p2p_key or SigningKey.generate(), listen,
+                                                      self.connect_timeout)
+        return self._transports["p2p"]
+
+    async def transport_for(self, url: str) -> Transport:
+        """The transport of a peer URL, by its scheme."""
+        scheme = url.split(":", 1)[0]
+        if scheme == "p2p":
+            return await self._libp2p()
+        if scheme not in self._transports:
+            raise BroadcastError(f"no transport for {url!r}: use http(s):// or p2p:<multiaddr>")
+        return self._transports[scheme]
+
+    async def stop(self) -> None:
+        for store in list(self.stores.values()):
+            await store.close(BroadcastError("node stopped"))
+        for transport in set(self._transports.values()):
+            await transport.stop()
+        self._transports.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        if self._public_url:
+            return self._public_url
+        p2p = self._transports.get("p2p")
+        if self.transport == "libp2p" and p2p is not None and p2p.host is not None:  # type: ignore[attr-defined]
+            from broadcast.libp2p_transport import p2p_url
+
+            return p2p_url(p2p.host.addrs[0])  # type: ignore[attr-defined]
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def hop(self) -> Hop:
+        return Hop(self.id, self.url)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def emit(self, event: str, **fields: Any) -> None:
+        """Report an event; a failing observer never stops the relay."""
+        record = {"event": event, "node": self.id, "t": time.time(), **fields}
+        log.info("%s %s", event, json.dumps(fields, default=str))
+        if self.on_event is not None:
+            try:
+                self.on_event(record)
+            except Exception:  # noqa: BLE001 - observers are isolated by design
+                log.exception("on_event observer failed on %s", event)
+
+    def _spawn(self, store: VersionStore, coro: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        store.tasks.add(task)
+        task.add_done_callback(store.tasks.discard)
+        return task
+
+    async def _add_store(self, store: VersionStore) -> VersionStore:
+        """Register a version, evicting the oldest beyond `keep_versions`."""
+        self.stores[store.key] = store
+        by_age = sorted(self.stores.values(), key=lambda s: (s.manifest.version, s.key))
+        for old in by_age[:max(0, len(by_age) - self.keep_versions)]:
+            del self.stores[old.key]
+            await old.close(VersionGone(f"{old.key} evicted by newer versions"))
+        if self._store_added is not None:
+            async with self._store_added:
+                self._store_added.notify_all()
+        return store
+
+    async def _store_soon(self, key: str, timeout: float) -> VersionStore | None:
+        """The store of `key`, waiting up to `timeout` s for a version newer than any held here
+        to arrive (a child may ask before its parent's own push has started)."""
+        store = self.stores.get(key)
+        v = key_version(key)
+        newest = max((s.manifest.version for s in self.stores.values()), default=-1)
+        if store is not None or v is None or v < newest or self._store_added is None:
+            return store
+        async with self._store_added:
+            try:
+                await asyncio.wait_for(self._store_added.wait_for(lambda: key in self.stores), timeout)
+            except asyncio.TimeoutError:
+                return None
+        return self.stores.get(key)
+
+    async def _frames(self, store: VersionStore, start: int, end: int, guard: StallGuard | None,
+                      tree_rate: TokenBucket | None = None) -> AsyncIterator[Buffer]:
+        """Frames of chunks `start..end-1` of a version, each sent as soon as it is verified here."""
+        for i in range(start, end):
+            if guard is not None:
+                with guard.paused():  # waiting on our own upstream is not the peer's stall
+                    view = await store.wait_chunk(i)
+            else:
+                view = await store.wait_chunk(i)
+            if store.stats.t_first_forward is None:
+                store.stats.t_first_forward = time.time()
+            yield frame_header({"i": i, "n": len(view)})
+            for piece in pieces(view, PACED_PIECE if tree_rate or self.up else PIECE):
+                for bucket in (tree_rate, self.up):
+                    if bucket is not None:
+                        await bucket.take(len(piece))
+                yield piece
+                if guard is not None:
+                    guard.touch()
+            s = store.stats
+            s.bytes_out += len(view)
+            s.chunks_out += 1
+            s.t_last_forward = time.time()
+            if not store.complete:
+                s.forwarded_before_complete += 1
+
+    # -- sending along a route ---------------------------------------------------------------------
+    async def _push(self, store: VersionStore, route: SignedRoute, tree: int, member: int) -> bool:
+        """Stream tree `tree`'s span to `member` of it, who forwards it on; route around failures.
+
+        A member that cannot be reached, fails or stalls is skipped: its children are pushed to
+        instead. A member that already has the span (it got the stream header from the failed
+        one and is repairing itself, or it pulls) answers 409: nothing more to do then. Returns
+        True if the member (or, around it, every child) took the stream to its end.
+        """
+        r = route.route
+        members = r.chains[tree]
+        status, detail = await self._push_once(store, route, tree, member)
+        if status in (200, 409) or store.gone is not None:
+            return status in (200, 409)
+        around = [c for c in r.children(tree, member) if members[c].id not in r.pull]
+        self.emit("child_failed", key=store.key, child=members[member].id, status=status, error=detail,
+                  next=[members[c].id for c in around] or None)
+        if not around:
+            return False
+        return all(await asyncio.gather(*(self._push(store, route, tree, c) for c in around)))
+
+    async def _push_once(self, store: VersionStore, route: SignedRoute, tree: int, member: int) -> tuple[int, str]:
+        """One push stream to `member` of `tree`: (HTTP status, reason); 0 when the stream broke."""
+        child = route.route.chains[tree][member]
+        first, end = route.route.span(tree, store.manifest.num_chunks)
+        rate = route.route.pace(tree)
+        header = {"manifest": store.signed.to_wire(), "route": route.to_wire(), "from": self.id, "tree": tree}
+        guard = StallGuard(self.stall_timeout)
+        bucket = TokenBucket(rate) if rate else None
+
+        async def body() -> AsyncIterator[Buffer]:
+            yield frame_header(header)
+            async for piece in self._frames(store, first, end, guard, bucket):
+                yield piece
+
+        t0 = time.monotonic()
+        try:
+            transport = await self.transport_for(child.url)
+            status, text = await guard.run(transport.push(child.url, body()))
+        except Exception as e:  # noqa: BLE001 - connection errors, stalls, body-generator errors
+            return 0, f"{type(e).__name__}: {e}"
+        if status == 200:
+            dt = time.monotonic() - t0
+            nbytes = sum(store.manifest.chunks[i].wire_length for i in range(first, end))
+            store.stats.pushes.append({"chain": tree, "pos": member, "to": child.id, "seconds": round(dt, 4),
+                                       "bytes": nbytes})
+            log.info("%s: pushed %s[%d:%d] to %s in %.2f s (%.1f MiB/s)", self.id, store.key, first, end,
+                     child.id, dt, nbytes / MIB / max(dt, 1e-9))
+        return status, text
+
+    # -- serving (every transport) --------------------------------------------------------------------
+    async def open_pull(self, key: str, start: Any, end: Any = None) -> tuple[VersionStore, int, int]:
+        """The store and chunk range of a pull request; `Refused` (404, 400) if it cannot be served."""
+        store = await self._store_soon(key, min(self.stall_timeout, 5.0))
+        if store is None or store.gone is not None:
+            raise Refused(404, f"{self.id} does not hold {key}")
+        n = store.manifest.num_chunks
+        try:
+            start, end = int(start), n if end is None else int(end)
+        except (TypeError, ValueError):
+            raise Refused(400, "`from` and `to` must be chunk indices") from None
+        if not 0 <= start <= end <= n:
+            raise Refused(400, f"chunks [{start}, {end}) outside 0..{n}")
+        return store, start, end
+
+    async def serve_pull(self, store: VersionStore, start: int, end: int, write: Callable[[Buffer], Any]) -> None:
+        """A pull stream: `{"key", "start"}`, then chunks `start..end-1` as each is verified here."""
+        guard = StallGuard(self.stall_timeout)
+        # A pull is paced like the tree it fills (the route's rate), so a repairing child does
+        # not flood the uplink this node shares with its own pushes.
+        bucket = TokenBucket(store.pace) if store.pace else None
+
+        async def serve() -> None:
+            await write(frame_header({"key": store.key, "start": start}))
+            async for piece in self._frames(store, start, end, guard, bucket):
+                await write(piece)
+
+        await guard.run(serve())
+
+    def manifest_wire(self, key: str) -> bytes | None:
+        store = self.stores.get(key)
+        return None if store is None else store.signed.to_wire()
+
+    async def accept_push(self, reader: Any, peer: str | None, identity: Any) -> tuple[int, str]:
+        return 404, f"{self.id} does not accept pushes"
+
+    async def _handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response({"id": self.id, "url": self.url,
+                                  "versions": {k: s.status() for k, s in self.stores.items()}})
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        """What `broadcast.reach.probe_relay` fetches: proof that this node accepts connections."""
+        return web.json_response({"id": self.id, "ok": True})
