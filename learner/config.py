@@ -6,12 +6,13 @@ what it does. `configs/demo.toml` is the CPU demo; `configs/learner-gpu.toml` a 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from echo.config import Section, load_config
 from echo.tasks import Task, TaskError, load_task
@@ -102,7 +103,6 @@ class BufferSection(Section):
     staleness_filter: bool = Field(True, description="[buffer] staleness_filter: refuse and discard groups staler than S; off with queue-drop is the blog's pure queue-drop, bounded by its capacity alone (queue-max always filters)")
     queue_factor: float = Field(2.0, ge=1.0, le=100.0, description="[buffer] queue_factor: q; queue-drop capacity is q·G groups")
     backpressure: bool = Field(True, description="[buffer] backpressure: lease no prompts while q·G groups are queued, so workers idle instead of generating rollouts that would be dropped")
-
     reuse: int = Field(1, ge=1, le=64, description="[buffer] reuse: times one group may be trained while within S (1: no replay); a step then needs ceil(G / reuse) fresh groups and samples the rest from the replay pool (needs max_staleness >= 1)")
     replay_size: int = Field(0, ge=0, le=1_000_000, description="[buffer] replay_size: N, trained groups the replay pool keeps (0: q·G)")
     positive_bias: float = Field(0.0, ge=0.0, lt=1.0, description="[buffer] positive_bias: δ; the replay pool keeps the freshest (1 - δ)N groups plus the freshest δN groups with a correct sample not among them (0: freshest only)")
@@ -147,6 +147,35 @@ class ServerSection(Section):
     max_body_mb: float = Field(8.0, gt=0.0, description="[server] max_body_mb: largest accepted trajectory upload (MiB)")
     max_inflight_prompts: int = Field(0, ge=0, description="[server] max_inflight_prompts: leased-but-unfinished prompt cap (0: (S + 1)·G)")
     refuse_stale_leases: bool = Field(True, description="[server] refuse_stale_leases: give no prompts to a worker whose installed version is already staler than S (its groups would be refused); it gets them once it installs a newer one")
+    long_poll_s: float = Field(10.0, ge=0.0, le=60.0, description="[server] long_poll_s: a lease request with nothing to hand out waits up to this long for work instead of the worker polling")
+    max_workers: int = Field(1024, ge=1, le=100_000, description="[server] max_workers: joined workers the learner holds at once; a join beyond it gets 503 (silent workers are forgotten after forget_after_s)")
+    join_rate: float = Field(20.0, gt=0.0, description="[server] join_rate: joins admitted per second on average (a burst of join_burst passes); beyond it, 429 with Retry-After")
+    join_burst: int = Field(200, ge=1, description="[server] join_burst: joins admitted at once before join_rate applies")
+    allow_networks: list[str] = Field(default_factory=list, description="[server] allow_networks: CIDR blocks a join may come from, e.g. ['10.0.0.0/8'] (empty: anywhere)")
+    forget_after_s: float = Field(120.0, gt=0.0, description="[server] forget_after_s: a worker silent this long is forgotten; its credential stops working and it must join again")
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for net in value:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"allow_networks: {net!r} is not a CIDR block like '10.0.0.0/8' or '192.0.2.7/32'") from None
+        return value
+
+
+class VerifySection(Section):
+    """How the learner checks untrusted workers' work (learner.verify)."""
+
+    rescore_fraction: float = Field(1.0, ge=0.0, le=1.0, description="[verify] rescore_fraction: share of uploaded groups whose rewards the learner recomputes itself (the recomputed rewards are the ones trained on)")
+    reward_tolerance: float = Field(1e-4, ge=0.0, description="[verify] reward_tolerance: a claimed reward further than this from the learner's counts as a mismatch")
+    max_reward_mismatch: float = Field(0.05, ge=0.0, le=1.0, description="[verify] max_reward_mismatch: a worker whose share of mismatched rewards (over its last 256 checked samples) exceeds this is quarantined")
+    min_checked: int = Field(16, ge=1, description="[verify] min_checked: checked samples needed before a worker can be judged on rewards")
+    max_logprob_gap: float = Field(0.5, gt=0.0, description="[verify] max_logprob_gap: mean |log pi - log mu| per token (nats) on fresh groups above which a worker's log-probs are judged fabricated")
+    min_gap_tokens: int = Field(64, ge=1, description="[verify] min_gap_tokens: fresh tokens needed before a worker can be judged on log-probs")
+    capacity_claim_factor: float = Field(2.0, ge=1.0, description="[verify] capacity_claim_factor: a worker's claimed rollouts/s is believed up to this multiple of the rate the learner measured on its leases (unproven until one lease came back)")
+    quarantine: bool = Field(True, description="[verify] quarantine: stop taking work from a worker judged dishonest (else only count it)")
 
 
 class WorkersSection(Section):
@@ -166,6 +195,7 @@ class LearnerConfig(Section):
     publish: PublishSection = PublishSection()
     eval: EvalSection = EvalSection()
     server: ServerSection = ServerSection()
+    verify: VerifySection = VerifySection()
     broadcast: BroadcastSection = BroadcastSection()
     workers: WorkersSection = WorkersSection()
     scheduler: SchedulerSection = SchedulerSection()

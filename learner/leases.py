@@ -7,6 +7,10 @@ lease expires and the unfinished prompts go to the front of the queue, so nothin
 A prompt whose group was accepted but then dropped by the buffer (overflow, or staler than
 `S`) is `recycle`d: queued again like an expired one, so every prompt is eventually trained.
 
+A lease belongs to the worker it was issued to: only that worker may submit into it or hand
+it back (`UnknownLease` otherwise, whatever the lease id). Every operation costs O(its own
+prompts), not O(all leases): a thousand workers heartbeat and lease concurrently.
+
 Plain logic with an injectable clock; the server calls `expire()` periodically.
 Invariant: issued = completed + reissued + outstanding (prompt-issues).
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from echo.tasks import Prompt
@@ -32,6 +36,8 @@ class Lease:
     worker_id: str
     deadline: float
     prompts: dict[str, Prompt] = field(default_factory=dict)  # still outstanding
+    issued_at: float = 0.0
+    size: int = 0  # prompts at issue
 
 
 @dataclass
@@ -45,10 +51,15 @@ class LeaseStats:
 
 
 class LeaseBook:
-    def __init__(self, prompts: Iterator[Prompt], ttl: float, max_outstanding: int):
+    def __init__(self, prompts: Iterator[Prompt], ttl: float, max_outstanding: int, retry: list[Prompt] = (),
+                 on_lease: Callable[[list[Prompt]], None] | None = None):
         self._fresh = prompts
-        self._retry: deque[Prompt] = deque()  # re-issued first: oldest work is finished first
+        # Re-issued first: oldest work is finished first (a restarted learner passes what was in flight).
+        self._retry: deque[Prompt] = deque(retry)
         self._leases: dict[str, Lease] = {}
+        self._by_worker: dict[str, set[str]] = {}
+        self._outstanding = 0
+        self.on_lease = on_lease or (lambda prompts: None)  # the ledger writes each issue down
         self._ids = itertools.count()
         self.ttl = ttl
         self.max_outstanding = max_outstanding
@@ -56,49 +67,59 @@ class LeaseBook:
 
     @property
     def outstanding(self) -> int:
-        return sum(len(lease.prompts) for lease in self._leases.values())
+        return self._outstanding
+
+    @property
+    def waiting_retry(self) -> int:
+        return len(self._retry)
 
     def outstanding_by_worker(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for lease in self._leases.values():
-            counts[lease.worker_id] = counts.get(lease.worker_id, 0) + len(lease.prompts)
-        return counts
+        return {w: sum(len(self._leases[i].prompts) for i in ids) for w, ids in self._by_worker.items()}
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
 
     def lease(self, worker_id: str, max_prompts: int, now: float) -> Lease | None:
-        room = min(max_prompts, self.max_outstanding - self.outstanding)
+        room = min(max_prompts, self.max_outstanding - self._outstanding)
         if room <= 0:
             return None
-        lease = Lease(f"L{next(self._ids)}-{secrets.token_hex(4)}", worker_id, now + self.ttl)
+        lease = Lease(f"L{next(self._ids)}-{secrets.token_hex(8)}", worker_id, now + self.ttl, issued_at=now)
         for _ in range(room):
             prompt = self._retry.popleft() if self._retry else next(self._fresh)
             lease.prompts[prompt.id] = prompt
+        lease.size = len(lease.prompts)
         self._leases[lease.id] = lease
-        self.stats.issued += len(lease.prompts)
+        self._by_worker.setdefault(worker_id, set()).add(lease.id)
+        self._outstanding += lease.size
+        self.stats.issued += lease.size
+        self.on_lease(list(lease.prompts.values()))
         return lease
 
-    def prompt_of(self, lease_id: str, prompt_id: str) -> Prompt:
+    def prompt_of(self, lease_id: str, prompt_id: str, worker_id: str | None = None) -> Prompt:
+        """The outstanding prompt, if `worker_id` (when given) holds the lease."""
         lease = self._leases.get(lease_id)
-        if lease is None or prompt_id not in lease.prompts:
-            raise UnknownLease(f"lease {lease_id!r} has no outstanding prompt {prompt_id!r} (expired or already submitted)")
+        if lease is None or prompt_id not in lease.prompts or (worker_id is not None and lease.worker_id != worker_id):
+            raise UnknownLease(f"lease {lease_id!r} has no outstanding prompt {prompt_id!r} for this worker "
+                               "(expired, already submitted, or another worker's)")
         return lease.prompts[prompt_id]
 
-    def complete(self, lease_id: str, prompt_id: str) -> Prompt:
-        prompt = self.prompt_of(lease_id, prompt_id)
+    def _take(self, lease_id: str, prompt_id: str, worker_id: str | None) -> Prompt:
+        prompt = self.prompt_of(lease_id, prompt_id, worker_id)
         lease = self._leases[lease_id]
         del lease.prompts[prompt_id]
+        self._outstanding -= 1
         if not lease.prompts:
-            del self._leases[lease_id]
+            self._forget(lease)
+        return prompt
+
+    def complete(self, lease_id: str, prompt_id: str, worker_id: str | None = None) -> Prompt:
+        prompt = self._take(lease_id, prompt_id, worker_id)
         self.stats.completed += 1
         return prompt
 
-    def give_back(self, lease_id: str, prompt_id: str) -> None:
+    def give_back(self, lease_id: str, prompt_id: str, worker_id: str | None = None) -> None:
         """The prompt's group was refused (too stale): queue the prompt for re-issue now."""
-        prompt = self.prompt_of(lease_id, prompt_id)
-        lease = self._leases[lease_id]
-        del lease.prompts[prompt_id]
-        if not lease.prompts:
-            del self._leases[lease_id]
-        self._retry.append(prompt)
+        self._retry.append(self._take(lease_id, prompt_id, worker_id))
         self.stats.reissued += 1
 
     def recycle(self, prompt: Prompt) -> None:
@@ -111,15 +132,15 @@ class LeaseBook:
         lease = self._leases.get(lease_id)
         if lease is None or lease.worker_id != worker_id:
             raise UnknownLease(f"lease {lease_id!r} is not outstanding for this worker")
-        del self._leases[lease_id]
+        self._forget(lease)
+        self._outstanding -= len(lease.prompts)
         self._retry.extend(lease.prompts.values())
         self.stats.reissued += len(lease.prompts)
         return len(lease.prompts)
 
     def renew(self, worker_id: str, now: float) -> None:
-        for lease in self._leases.values():
-            if lease.worker_id == worker_id:
-                lease.deadline = now + self.ttl
+        for lease_id in self._by_worker.get(worker_id, ()):
+            self._leases[lease_id].deadline = now + self.ttl
 
     def expire(self, now: float) -> list[Lease]:
         """Drop leases past their deadline and queue their prompts for re-issue."""
@@ -130,13 +151,21 @@ class LeaseBook:
 
     def release_worker(self, worker_id: str) -> list[Lease]:
         """A worker left or was declared dead: re-issue everything it held."""
-        dead = [lease for lease in self._leases.values() if lease.worker_id == worker_id]
+        dead = [self._leases[i] for i in self._by_worker.get(worker_id, ())]
         for lease in dead:
             self._drop(lease)
         return dead
 
-    def _drop(self, lease: Lease) -> None:
+    def _forget(self, lease: Lease) -> None:
         del self._leases[lease.id]
+        ids = self._by_worker[lease.worker_id]
+        ids.discard(lease.id)
+        if not ids:
+            del self._by_worker[lease.worker_id]
+
+    def _drop(self, lease: Lease) -> None:
+        self._forget(lease)
+        self._outstanding -= len(lease.prompts)
         self._retry.extend(lease.prompts.values())
         self.stats.expired_leases += 1
         self.stats.expired_prompts += len(lease.prompts)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from echo import loopwatch
 from echo.config import ConfigError, add_config_args, dump_toml
 from echo.tasks import Prompt
 from learner.buffer import AsyncBuffer, StalenessBuffer
@@ -38,11 +39,13 @@ from learner.config import LearnerConfig, load_learner_config
 from learner.dist import Lockstep, World, close, init_world, under_torchrun
 from learner.evals import EvalBook, EvalResult
 from learner.leases import LeaseBook
+from learner.ledger import Ledger, Recovery
 from learner.metrics import RunLog
 from learner.preflight import PreflightError, check_fits, preflight
 from learner.publisher import Publisher
 from learner.server import LearnerState, build_app, reaper
 from learner.status import StatusDisplay
+from learner.verify import Rescorer
 from scheduler.cost import CostMeter
 from scheduler.fleet import Fleet
 from scheduler.pool import load_pool
@@ -152,7 +155,7 @@ def _follow(cfg: LearnerConfig, world: World, resume: Path | None) -> int:
     from learner.trainer import Trainer
 
     torch.set_num_threads(cfg.run.threads)
-    checkpoint = (resume / "checkpoints" / "latest").resolve() if resume else None
+    checkpoint = _latest_checkpoint(resume) if resume else None
     trainer = Trainer(cfg, world, checkpoint)
     Lockstep(trainer, world).follow()
     close(world)
@@ -167,7 +170,10 @@ class Learner:
         self.as_json = as_json
         self.run_dir = resume or cfg.run.dir / f"{cfg.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
         self.resume = resume
-        self.token = cfg.resolve_token()
+        # A resumed run keeps its token, so running workers can join it again by themselves.
+        saved = self.run_dir / "token"
+        self.token = cfg.server.token or os.environ.get("ECHO_TOKEN", "") or (
+            saved.read_text().strip() if resume and saved.exists() else cfg.resolve_token())
         self.procs: list[subprocess.Popen] = []
         self.published_at: dict[int, float] = {}
         # One thread runs every trainer call, in order (collectives must not interleave), with the
@@ -187,27 +193,44 @@ class Learner:
         torch.set_num_threads(cfg.run.threads)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(cfg))
-        checkpoint = (self.run_dir / "checkpoints" / "latest").resolve() if self.resume else None
+        token_file = self.run_dir / "token"
+        token_file.write_text(self.token + "\n")
+        token_file.chmod(0o600)
+        checkpoint = _latest_checkpoint(self.run_dir) if self.resume else None
         trainer = await self._on_trainer(Trainer, cfg, self.world, checkpoint)
         drive = Lockstep(trainer, self.world)
         resumed = trainer.resumed
         task = cfg.task.build()
         evals = task.eval_prompts()[: cfg.eval.limit or None]
 
+        # The custody record: a resumed run re-issues what was in flight and never reuses a version.
+        recovery = Ledger.replay(self.run_dir / "ledger.jsonl", trainer.version) if self.resume else Recovery()
+        self.ledger = Ledger(self.run_dir / "ledger.jsonl")
+        if self.resume:
+            self.ledger.resumed(trainer.version)
+            # The checkpoint's own version was published with these very weights; later ones were lost.
+            if recovery.newest_published > trainer.version:
+                await self._on_trainer(drive.call, "skip_to", recovery.newest_published + 1)
         S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
-        leases = LeaseBook(_unique_ids(task.train_prompts(cfg.run.seed + trainer.version)), cfg.server.lease_ttl,
-                           cfg.server.max_inflight_prompts or (S + 1) * G)
+        leases = LeaseBook(_unique_ids(task.train_prompts(cfg.run.seed + trainer.version), recovery.starts),
+                           cfg.server.lease_ttl, cfg.server.max_inflight_prompts or (S + 1) * G,
+                           retry=recovery.pending, on_lease=self.ledger.leased)
         buffer = AsyncBuffer(StalenessBuffer.from_section(
             cfg.buffer, G, seed=cfg.run.seed,
             on_drop=lambda group, reason: group.prompt and leases.recycle(group.prompt)))  # dropped: issue it again
-        state = LearnerState(cfg, self.token, buffer, leases, trainer.encode, trainer.vocab_size, cfg.model.path)
+        rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance) if cfg.verify.rescore_fraction else None
+        state = LearnerState(cfg, self.token, buffer, leases, trainer.encode, trainer.vocab_size, cfg.model.path,
+                             rescore=rescore)
         state.learner_version = trainer.version
         log = RunLog(self.run_dir / "metrics.jsonl")
         on_workers = cfg.eval.where == "workers"
 
         runner = web.AppRunner(build_app(state), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+        port = cfg.server.port
+        if self.resume and port == 0 and (self.run_dir / "url").exists():  # same address: workers come back
+            port = int((self.run_dir / "url").read_text().strip().rsplit(":", 1)[1])
+        site = web.TCPSite(runner, cfg.server.host, port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         url = f"http://{cfg.server.host}:{port}"
@@ -243,6 +266,12 @@ class Learner:
             f"recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
             f"of what workers sampled vs what was trained")
         (self.run_dir / "url").write_text(url + "\n")
+        state.on_note = display.note
+        if self.resume:
+            display.note(f"resumed at update {trainer.version} (checkpoint {checkpoint.name if checkpoint else 'none'}): "
+                         f"{len(recovery.pending)} prompts in flight or rolled back re-issued"
+                         + (f", versions continue after v{recovery.newest_published}" if recovery.newest_published >= 0
+                            else ""))
 
         first_acc = resumed.get("first_eval_accuracy")
         if on_workers:
@@ -277,6 +306,7 @@ class Learner:
 
         t_start, waited = time.monotonic(), 0.0
         display.start(trainer.version)
+        loopwatch.watch("echo-learner")
         try:
             while trainer.version < cfg.run.steps:
                 t0 = time.monotonic()
@@ -286,6 +316,9 @@ class Learner:
                 t2 = time.monotonic()
                 waited += t1 - t0
                 state.learner_version = trainer.version
+                self.ledger.trained(trainer.version, [g.prompt_id for g in batch.groups])
+                self._check_logprobs(state, batch, stats.pop("group_gaps"))
+                state.changed()  # room in the buffer, and a new version to judge staleness by
                 last = trainer.version == cfg.run.steps
                 if trainer.version % I == 0 or last:
                     await self._publish(state, drive)
@@ -308,10 +341,12 @@ class Learner:
                                            self._checkpoint_state(first_acc))
             if on_workers:  # the last version's eval: workers generate nothing else meanwhile
                 state.training_done = True
+                state.changed()
                 await self._final_eval(state, trainer.version, display)
         finally:
             display.stop()
             state.finished = True
+            state.changed()
             reap.cancel()
             watch.cancel()
             if schedule is not None:
@@ -335,6 +370,20 @@ class Learner:
         else:
             display.summary(summary)
         return 0
+
+    def _check_logprobs(self, state: LearnerState, batch, group_gaps: list[list[float]]) -> None:
+        """Judge each worker's fresh groups by how far its μ lies from the trainer's π (learner.verify)."""
+        per_worker: dict[str, list[float]] = {}
+        for g, (gap, tokens) in zip(batch.groups, group_gaps):
+            if tokens and g.worker_id:
+                acc = per_worker.setdefault(g.worker_id, [0.0, 0])
+                acc[0] += gap
+                acc[1] += int(tokens)
+        for wid, (gap, tokens) in per_worker.items():
+            verdict = state.verifier.logprobs_checked(wid, gap, tokens)
+            worker = state.workers.get(wid)
+            if verdict is not None and worker is not None:
+                state.quarantine(worker, verdict)
 
     def _learner_eval(self, version: int, accuracy: float, state: LearnerState, log: RunLog | None) -> None:
         """[eval] where = 'learner': an accuracy computed here between steps."""
@@ -364,9 +413,11 @@ class Learner:
         blob = await self._on_trainer(drive.call, "snapshot")
         version = drive.target.version
         self.published_at[version] = time.monotonic()
+        self.ledger.published(version)
         workers = [w for w in state.alive_workers(time.monotonic()) if w.active]
         state.announcement = await self.publisher.publish(version, blob, workers)
         state.metrics.published.set(version)
+        state.changed()
 
     def _broadcast_times(self, state: LearnerState) -> dict[int, float]:
         """T_bcast of each version that `[broadcast] done_fraction` of the active workers have
@@ -509,11 +560,15 @@ class Learner:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+
+        def reap() -> None:  # waits on processes: a thread's job, not the event loop's
+            for p in self.procs:
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+        await asyncio.to_thread(reap)
 
     def kill_workers(self) -> None:
         for p in self.procs:
@@ -551,10 +606,17 @@ class Learner:
         }
 
 
-def _unique_ids(prompts):
-    """A task may repeat a prompt (epochs over a file); each issue gets its own id in this run."""
+def _unique_ids(prompts, start: int = 0):
+    """A task may repeat a prompt (epochs over a file); each issue gets its own id in this run
+    (and in each of its starts, so a resumed run's ids never meet those it re-issues)."""
+    prefix = f"r{start}." if start else ""
     for i, p in enumerate(prompts):
-        yield Prompt(f"{i}:{p.id}", p.text, p.answer)
+        yield Prompt(f"{prefix}{i}:{p.id}", p.text, p.answer)
+
+
+def _latest_checkpoint(run_dir: Path) -> Path | None:
+    latest = run_dir / "checkpoints" / "latest"
+    return latest.resolve() if latest.exists() else None
 
 
 if __name__ == "__main__":

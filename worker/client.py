@@ -1,22 +1,32 @@
-"""The worker's side of the control API: typed calls, and learner errors as exceptions."""
+"""The worker's side of the control API: typed calls (`echo.protocol`), learner errors as exceptions.
+
+The run token admits the join; every later call carries the per-worker credential the join
+answered. When the learner no longer knows the credential (it restarted, or forgot a worker
+silent too long) a call raises `Forgotten`, and the worker joins again.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
 import aiohttp
 import msgpack
 
 from broadcast.star import BlobInfo, fetch_blob
+from echo import protocol as P
 from echo.wire import CONTENT_TYPE, Submission, encode_submission
 
 
 class LearnerError(Exception):
     """The learner refused a request; `reason` is its stable code."""
 
-    def __init__(self, status: int, reason: str, message: str):
+    def __init__(self, status: int, reason: str, message: str, retry_after: float = 0.0):
         super().__init__(f"HTTP {status} {reason}: {message}")
-        self.status, self.reason, self.message = status, reason, message
+        self.status, self.reason, self.message, self.retry_after = status, reason, message, retry_after
+
+
+class Forgotten(LearnerError):
+    """The learner does not know this worker's credential (restarted, or forgot it): join again."""
 
 
 class RunFinished(Exception):
@@ -27,11 +37,15 @@ class LearnerClient:
     def __init__(self, session: aiohttp.ClientSession, url: str, token: str):
         self.session = session
         self.url = url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.token = token
         self.worker_id = ""
+        self.credential = ""
 
-    async def _call(self, method: str, path: str, **kw) -> aiohttp.ClientResponse:
-        headers = {**self.headers, **kw.pop("headers", {})}
+    def _headers(self, run_token: bool = False) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token if run_token or not self.credential else self.credential}"}
+
+    async def _call(self, method: str, path: str, run_token: bool = False, **kw) -> aiohttp.ClientResponse:
+        headers = {**self._headers(run_token), **kw.pop("headers", {})}
         resp = await self.session.request(method, self.url + path, headers=headers, **kw)
         if resp.status >= 400:
             try:
@@ -41,43 +55,49 @@ class LearnerClient:
             resp.release()
             if resp.status == 410:
                 raise RunFinished(body.get("message", "run finished"))
-            raise LearnerError(resp.status, body.get("error", "http"), body.get("message", ""))
+            kind = Forgotten if body.get("error") == "unknown-credential" else LearnerError
+            try:
+                retry_after = float(resp.headers.get("Retry-After", 0))
+            except ValueError:
+                retry_after = 0.0
+            raise kind(resp.status, body.get("error", "http"), body.get("message", ""), retry_after)
         return resp
 
-    async def _json(self, path: str, payload: dict[str, Any]) -> dict[str, Any] | None:
-        async with await self._call("POST", path, json=payload) as resp:
-            return None if resp.status == 204 else await resp.json()
+    async def _json(self, path: str, message: P.Message, reply: type[P.Message], run_token: bool = False) -> P.Message:
+        async with await self._call("POST", path, run_token=run_token, json=message.model_dump()) as resp:
+            return reply.model_validate(await resp.json())
 
-    async def join(self, info: dict[str, Any]) -> dict[str, Any]:
-        joined = await self._json("/v1/join", info)
-        self.worker_id = joined["worker_id"]
+    async def join(self, report: P.Report) -> P.JoinReply:
+        joined = await self._json("/v1/join", report, P.JoinReply, run_token=True)
+        self.worker_id, self.credential = joined.worker_id, joined.credential
         return joined
 
-    async def heartbeat(self, info: dict[str, Any]) -> dict[str, Any]:
-        return await self._json("/v1/heartbeat", {"worker_id": self.worker_id, **info})
+    async def heartbeat(self, report: P.Report) -> P.HeartbeatReply:
+        return await self._json("/v1/heartbeat", report, P.HeartbeatReply)
 
-    async def lease(self, max_prompts: int, version: int) -> dict[str, Any] | None:
-        """Prompts to generate with `version` (the installed snapshot): training prompts, or an
-        eval lease (`"eval": {"version": v}`: greedy, one sample each)."""
-        return await self._json("/v1/lease", {"worker_id": self.worker_id, "max_prompts": max_prompts,
-                                              "version": version})
+    async def lease(self, max_prompts: int, version: int, wait_s: float = 0.0) -> P.LeaseReply:
+        """Prompts to generate with `version` (the installed snapshot): training prompts, an eval
+        lease (`eval_version` set: greedy, one sample each), or nothing after waiting up to `wait_s`."""
+        return await self._json("/v1/lease", P.LeaseRequest(max_prompts=max_prompts, version=version, wait_s=wait_s),
+                                P.LeaseReply)
 
-    async def submit_eval(self, lease_id: str, version: int, rewards: dict[str, float]) -> dict[str, Any]:
-        return await self._json("/v1/eval", {"worker_id": self.worker_id, "lease_id": lease_id, "version": version,
-                                             "rewards": rewards})
+    async def submit_eval(self, lease_id: str, version: int, rewards: dict[str, float]) -> P.EvalReply:
+        return await self._json("/v1/eval", P.EvalSubmission(lease_id=lease_id, version=version, rewards=rewards),
+                                P.EvalReply)
 
-    async def release(self, lease_id: str) -> dict[str, Any]:
+    async def release(self, lease_id: str) -> P.ReleaseReply:
         """Give a lease's prompts back unanswered (they are re-issued at once)."""
-        return await self._json("/v1/release", {"worker_id": self.worker_id, "lease_id": lease_id})
+        return await self._json("/v1/release", P.ReleaseRequest(lease_id=lease_id), P.ReleaseReply)
 
-    async def submit(self, submission: Submission) -> dict[str, Any]:
-        async with await self._call("POST", "/v1/trajectories", data=encode_submission(submission),
+    async def submit(self, submission: Submission) -> P.UploadReply:
+        body = await asyncio.to_thread(encode_submission, submission)  # zstd: off the event loop
+        async with await self._call("POST", "/v1/trajectories", data=body,
                                     headers={"Content-Type": CONTENT_TYPE}) as resp:
-            return await resp.json()
+            return P.UploadReply.model_validate(await resp.json())
 
     async def model_files(self) -> dict[str, bytes]:
         async with await self._call("GET", "/v1/model") as resp:
             return msgpack.unpackb(await resp.read(), raw=False)
 
     async def snapshot(self, info: BlobInfo) -> bytes:
-        return await fetch_blob(self.session, f"{self.url}/v1/snapshots/{info.version}", info, headers=self.headers)
+        return await fetch_blob(self.session, f"{self.url}/v1/snapshots/{info.version}", info, headers=self._headers())

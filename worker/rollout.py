@@ -3,6 +3,11 @@
 Snapshots download in the background while the engine generates; a new version is installed
 between two generation batches, so groups already in flight keep the version that generated
 them and every later group is stamped with the new one.
+
+Leases are long-polled: with nothing to hand out the learner holds the request until there is.
+A learner that stops answering is waited for (`give_up_s`); one that restarted or forgot this
+worker answers `Forgotten`, and the worker joins again by itself. Generation, scoring and
+encoding run on threads: the event loop only moves messages.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from pathlib import Path
 import aiohttp
 
 from broadcast.star import BlobError, BlobInfo
+from echo import loopwatch
+from echo import protocol as P
 from echo.tasks import Prompt, load_task
 from echo.wire import GroupMsg, SampleMsg, Submission
-from worker.client import LearnerClient, LearnerError, RunFinished
+from worker.client import Forgotten, LearnerClient, LearnerError, RunFinished
 from worker.config import WorkerConfig
 from worker.engines import Engine, EngineError, GenerationParams, make_engine
 
@@ -96,25 +103,29 @@ class Worker:
         self.installs: deque[tuple[int, float, float, float]] = deque(maxlen=32)
         self.received_at: dict[int, float] = {}  # version -> when it arrived whole and verified
         self.rtt: float | None = None  # seconds, the latest heartbeat's round trip
+        self.quarantined = ""  # why the learner stopped taking this worker's work
+        self.arrived = asyncio.Event()  # a newer version was downloaded or pushed (staged in `pending`)
+        self._rejoining = asyncio.Lock()
+        self.joined: P.JoinReply | None = None
 
-    def _info(self) -> dict:
+    def _info(self) -> P.Report:
         w = self.cfg.worker
-        return {
-            "name": self.name, "version": self.engine.version if self.engine else -1,
-            "rollouts_per_s": round(self.meter.rate, 4), "capacity_per_s": round(self.capacity.rate, 4),
-            "price_per_hour": w.price_per_hour,
-            "gpu": w.gpu or _gpu_name(), "device": self.cfg.engine.device, "engine": self.cfg.engine.type,
-            "download_mbit": w.download_mbit, "upload_mbit": w.upload_mbit,
-            "expected_rollouts_per_s": w.max_rollouts_per_s,
+        now = time.monotonic()
+        return P.Report(
+            name=self.name[:64], version=self.engine.version if self.engine else -1,
+            rollouts_per_s=round(self.meter.rate, 4), capacity_per_s=round(self.capacity.rate, 4),
+            price_per_hour=w.price_per_hour,
+            gpu=(w.gpu or _gpu_name())[:64], device=self.cfg.engine.device[:64], engine=self.cfg.engine.type,
+            download_mbit=w.download_mbit, upload_mbit=w.upload_mbit, expected_rollouts_per_s=w.max_rollouts_per_s,
             # When each recent version was installed, as "seconds ago" (clocks differ between machines).
-            "installs": [[v, round(time.monotonic() - t, 4), round(time.monotonic() - r, 4), round(d, 4)]
-                         for v, t, r, d in self.installs],
-            "relay_url": self.relay.url if self.relay is not None else "",
+            installs=[P.Install(version=v, installed_ago=round(now - t, 4), received_ago=round(now - r, 4),
+                                install_s=round(d, 4)) for v, t, r, d in self.installs],
+            relay_url=self.relay.url if self.relay is not None else "",
             # Measured links: the heartbeat round trip, and each finished version's goodput
             # (broadcast.links); the learner plans the next broadcast with them.
-            "rtt_ms": None if self.rtt is None else round(self.rtt * 1e3, 3),
-            "links": [s.to_dict() for s in self.relay.link_samples()] if self.relay is not None else [],
-        }
+            rtt_ms=None if self.rtt is None else round(self.rtt * 1e3, 3),
+            links=[s.to_dict() for s in self.relay.link_samples()][-16:] if self.relay is not None else [],
+        )
 
     async def run(self) -> int:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=120)
@@ -122,27 +133,27 @@ class Worker:
             client = LearnerClient(session, self.url, self.token)
             joined = await client.join(self._info())
             log.info("%s joined %s as %s", self.name, self.url, client.worker_id)
+            self.joined = joined
             # Beat from the start: loading the engine can take long, and silence means dead.
-            beats = asyncio.create_task(self._heartbeats(client, joined["heartbeat_interval"]))
+            beats = asyncio.create_task(self._heartbeats(client))
             try:
-                self.broadcast = joined.get("broadcast") or {"mode": "star"}
+                self.broadcast = joined.broadcast or {"mode": "star"}
                 if self.broadcast["mode"] == "chain":
                     await self._start_relay(client.worker_id)
-                self.task = load_task(joined["task"]["name"], joined["task"]["options"])
+                self.task = await asyncio.to_thread(load_task, joined.task.name, joined.task.options)
                 model_dir = await self._fetch_model_dir(client)
                 e = self.cfg.engine
                 self.engine = await asyncio.to_thread(make_engine, e.type, model_dir, e.device, e.dtype, e.threads,
                                                       self.cfg.worker.seed * 1000 + int(client.worker_id.lstrip("w") or 0))
-                from transformers import AutoTokenizer
-
-                self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-                r = joined["rollout"]
+                self.tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
+                r = joined.rollout
                 pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
                 self.params = GenerationParams(n=r["group_size"], max_new_tokens=r["max_new_tokens"],
                                                temperature=r["temperature"], top_p=r["top_p"],
                                                eos_id=self.tokenizer.eos_token_id, pad_id=pad)
-                if joined["snapshot"]:  # a late joiner pulls the newest version whole
-                    await self._fetch(client, joined["snapshot"], wait_for_push=False)
+                if joined.snapshot:  # a late joiner pulls the newest version whole
+                    await self._fetch(client, joined.snapshot, wait_for_push=False)
+                loopwatch.watch(f"echo-worker {self.name}")
                 await self._loop(client)
             except RunFinished:
                 pass
@@ -156,10 +167,55 @@ class Worker:
                     self.engine.close()
                 if self.relay is not None:
                     await self.relay.stop()
+        if self.quarantined:
+            log.error("%s: quarantined by the learner: %s", self.name, self.quarantined)
+            return 3
         if self.unreachable:
             return 1
         log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
         return 0
+
+    async def _rejoin(self, client: LearnerClient, credential: str) -> None:
+        """The learner forgot `credential` (it restarted, or this worker was silent too long):
+        join again — once, however many calls noticed — and carry on with what is installed."""
+        async with self._rejoining:
+            if client.credential != credential:
+                return  # another task already joined again
+            while True:
+                try:
+                    joined = await client.join(self._info())
+                    break
+                except LearnerError as e:
+                    if e.status not in (429, 503):
+                        raise
+                    await asyncio.sleep(max(1.0, e.retry_after))
+            log.info("%s: joined %s again as %s", self.name, self.url, client.worker_id)
+            self.joined = joined
+            self.broadcast = joined.broadcast or {"mode": "star"}
+            if self.relay is not None:  # the relay is named by the worker id, which changed
+                await self.relay.stop()
+                self.relay = None
+            if self.broadcast["mode"] == "chain":
+                await self._start_relay(client.worker_id)
+            self._notice(client, joined.snapshot)
+
+    async def _calling(self, client: LearnerClient, call):
+        """Run `call()` through the learner's outages: rejoin when forgotten; retry while it does
+        not answer, until `give_up_s` (the heartbeats decide that and stop the worker)."""
+        while not self.stopped.is_set():
+            credential = client.credential
+            try:
+                return await call()
+            except Forgotten:
+                try:
+                    await self._rejoin(client, credential)
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                    log.warning("%s: joining again failed (%s); retrying", self.name, e)
+                    await asyncio.sleep(1.0)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                log.warning("%s: the learner did not answer (%s); retrying", self.name, e)
+                await asyncio.sleep(1.0)
+        raise RunFinished("stopped")
 
     async def _fetch_model_dir(self, client: LearnerClient) -> Path:
         files = await client.model_files()
@@ -197,6 +253,7 @@ class Worker:
         if self.pending is None or m.version > self.pending[0]:
             self.pending, self.pending_manifest = (m.version, bytes(blob)), m
             self.received_at[m.version] = time.monotonic()
+            self.arrived.set()
 
     async def _fetch(self, client: LearnerClient, snapshot: dict, wait_for_push: bool = True) -> None:
         """Get an announced version: by star download, or in chain mode from the push — and if the
@@ -240,26 +297,37 @@ class Worker:
         if self.pending is None or info.version > self.pending[0]:
             self.pending = (info.version, blob)
             self.received_at[info.version] = time.monotonic()
+            self.arrived.set()
 
-    async def _heartbeats(self, client: LearnerClient, interval: float) -> None:
+    async def _heartbeats(self, client: LearnerClient) -> None:
         failing_since = None
-        while True:
+        while not self.stopped.is_set():
+            credential = client.credential
             try:
                 sent = time.monotonic()
                 reply = await client.heartbeat(self._info())
                 self.rtt = time.monotonic() - sent
-                state = reply.get("state")
-                if state == "stop":
+                if reply.state == "quarantined":
+                    self.quarantined = reply.message
                     self.stopped.set()
                     self.active.set()  # wake the loop so it can exit
-                elif state == "idle" and self.active.is_set():
+                elif reply.state == "stop":
+                    self.stopped.set()
+                    self.active.set()
+                elif reply.state == "idle" and self.active.is_set():
                     log.info("%s: idled by the learner's scheduler", self.name)
                     self.active.clear()
-                elif state == "active" and not self.active.is_set():
+                elif reply.state == "active" and not self.active.is_set():
                     log.info("%s: activated by the learner's scheduler", self.name)
                     self.active.set()
-                self._notice(client, reply.get("snapshot"))
+                self._notice(client, reply.snapshot)
                 failing_since = None
+            except Forgotten:
+                try:
+                    await self._rejoin(client, credential)
+                except (aiohttp.ClientError, LearnerError, asyncio.TimeoutError) as e:
+                    log.warning("%s: joining again failed: %s", self.name, e)
+                continue
             except (aiohttp.ClientError, LearnerError, asyncio.TimeoutError) as e:
                 log.warning("%s: heartbeat failed: %s", self.name, e)
                 failing_since = failing_since or time.monotonic()
@@ -268,7 +336,7 @@ class Worker:
                     self.unreachable = True
                     self.stopped.set()
                     self.active.set()
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.joined.heartbeat_interval)
 
     def _notice(self, client: LearnerClient, snapshot: dict | None) -> None:
         """Start downloading an announced version newer than anything installed or on its way."""
@@ -301,52 +369,72 @@ class Worker:
         log.info("%s: installed v%d in %.3f s", self.name, version, time.perf_counter() - t0)
 
     async def _loop(self, client: LearnerClient) -> None:
-        throttle = self.cfg.worker.max_rollouts_per_s
         while not self.stopped.is_set():
             await self.active.wait()
+            if self.stopped.is_set():
+                break
             await self._install_pending()
             if self.engine.version < 0:
-                await asyncio.sleep(0.1)
+                await self._version_arrives(1.0)
                 continue
             version = self.engine.version  # the weights that will generate this whole lease
-            lease = await client.lease(self.cfg.worker.prompts_per_lease, version)
-            if lease is None:
-                await asyncio.sleep(0.1)
+            wait_s = self.joined.long_poll_s
+            asked = time.monotonic()
+            lease = await self._calling(client, lambda: client.lease(self.cfg.worker.prompts_per_lease, version, wait_s))
+            self._notice(client, lease.snapshot)
+            if lease.lease_id is None:
+                if lease.empty == "install":  # too stale to be trained on: wait for the announced version
+                    await self._version_arrives(5.0)
+                elif time.monotonic() - asked < 0.5 * wait_s or wait_s == 0:
+                    await asyncio.sleep(0.5)  # answered at once (idled, or no long poll): do not spin
                 continue
-            self._notice(client, lease.get("snapshot"))
-            prompts = [Prompt(p["id"], p["text"], p["answer"]) for p in lease["prompts"]]
-            if "eval" in lease:
+            prompts = [Prompt(p.id, p.text, p.answer) for p in lease.prompts]
+            if lease.eval_version is not None:
                 await self._evaluate(client, lease, prompts, version)
                 continue
-            t0 = time.monotonic()
-            msgs = await asyncio.to_thread(self._generate, lease, prompts, version)
-            n_rollouts = sum(len(g.samples) for g in msgs)
-            if throttle:  # emulate a slower machine: hold the results until the budgeted time
-                await asyncio.sleep(max(0.0, n_rollouts / throttle - (time.monotonic() - t0)))
-            self.capacity.add(n_rollouts, time.monotonic() - t0)  # busy: generate, score, emulated slowness
-            if self.cfg.engine.on_new_version == "abort" and self.pending and self.pending[0] > version:
-                # A newer version arrived while this batch ran: hand the prompts back rather than
-                # submit work of the old weights (it is re-issued, and generated with the new one).
-                await client.release(lease["lease_id"])
-                log.info("%s: v%d arrived during a v%d batch; handed %d prompts back", self.name,
-                         self.pending[0], version, len(prompts))
-                continue
-            try:
-                reply = await client.submit(Submission(client.worker_id, lease["lease_id"], msgs))
-            except LearnerError as e:
-                # Refused whole (malformed, unknown lease, duplicate): hand back whatever the lease
-                # still holds, so its prompts are re-issued now instead of when it expires.
-                log.warning("%s: %d groups of v%d refused: %s", self.name, len(msgs), version, e)
-                with contextlib.suppress(LearnerError):
-                    await client.release(lease["lease_id"])
-                continue
-            accepted = int(reply.get("accepted", 0))
-            self.rollouts += accepted * self.params.n
-            self.meter.add(accepted * self.params.n, time.monotonic())
+            await self._rollout(client, lease, prompts, version)
 
-    def _generate(self, lease: dict, prompts: list[Prompt], version: int) -> list[GroupMsg]:
+    async def _version_arrives(self, timeout: float) -> None:
+        self.arrived.clear()
+        if self.pending is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.arrived.wait(), timeout)
+
+    async def _rollout(self, client: LearnerClient, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> None:
+        throttle = self.cfg.worker.max_rollouts_per_s
+        t0 = time.monotonic()
+        msgs = await asyncio.to_thread(self._generate, lease, prompts, version)
+        n_rollouts = sum(len(g.samples) for g in msgs)
+        if throttle:  # emulate a slower machine: hold the results until the budgeted time
+            await asyncio.sleep(max(0.0, n_rollouts / throttle - (time.monotonic() - t0)))
+        self.capacity.add(n_rollouts, time.monotonic() - t0)  # busy: generate, score, emulated slowness
+        if self.cfg.engine.on_new_version == "abort" and self.pending and self.pending[0] > version:
+            # A newer version arrived while this batch ran: hand the prompts back rather than
+            # submit work of the old weights (it is re-issued, and generated with the new one).
+            with contextlib.suppress(LearnerError):
+                await self._calling(client, lambda: client.release(lease.lease_id))
+            log.info("%s: v%d arrived during a v%d batch; handed %d prompts back", self.name,
+                     self.pending[0], version, len(prompts))
+            return
+        try:
+            reply = await self._calling(client, lambda: client.submit(Submission(client.worker_id, lease.lease_id, msgs)))
+        except LearnerError as e:
+            if e.reason == "quarantined":
+                self.quarantined = e.message
+                self.stopped.set()
+                return
+            # Refused whole (malformed, unknown lease, duplicate): hand back whatever the lease
+            # still holds, so its prompts are re-issued now instead of when it expires.
+            log.warning("%s: %d groups of v%d refused: %s", self.name, len(msgs), version, e)
+            with contextlib.suppress(LearnerError, aiohttp.ClientError, RunFinished):
+                await client.release(lease.lease_id)
+            return
+        self.rollouts += reply.accepted * self.params.n
+        self.meter.add(reply.accepted * self.params.n, time.monotonic())
+
+    def _generate(self, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> list[GroupMsg]:
         """Generate the lease's groups and score them (blocking: runs on a thread)."""
-        groups = self.engine.generate([p["prompt_ids"] for p in lease["prompts"]], self.params)
+        groups = self.engine.generate([p.prompt_ids for p in lease.prompts], self.params)
         msgs = []
         for prompt, samples in zip(prompts, groups):
             texts = self.tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
@@ -354,14 +442,18 @@ class Worker:
                 SampleMsg(s.tokens, s.logprobs, self.task.reward(prompt, text)) for s, text in zip(samples, texts)]))
         return msgs
 
-    async def _evaluate(self, client: LearnerClient, lease: dict, prompts: list[Prompt], version: int) -> None:
+    async def _evaluate(self, client: LearnerClient, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> None:
         """An eval lease: one greedy sample per prompt with `version`, scored, rewards sent back."""
         greedy = dataclasses.replace(self.params, n=1, temperature=0.0, top_p=1.0)
-        groups = await asyncio.to_thread(self.engine.generate, [p["prompt_ids"] for p in lease["prompts"]], greedy)
-        texts = self.tokenizer.batch_decode([g[0].tokens for g in groups], skip_special_tokens=True)
-        rewards = await asyncio.to_thread(lambda: {p.id: self.task.reward(p, t) for p, t in zip(prompts, texts)})
+
+        def generate_and_score() -> dict[str, float]:
+            groups = self.engine.generate([p.prompt_ids for p in lease.prompts], greedy)
+            texts = self.tokenizer.batch_decode([g[0].tokens for g in groups], skip_special_tokens=True)
+            return {p.id: self.task.reward(p, t) for p, t in zip(prompts, texts)}
+
+        rewards = await asyncio.to_thread(generate_and_score)
         try:
-            await client.submit_eval(lease["lease_id"], version, rewards)
+            await self._calling(client, lambda: client.submit_eval(lease.lease_id, version, rewards))
         except LearnerError as e:  # the round moved on (restarted, or its lease expired): nothing to keep
             log.warning("%s: eval of v%d refused: %s", self.name, version, e)
 
@@ -374,3 +466,9 @@ def _gpu_name() -> str:
         return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # no torch or a broken driver: the learner only needs a label
         return "cpu"
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,159 @@
+"""The learner/worker control API's JSON messages: one model per body, shared by both sides.
+
+What a worker sends is untrusted. Every request model refuses unknown keys and bounds every
+string, number and list, so a malformed or oversized field is a 400/422 naming the field,
+never stored. Replies come from the learner, which the worker trusts (the snapshot
+announcement stays an open map: its keys belong to `broadcast`).
+
+Trajectory uploads are not JSON: see `echo.wire` (msgpack + zstd, token ids as raw bytes).
+
+Identity: `POST /v1/join` is admitted by the run token and answers a per-worker
+`credential`; every later call carries `Authorization: Bearer <credential>`, and the learner
+takes the worker's identity from it, never from a body.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+MAX_JSON_BYTES = 256 << 10  # a JSON body larger than this is refused before it is parsed
+
+Name = Annotated[str, StringConstraints(max_length=64)]
+Id = Annotated[str, StringConstraints(max_length=128)]
+Url = Annotated[str, StringConstraints(max_length=256, pattern=r"^(|https?://\S+|p2p:/\S+)$")]
+Rate = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]
+Mbit = Annotated[float, Field(ge=0.0, le=1e5, allow_inf_nan=False)]  # 100 Gbit/s: beyond any rented link
+Seconds = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]
+Version = Annotated[int, Field(ge=-1, le=1 << 40)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProtocolError(ValueError):
+    """A body that does not match its model; the message names the fields."""
+
+
+def parse(model: type[Message], data: Any) -> Message:
+    """Validate `data` as `model`, or raise ProtocolError saying which fields are wrong."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+        raise ProtocolError(f"{model.__name__}: {problems}") from None
+
+
+# --- worker → learner ----------------------------------------------------------------------------
+
+
+class Install(Message):
+    """A version the worker installed: seconds ago (clocks differ between machines)."""
+
+    version: Version
+    installed_ago: Seconds
+    received_ago: Seconds
+    install_s: Seconds
+
+
+class Report(Message):
+    """What a worker says about itself, at join and in every heartbeat. Claims: the learner
+    checks rates against what it measures (`learner.verify.Plausibility`)."""
+
+    name: Name = ""
+    version: Version = -1
+    rollouts_per_s: Rate = 0.0  # delivered (accepted) rollouts per wall second
+    capacity_per_s: Rate = 0.0  # rollouts per engine-busy second
+    expected_rollouts_per_s: Rate = 0.0
+    price_per_hour: Annotated[float, Field(ge=0.0, le=1e4, allow_inf_nan=False)] = 0.0
+    gpu: Name = ""
+    device: Name = ""
+    engine: Name = ""
+    download_mbit: Mbit = 0.0
+    upload_mbit: Mbit = 0.0
+    relay_url: Url = ""
+    rtt_ms: Annotated[float, Field(ge=0.0, le=600_000.0, allow_inf_nan=False)] | None = None
+    installs: Annotated[list[Install], Field(max_length=64)] = []
+    links: Annotated[list[dict[str, Any]], Field(max_length=16)] = []  # broadcast.links.LinkSample, checked there
+
+
+class LeaseRequest(Message):
+    max_prompts: Annotated[int, Field(ge=1, le=1024)] = 1
+    version: Version = -1  # the installed snapshot, which generates the whole lease
+    wait_s: Annotated[float, Field(ge=0.0, le=60.0)] = 0.0  # long poll: hold the request this long for work
+
+
+class ReleaseRequest(Message):
+    lease_id: Id
+
+
+class EvalSubmission(Message):
+    lease_id: Id
+    version: Version
+    rewards: Annotated[dict[Id, Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=1024)]
+
+
+# --- learner → worker ----------------------------------------------------------------------------
+
+
+class TaskInfo(Message):
+    name: str
+    options: dict[str, Any] = {}
+
+
+class JoinReply(Message):
+    worker_id: str
+    credential: str  # `Authorization: Bearer <credential>` on every later call
+    broadcast: dict[str, Any]
+    heartbeat_interval: float
+    lease_ttl: float
+    long_poll_s: float
+    task: TaskInfo
+    rollout: dict[str, Any]
+    snapshot: dict[str, Any] | None = None
+
+
+class HeartbeatReply(Message):
+    state: Literal["active", "idle", "stop", "quarantined"]
+    snapshot: dict[str, Any] | None = None
+    message: str = ""
+
+
+class PromptMsg(Message):
+    id: str
+    text: str
+    answer: str
+    prompt_ids: list[int]
+
+
+class LeaseReply(Message):
+    """Prompts to generate, an eval lease (`eval_version`: greedy, one sample each), or nothing
+    (`lease_id` None) with the reason: `wait` (nothing to hand out within the poll), `install`
+    (the worker's snapshot is too stale to be trained on: install the announced one first)."""
+
+    lease_id: str | None = None
+    prompts: list[PromptMsg] = []
+    eval_version: int | None = None
+    expires_in: float = 0.0
+    snapshot: dict[str, Any] | None = None
+    empty: Literal["", "wait", "install"] = ""
+
+
+class ReleaseReply(Message):
+    released: int
+
+
+class UploadReply(Message):
+    accepted: int
+    given_back: int = 0  # groups too stale to train: their prompts go to a fresher snapshot
+
+
+class EvalReply(Message):
+    accepted: int
+
+
+class ErrorReply(Message):
+    error: str  # a stable reason code (also the Prometheus label)
+    message: str  # what was wrong and what to do

@@ -1,0 +1,93 @@
+"""The run's custody record, so a learner killed mid-run resumes without losing or repeating work.
+
+An append-only JSONL file in the run directory (`ledger.jsonl`), one line per event, each
+written with one `write` on an O_APPEND descriptor: a `kill -9` loses at most the line being
+written (a torn last line is skipped on replay), never an earlier one.
+
+    {"e": "L", "p": [[id, text, answer], ...]}    prompts leased
+    {"e": "T", "s": step, "p": [id, ...]}          their groups trained by update `step`
+    {"e": "P", "v": version}                       a snapshot published
+    {"e": "R", "from": step}                       the learner resumed from the checkpoint of `step`
+
+On `--resume` the learner restores the newest checkpoint (update `c`) and replays the ledger:
+every prompt leased but not trained by an update ≤ c is issued again (whatever was in flight,
+queued in the lost buffer, or trained by an update the crash rolled back), and version numbers
+continue after the newest one ever published, so no number ever names two different snapshots.
+Groups acknowledged before the crash are never trained twice: their leases died with the old
+process, and an upload into a dead lease is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from echo.tasks import Prompt
+
+
+@dataclass
+class Recovery:
+    pending: list[Prompt] = field(default_factory=list)  # to issue again, oldest first
+    newest_published: int = -1
+    starts: int = 0  # how many times this run started before (names fresh prompt ids apart)
+    trained_rolled_back: int = 0  # groups trained by updates after the checkpoint (to redo)
+
+
+class Ledger:
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _write(self, event: dict) -> None:
+        os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+
+    def leased(self, prompts: list[Prompt]) -> None:
+        self._write({"e": "L", "p": [[p.id, p.text, p.answer] for p in prompts]})
+
+    def trained(self, step: int, prompt_ids: list[str]) -> None:
+        self._write({"e": "T", "s": step, "p": prompt_ids})
+
+    def published(self, version: int) -> None:
+        self._write({"e": "P", "v": version})
+
+    def resumed(self, step: int) -> None:
+        self._write({"e": "R", "from": step})
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    @staticmethod
+    def replay(path: Path, checkpoint_step: int) -> Recovery:
+        """What a learner resuming from the checkpoint of `checkpoint_step` owes the run."""
+        out = Recovery()
+        if not path.exists():
+            return out
+        leased: dict[str, Prompt] = {}  # insertion order = first issue
+        trained: dict[str, int] = {}
+        with path.open() as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the line a kill cut short
+                kind = ev.get("e")
+                if kind == "L":
+                    for pid, text, answer in ev["p"]:
+                        leased.setdefault(pid, Prompt(pid, text, answer))
+                elif kind == "T":
+                    for pid in ev["p"]:
+                        trained[pid] = ev["s"]
+                elif kind == "P":
+                    out.newest_published = max(out.newest_published, ev["v"])
+                elif kind == "R":  # that resume rolled back every update after its checkpoint
+                    out.starts += 1
+                    trained = {pid: step for pid, step in trained.items() if step <= ev["from"]}
+        for pid, prompt in leased.items():
+            step = trained.get(pid)
+            if step is None or step > checkpoint_step:
+                out.pending.append(prompt)
+                out.trained_rolled_back += step is not None
+        out.starts += 1  # the first start wrote no "R"
+        return out
