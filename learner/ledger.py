@@ -38,7 +38,14 @@ class Recovery:
 class Ledger:
     def __init__(self, path: Path):
         self.path = path
+        torn = False
+        if path.exists() and path.stat().st_size > 0:
+            with path.open("rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if torn:  # a kill cut the last line short: end it, so the next event is a line of its own
+            os.write(self._fd, b"\n")
 
     def _write(self, event: dict) -> None:
         os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())

@@ -30,6 +30,8 @@ class LearnerMetrics:
         self.flagged = Counter("echo_verify_flagged", "Verdicts against a worker, by evidence (rewards, logprobs)",
                                ["reason"], registry=r)
         self.quarantined = Counter("echo_workers_quarantined", "Workers quarantined, by evidence", ["reason"], registry=r)
+        self.relays_probed = Counter("echo_broadcast_relays_probed", "Relay reachability probes at join, by result",
+                                     ["result"], registry=r)
         self.claims_clamped = Counter("echo_verify_claims_clamped", "Heartbeat claims capped at what was measured, "
                                       "by what (capacity, upload)", ["what"], registry=r)
         self.queue = Gauge("echo_buffer_queue_groups", "Groups waiting in the buffer", registry=r)

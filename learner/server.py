@@ -54,6 +54,7 @@ from learner.metrics import LearnerMetrics
 from learner.verify import Verdict, Verifier
 
 UNKNOWN_LINK_MBIT = 1000.0  # planning assumption for a link nobody declared or measured yet
+PROBE_TIMEOUT_S = 3.0  # a relay that does not answer the learner's probe within this is unreachable
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
 
@@ -186,6 +187,7 @@ class LearnerState:
         self.waiters = Waiters()
         self.gate = JoinGate(cfg.server.join_rate, cfg.server.join_burst, cfg.server.allow_networks)
         self._worker_ids = itertools.count(1)
+        self._probes: set[asyncio.Task] = set()
 
     @property
     def published_version(self) -> int:
@@ -212,6 +214,23 @@ class LearnerState:
         self.on_note(f"quarantined {worker.name} ({worker.id}, {worker.address}): {verdict.message}; "
                      f"{leased} leased prompts re-issued, {dropped} queued groups dropped")
         self.waiters.wake(leased)
+
+    def probe(self, worker: WorkerInfo) -> None:
+        """Can the learner open a connection to the worker's relay? An unreachable one (behind
+        NAT) becomes a leaf that pulls from a reachable parent (learner.publisher)."""
+        from broadcast.reach import probe_relay
+
+        url = worker.relay_url
+
+        async def run() -> None:
+            ok = await probe_relay(url, PROBE_TIMEOUT_S)
+            if worker.relay_url == url:
+                worker.reachable = ok
+                self.metrics.relays_probed.labels("reachable" if ok else "unreachable").inc()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def forget(self, worker: WorkerInfo) -> None:
         del self.workers[worker.id]
@@ -563,6 +582,8 @@ def _update_worker(state: LearnerState, w: WorkerInfo, r: P.Report) -> None:
         state.metrics.claims_clamped.labels("capacity").inc()
     if r.relay_url != w.relay_url:
         w.relay_url, w.reachable = r.relay_url, None
+        if w.relay_url:
+            state.probe(w)
     known = w.installs[-1][0] if w.installs else -1
     for item in r.installs:  # "seconds ago": clocks differ between machines
         if item.version > known:
