@@ -43,6 +43,14 @@ class Source(Node):
         self._feed: deque[tuple[int, SignedManifest, SignedRoute]] = deque(maxlen=FEED_KEEP)
         self._seq = 0
         self._feed_changed: asyncio.Condition | None = None
+        self._closing = False
+
+    async def stop(self) -> None:
+        self._closing = True  # long polls of the route feed answer now, so the server can close
+        if self._feed_changed is not None:
+            async with self._feed_changed:
+                self._feed_changed.notify_all()
+        await super().stop()
 
     def _routes(self) -> list[web.RouteDef]:
         return super()._routes() + [web.get(PREFIX + "/routes", self._handle_routes)]
@@ -165,7 +173,7 @@ class Source(Node):
 
         async with self._feed_changed:
             try:
-                await asyncio.wait_for(self._feed_changed.wait_for(lambda: news() or self._seq < after), wait)
+                await asyncio.wait_for(self._feed_changed.wait_for(lambda: news() or self._seq < after or self._closing), wait)
             except asyncio.TimeoutError:
                 pass
             items = news()

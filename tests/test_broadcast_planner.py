@@ -128,3 +128,88 @@ def test_big_fleet_plans_quickly():
     plan = plan_broadcast(8e9, 125e6, peers, 4 * MIB)
     assert time.perf_counter() - t < 5
     assert plan.predicted_s >= plan.lower_bound_s
+
+
+# -- stripes, pulling leaves, chunk size ----------------------------------------------------------
+from broadcast.planner import choose_chunk, predict_stripes  # noqa: E402
+from broadcast.route import Route, RouteError, chunk_spans  # noqa: E402
+
+MBIT_ = 1e6 / 8
+
+
+def _fleet(n: int, down: float, up, latency: float = 0.02, reachable=lambda i: True) -> list[PeerLink]:
+    return [PeerLink(f"w{i}", down * MBIT_, (up(i) if callable(up) else up) * MBIT_, latency, reachable(i))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("fleet", [
+    _fleet(16, 200, 50),  # upload = download / 4
+    _fleet(64, 200, lambda i: 10 if i < 16 else 200),  # 48 symmetric + 16 with a 10 Mbit/s upload
+    _fleet(16, 100, lambda i: 5 if i % 4 == 0 else 100),
+])
+def test_stripes_reach_the_bound_where_chains_collapse_to_the_slowest_upload(fleet):
+    """The spec's two cases: chains predict 1.31x and 2.69x T*; stripes stay near T* (latency,
+    one chunk per hop and the groups' unused upload are what is left)."""
+    M, U = 128 * MIB, 200 * MBIT_
+    plan = plan_broadcast(M, U, fleet)
+    best_chain = min(v for k, v in plan.alternatives.items() if k.startswith("chains"))
+    assert plan.kind == "stripes"
+    assert plan.predicted_s <= 1.13 * plan.lower_bound_s < best_chain
+
+
+def test_stripe_rates_respect_every_owner_upload_and_the_learner_uplink():
+    fleet = _fleet(40, 200, lambda i: 10 if i % 5 == 0 else 60, reachable=lambda i: i % 7 != 3)
+    M, U = 256 * MIB, 300 * MBIT_
+    pred = predict_stripes(M, U, fleet, group_size=16)
+    up = {p.id: p.up for p in fleet}
+    load = {p.id: 0.0 for p in fleet}
+    source = 0.0
+    for tree, parents, rate in zip(pred.chains, pred.parents, pred.rates):
+        for i, par in enumerate(parents):
+            if par == -1:
+                source += rate
+            else:
+                load[tree[par]] += rate
+        assert len(set(tree)) == len(tree) == len(fleet)  # every worker in every tree, once
+    assert source <= U * (1 + 1e-9)
+    assert all(load[w] <= up[w] * (1 + 1e-9) for w in up)
+    assert all(load[p.id] == 0 for p in fleet if not p.reachable)  # unreachable workers upload nothing
+    assert max(sum(1 for par in ps if par == i) for ps in pred.parents for i in range(len(ps))) <= 16  # fan-out bounded
+    assert sum(pred.shares) == pytest.approx(1.0)
+    assert pred.name == "stripes:3"  # 40 workers in groups of at most 16
+
+
+def test_unreachable_workers_are_pulling_leaves_in_every_design():
+    fleet = _fleet(8, 100, 100, reachable=lambda i: i not in (2, 5))
+    for kwargs in ({"ks": [2], "stripes": False}, {"stripes": True}):
+        plan = plan_broadcast(64 * MIB, 100 * MBIT_, fleet, 1 * MIB, **kwargs)
+        assert plan.pull == ("w2", "w5")
+        for tree, parents in zip(plan.chains, plan.parents):
+            for i, w in enumerate(tree):
+                if w in plan.pull:
+                    assert i not in parents  # nobody's parent: a leaf
+    assert lower_bound(64 * MIB, 100 * MBIT_, fleet) > lower_bound(64 * MIB, 100 * MBIT_, _fleet(8, 100, 100))
+
+
+def test_chunk_size_follows_span_and_hops_within_limits():
+    assert choose_chunk(128 * MIB, 128 * MIB, 5) == 9 * 64 * 1024  # 2% of M over 5 hops, rounded up to 64 KiB
+    assert choose_chunk(128 * MIB, 1 * MIB, 1) == 64 * 1024  # floor: per-chunk overhead
+    assert choose_chunk(16 << 30, 16 << 30, 1) == 16 * MIB  # ceiling
+    assert choose_chunk(64 << 30, 1 << 20, 2) == (64 << 30) >> 16  # at most 65,536 chunks
+    plan = plan_broadcast(128 * MIB, 200 * MBIT_, _fleet(16, 200, 50))
+    assert plan.chunk_bytes < 1 * MIB  # stripes of 8 MiB each want small chunks
+
+
+def test_chunk_spans_tile_and_routes_refuse_gaps_and_pulling_parents():
+    assert chunk_spans(10, [0.5, 0.3, 0.2]) == [(0, 5), (5, 8), (8, 10)]
+    assert chunk_spans(3, [0.9, 0.05, 0.05]) == [(0, 3), (3, 3), (3, 3)]
+    from broadcast.transport import Hop
+
+    a, b, s = Hop("a", "http://a"), Hop("b", "http://b"), Hop("s", "http://s")
+    r = Route("v1", b"r", s, ((a, b), (b, a)), (1.0, 1.0), spans=((0, 5), (6, 10)), parents=((-1, 0), (-1, 0)))
+    with pytest.raises(RouteError, match="every chunk once"):
+        r.places("a", 10)
+    with pytest.raises(RouteError, match="must be a leaf"):
+        Route("v1", b"r", s, ((a, b),), (1.0,), pull=("a",))
+    with pytest.raises(RouteError, match="before it"):
+        Route("v1", b"r", s, ((a, b),), (1.0,), parents=((1, -1),))
