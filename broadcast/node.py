@@ -306,7 +306,8 @@ class Node:
         guard = StallGuard(self.stall_timeout)
         # A pull is paced like the tree it fills (the route's rate), so a repairing child does
         # not flood the uplink this node shares with its own pushes.
-        bucket = TokenBucket(store.pace) if store.pace else None
+        pace = store.pace(min(start, store.manifest.num_chunks - 1)) if end > start else None
+        bucket = TokenBucket(pace) if pace else None
 
         async def serve() -> None:
             await write(frame_header({"key": store.key, "start": start}))

@@ -266,6 +266,7 @@ MIN_CHUNK = 64 << 10
 MAX_CHUNK = 16 << 20
 MAX_CHUNKS = 1 << 16  # a manifest of ~100 B per chunk travels in every stream header
 DEFAULT_GROUP_SIZE = 32  # stripes inside groups of at most this many workers: fan-out stays bounded
+DESIGNS = ("star", "chains", "stripes")
 
 
 def choose_chunk(M: float, span_bytes: float, depth: int) -> int:
@@ -421,10 +422,11 @@ def plan_broadcast(
     fraction: float = 1.0,
     ks: Iterable[int] | None = None,
     headroom: float = 1.0,
-    stripes: bool = True,
+    designs: Iterable[str] = DESIGNS,
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> Plan:
-    """Predict the star, K chains for every sensible K and stripes; return the fastest as a `Plan`.
+    """Predict the star, K chains for every sensible K and stripes (those of `designs`); return
+    the fastest as a `Plan`.
 
     The objective is the time until `fraction` of the workers hold the snapshot (1.0 = all).
     Ties go to the star (fewest hops, nothing to repair), then to fewer chains, then chains
@@ -447,14 +449,15 @@ def plan_broadcast(
     bound = lower_bound(M, U, peers)
     if headroom < 1.0:
         U, peers = U * headroom, [replace(p, up=p.up * headroom) for p in peers]
+    designs = set(designs)
+    if not designs or designs - set(DESIGNS):
+        raise PlanError(f"designs must be a non-empty subset of {DESIGNS}, got {sorted(designs)}")
     pull = tuple(p.id for p in peers if not p.reachable)
     star = replace(predict_star(M, U, peers), pull=pull, chunk=chunk or choose_chunk(M, M, 0))
-    best, best_t = star, star.time_to_fraction(fraction)
-    alternatives = {"star": best_t}
     reach = [p for p in peers if p.reachable]
     leaves = [p for p in peers if not p.reachable]
-    candidates = []
-    if reach:
+    candidates = [star] if "star" in designs else []
+    if reach and "chains" in designs:
         for k in ks if ks is not None else candidate_ks(len(reach)):
             if not 1 <= k <= len(reach):
                 continue
@@ -462,15 +465,19 @@ def plan_broadcast(
             depth = max(len(c) for c in chains) - 1 + (1 if leaves else 0)
             c = chunk or choose_chunk(M, M, depth)
             candidates.append(predict_chains_with_leaves(M, U, chains, leaves, c))
-    if stripes and ks is None or stripes and ks:
+    if "stripes" in designs:
         pred = predict_stripes(M, U, peers, chunk, group_size)
         if pred is not None:
             candidates.append(pred)
+    if not candidates:
+        raise PlanError(f"none of {sorted(designs)} applies to these workers (chains and stripes need an uploader)")
+    best, best_t, alternatives = None, math.inf, {}
     for pred in candidates:
         t = pred.time_to_fraction(fraction)
         alternatives[pred.name] = t
-        if t < best_t * (1 - 1e-9):
+        if best is None or t < best_t * (1 - 1e-9):
             best, best_t = pred, t
+    assert best is not None
     kind = "star" if best is star else "stripes" if best.name.startswith("stripes") else "chains"
     return Plan(
         kind=kind,

@@ -231,13 +231,13 @@ class Relay(Node):
         store.route = route
         rates = [r.rates[p.tree] for p in places]
         store.stats.offered_rate = None if None in rates else sum(rates)
-        store.pace = r.pace(places[0].tree)
         pulling = self.id in r.pull
         for p in places:
             for child in p.children:
                 if r.chains[p.tree][child].id not in r.pull:
                     self._spawn(store, self._push(store, route, p.tree, child))
             s = store.span_of(p.span[0])
+            store.span_rates[s] = r.pace(p.tree)
             if pulling:  # nobody can connect to us: pull this span from our parent
                 store.inbound[s] = "pull"
                 self._spawn(store, self._fill(store, s, list(p.ancestors), -1, "pull", repair=False))

@@ -78,7 +78,7 @@ class VersionStore:
         self.main_span = 0  # the largest span: its sender is `stats.parent`
         self.stats = TransferStats(m.key)
         self.route: SignedRoute | None = None
-        self.pace: float | None = None  # the rate pulls from here are served at (the route's), if paced
+        self.span_rates: list[float | None] = [None]  # per span: its tree's rate, if the route is paced
         self.last_failure = ""  # why the latest inbound stream ended early (for repair events)
         self.gone: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
@@ -108,7 +108,12 @@ class VersionStore:
             raise BroadcastError(f"{self.key}: spans {spans} must tile an empty version")
         self.spans = list(spans)
         self.next = [a for a, _ in spans]
+        self.span_rates = [None] * len(spans)
         self.main_span = max(range(len(spans)), key=lambda s: spans[s][1] - spans[s][0])
+
+    def pace(self, index: int) -> float | None:
+        """The rate to serve chunk `index` to a pulling child or a repair at: its tree's."""
+        return self.span_rates[self.span_of(index)] if self.manifest.num_chunks else None
 
     def span_of(self, index: int) -> int:
         return bisect.bisect_right(self.spans, (index, float("inf"))) - 1

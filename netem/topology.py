@@ -56,6 +56,11 @@ class HostSpec(Section):
     delay_ms: float = Field(
         default=0.0, ge=0, le=10_000, description="hosts.delay_ms: one-way latency host<->hub, ms"
     )
+    accept_inbound: bool = Field(
+        default=True,
+        description="hosts.accept_inbound: false = behind NAT: inbound TCP connections are dropped, "
+        "outbound ones work",
+    )
 
 
 class Host:
@@ -187,6 +192,8 @@ class Topology:
             delay = spec.delay_ms if self.latency == "netem" else 0.0
             self._shape(ns, "eth0", spec.up_mbit, delay)
             self._shape(self.hub_ns, port, spec.down_mbit, delay)
+            if not spec.accept_inbound:
+                self._refuse_inbound(self.hub_ns, port)
             self.hosts[spec.name] = Host(spec, ns, ip, self._processes)
 
     def down(self) -> None:
@@ -254,6 +261,19 @@ class Topology:
             queue = max(_MIN_QUEUE_BYTES, int(rate_bit / 8 * self.queue_ms / 1000))
             leaf = ["bfifo", "limit", str(queue)]
         iproute.tc("qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *leaf, ns=ns)
+
+    @staticmethod
+    def _refuse_inbound(ns: str, dev: str) -> None:
+        """Drop TCP SYNs (SYN set, ACK clear) the hub sends down `dev` towards a host: nobody can
+        open a connection to it, while its own connections (whose SYN-ACKs carry ACK) work —
+        what a NAT or a stateful firewall does. A u32 filter steers them into an htb class whose
+        queue holds one byte; filters, not iptables or tc actions, which this kernel may lack."""
+        iproute.tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:2", "htb", "rate", "8kbit",
+                   "ceil", "8kbit", ns=ns)
+        iproute.tc("qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", "bfifo", "limit", "1", ns=ns)
+        iproute.tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                   "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x02", "0x12", "at", "33",
+                   "flowid", "1:2", ns=ns)
 
     # -- use ---------------------------------------------------------------------------------
 

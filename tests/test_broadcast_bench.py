@@ -1,12 +1,12 @@
 """The broadcast benchmark's own logic, without namespaces: options, victim choice, hop lag,
-the synthetic update, and the table (rendered from a results dict shaped like a real run)."""
+the synthetic updates, and the table (rendered from a results dict shaped like a real run)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from broadcast import bench
+from broadcast.bench import netem_runs as bench
 from broadcast.planner import PeerLink, plan_broadcast
 
 MIB = 1 << 20
@@ -26,7 +26,7 @@ def test_bad_worker_list_is_a_usage_error():
 def test_victim_is_a_middle_relay_of_the_longest_chain():
     b = 6e6
     peers = [PeerLink(f"w{i}", b, b, 0.02) for i in range(1, 17)]
-    plan = plan_broadcast(256 * MIB, 4 * b, peers, 4 * MIB)
+    plan = plan_broadcast(256 * MIB, 4 * b, peers, 4 * MIB, designs=["chains"])
     assert plan.kind == "chains" and plan.k == 4
     victim = bench._victim(plan)
     chain = next(c for c in plan.chains if victim in c)
@@ -47,38 +47,57 @@ def test_synthetic_update_changes_about_three_percent_of_elements():
     assert np.allclose(a, b, rtol=1e-2)  # small steps, as an optimizer makes
 
 
+def test_bf16_update_at_lr_1e_6_changes_few_elements_by_one_ulp():
+    """fp32 masters moved by ~1e-6 keep most bf16 values: only weights within a step of a
+    rounding boundary flip, and those by one bf16 ulp."""
+    base, new = bench.bf16_update(4 * MIB, seed=1)
+    a, b = np.frombuffer(base, np.uint16), np.frombuffer(new, np.uint16)
+    changed = a != b
+    assert 0.002 < changed.mean() < 0.05
+    ulps = np.abs(a[changed].astype(np.int32) - b[changed].astype(np.int32))
+    assert np.mean(ulps == 1) > 0.8  # mostly neighbours (more only near zero, where the ulp is tiny)
+
+
+def test_fleets_have_the_uploads_the_issue_asks_for():
+    assert set(bench.fleet_links("sym", 8, 50).values()) == {(50, 50)}
+    assert set(bench.fleet_links("asym", 8, 50).values()) == {(50, 12.5)}
+    mixed = bench.fleet_links("mixed", 32, 50)
+    assert sum(1 for d, u in mixed.values() if u == 2.5) == 8 and len(mixed) == 32
+    with pytest.raises(bench.BenchError):
+        bench.fleet_links("lan", 4, 50)
+
+
 def test_render_prints_every_measurement():
-    def run(name, measured, predicted, chains, arrivals, **kw):
-        return {"name": name, "ok": True, "measured_s": measured, "predicted_s": predicted, "plan": {"chains": chains},
+    def run(name, measured, predicted, plan, arrivals, **kw):
+        return {"name": name, "ok": True, "measured_s": measured, "predicted_s": predicted, "plan": plan,
                 "arrivals": arrivals, "cpu_busy": 0.5, "repairs": 0, "bytes_in": 0, "error": "", **kw}
 
-    chains = [["w1", "w2"], ["w3", "w4"]]
+    chains = {"kind": "chains", "chains": [["w1", "w2"], ["w3", "w4"]], "parents": []}
+    stripes = {"kind": "stripes", "chains": [["w1", "w2", "w3", "w4"]] * 4, "parents": [[-1, 0, 0, 0]] * 4}
     arr = {"w1": 45.0, "w2": 46.0, "w3": 45.5, "w4": 46.5}
     results = {
-        "settings": {"size_mib": 256, "chunk_mib": 4, "uplink_mbit": 100, "link_mbit": 50, "rtt_ms": 40},
+        "settings": {"size_mib": 64, "chunk_mib": None, "uplink_mbit": 100, "link_mbit": 50, "rtt_ms": 40},
         "latency": "relay",
-        "sizes": [{"n": 4, "t_star": 44.7, "plan": "2x2", "calibration": {"b_mbit": 48.0}, "runs": {
-            "chain": run("chain", 46.5, 45.5, chains, arr),
-            "star": run("star", 90.0, 89.5, [[w] for w in arr], arr),
-            "fault": run("fault", 50.0, 45.5, chains, {"w1": 45, "w3": 46, "w4": 50}, killed="w2", killed_at_s=18.0,
-                         repairs=1, bytes_in=3 * 256 * MIB),
-            "delta": run("delta", 1.8, 1.7, chains, arr, source={
-                "wire_bytes": 9 * MIB, "total_bytes": 256 * MIB, "publish_s": 0.4, "decode_s": 0.5,
-                "decoded_ok": True}),
-            "links-declared": run("links-declared", 181.4, 49.4, chains, arr),
-            "links-measured": run("links-measured", 49.5, 49.4, chains, arr),
-        }, "links": {"slow": ["w1", "w3"], "declared_mbit": 48.0, "true_up_mbit": 12.0, "t_star_true": 44.7,
-                     "plan_declared": "2x2", "plan_measured": "2x2", "slow_at_tails": True,
-                     "measured_up_mbit": {"w1": 12.1, "w3": 11.9}}}],
+        "sizes": [{"fleet": "asym", "n": 4, "t_star": 40.0, "choice": "stripes", "choice_shape": "4 stripes",
+                   "calibration": {"share": 0.96}, "runs": {
+                       "chains": run("chains", 62.0, 60.0, chains, arr),
+                       "stripes": run("stripes", 44.0, 42.0, stripes, arr),
+                       "fault": run("fault", 50.0, 42.0, stripes, {"w2": 45, "w3": 46, "w4": 50}, killed="w1",
+                                    killed_at_s=16.8, repairs=3, bytes_in=3 * 64 * MIB),
+                       "delta-bf16": run("delta-bf16", 1.8, 1.7, stripes, arr, source={
+                           "wire_bytes": 4 * MIB, "total_bytes": 64 * MIB, "publish_s": 0.4, "decode_s": 0.5,
+                           "decoded_ok": True, "changed_share": 0.012}),
+                   }}],
+        "extra": {"nat": {"n": 4, "worker": "w4", "reachable": {"w1": True, "w4": False}, "t_star": 40.0,
+                          "plan": "3 stripes", "pull": ["w4"], "nat_arrival_s": 43.0, "nat_parent": "w2",
+                          "nat_repairs": 0, "run": run("nat", 44.0, 42.0, stripes, arr)}},
     }
     text = bench.render(results)
-    assert "2x2" in text and "1.040" in text  # chain / T*
-    assert "2.01" in text  # star / T*
-    assert "w2 SIGKILLed at 18.0 s; 3/3 survivors complete" in text and "1.08x the fault-free" in text
-    assert "28.4x" in text and "decoded bytes match" in text
-    assert "w1, w3 declared 48.0 Mbit/s up, really upload 12.0" in text
-    assert "measured 181.40 s" in text and "(up: w1 12.1, w3 11.9 Mbit/s; slow workers at tails: yes)" in text
-    assert "measured 49.50 s = 1.11x T*, 3.7x faster" in text
+    assert "stripes (4 stripes)" in text and "2x2" in text
+    assert "1.55" in text and "1.10" in text  # chains and stripes measured / T*
+    assert "stripe owner w1 SIGKILLed at 16.8 s; 3/3 survivors complete" in text and "1.14x the fault-free" in text
+    assert "1.20% of elements changed" in text and "(16.0x)" in text and "decoded bytes match" in text
+    assert "found unreachable: w4" in text and "w4 complete at 43.00 s (its largest span from w2, 0 repairs)" in text
 
 
 # -- what the benchmark found, each fix pinned down ------------------------------------------

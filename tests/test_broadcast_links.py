@@ -152,7 +152,8 @@ def test_measured_upload_moves_a_misdeclared_worker_to_a_tail():
         times, plans = [], []
         try:
             for version in (1, 2):
-                plan = plan_broadcast(M, table.uplink.rate, [table.link(w) for w in ids], chunk, headroom=0.95)
+                plan = plan_broadcast(M, table.uplink.rate, [table.link(w) for w in ids], chunk, headroom=0.95,
+                                      designs=("star", "chains"))  # the scenario is who heads a chain
                 plans.append(plan)
                 await src.publish(os.urandom(M), version, chunk_size=chunk)
                 t0 = time.monotonic()

@@ -31,7 +31,7 @@ def test_chain_of_three_relays_in_namespaces(tmp_path: Path) -> None:
         assert 38 <= cal["rtt_ms"] <= 50, cal  # 2 x 20 ms through the delay relay
         # paced a little below the links' capacity, as the benchmark found works best
         plan = plan_broadcast(settings.size, cal["u_mbit"] * MBIT, bench.peers(cal), settings.chunk, headroom=0.95,
-                              stripes=False)
+                              designs=("star", "chains"))
         assert plan.kind == "chains" and [len(c) for c in plan.chains] == [3]
         run = bench.transfer(topo, "chain", plan, timeout_s=60)
     assert run.ok, run.error  # every relay complete, bytes identical to the source's

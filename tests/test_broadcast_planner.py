@@ -181,7 +181,7 @@ def test_stripe_rates_respect_every_owner_upload_and_the_learner_uplink():
 
 def test_unreachable_workers_are_pulling_leaves_in_every_design():
     fleet = _fleet(8, 100, 100, reachable=lambda i: i not in (2, 5))
-    for kwargs in ({"ks": [2], "stripes": False}, {"stripes": True}):
+    for kwargs in ({"ks": [2], "designs": ["chains"]}, {"designs": ["stripes"]}):
         plan = plan_broadcast(64 * MIB, 100 * MBIT_, fleet, 1 * MIB, **kwargs)
         assert plan.pull == ("w2", "w5")
         for tree, parents in zip(plan.chains, plan.parents):

@@ -133,3 +133,17 @@ def test_reference_scenario_workers_get_their_caps() -> None:
     with Topology(hosts) as topo:
         mbit = goodput_mbit(topo, "l", "w", 250_000_000)
     assert 900.0 <= mbit <= 1010.0, mbit
+
+
+def test_a_host_behind_nat_refuses_inbound_connections_but_connects_out() -> None:
+    """`accept_inbound = false`: a SYN to the host is dropped (the connect times out, where an
+    open host answers at once), while the host's own connections and their replies work."""
+    specs = _two()
+    specs[1] = HostSpec(name="b", up_mbit=50, down_mbit=50, accept_inbound=False)
+    with Topology(specs) as topo:
+        connect = "import socket; s = socket.socket(); s.settimeout(1.5); print(s.connect_ex(('{ip}', {port})))"
+        a_to_b = topo["a"].run([sys.executable, "-c", connect.format(ip=topo["b"].ip, port=1)])
+        b_to_a = topo["b"].run([sys.executable, "-c", connect.format(ip=topo["a"].ip, port=1)])
+        assert a_to_b.output.strip() == "11"  # EAGAIN: the SYN vanished (timed out), no RST came back
+        assert b_to_a.output.strip() == "111"  # ECONNREFUSED from a: b's outbound SYN and a's reply pass
+        assert goodput_mbit(topo, "b", "a", 2_000_000) > 30  # b uploads over its own connection

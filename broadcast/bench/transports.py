@@ -145,3 +145,29 @@ def compare_transports(size: int, chain_relays: int = 3) -> list[dict]:
             except BroadcastError as e:
                 rows.append({"transport": name, "note": f"failed: {e}"})
     return rows
+
+
+def cli(argv: list[str]) -> int:
+    """`echo-rl bench broadcast transports`: MB/s on loopback, aiohttp vs libp2p: one stream, and a
+    3-relay chain."""
+    import argparse
+    import json
+
+    from broadcast.bench.table import fmt, table
+    from broadcast.manifest import MIB
+
+    p = argparse.ArgumentParser(prog="echo-rl bench broadcast transports", description=cli.__doc__)
+    p.add_argument("--size-mib", type=float, default=128, help="bytes to stream per transport")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = p.parse_args(list(argv))
+    rows = compare_transports(int(args.size_mib * MIB))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"loopback, {args.size_mib:g} MiB in 1 MiB frames (the broadcast framing): one stream per transport, "
+          "then a relay chain (`broadcast.relay`) per transport; every node in one process, so CPU is the sum "
+          "of all of them")
+    print(table(["transport", "MB/s", "CPU s/GiB", "note"],
+                [[r["transport"], fmt(r.get("mb_s")), fmt(r.get("cpu_s_per_gib"), ".2f"), r.get("note", "")]
+                 for r in rows]))
+    return 0
