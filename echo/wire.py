@@ -115,7 +115,9 @@ def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMs
     logprobs = np.frombuffer(lb, dtype="<f4")
     if len(tokens) != len(logprobs):
         raise Rejected(400, "malformed", f"{where}: {len(tokens)} tokens but {len(logprobs)} log-probs")
-    if not 1 <= len(tokens) <= max_tokens:
+    if not len(tokens):
+        raise Rejected(422, "empty-completion", f"{where}: no completion tokens; a sample has at least one (EOS counts)")
+    if len(tokens) > max_tokens:
         raise Rejected(413, "oversized", f"{where}: {len(tokens)} completion tokens; allowed 1..{max_tokens} (rollout.max_new_tokens)")
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise Rejected(422, "bad-token", f"{where}: token ids must lie in [0, {vocab_size})")

@@ -496,7 +496,8 @@ def build_app(state: LearnerState) -> web.Application:
             "buffer": state.buffer.buffer.metrics(),
             "leases": {**vars(state.leases.stats), "outstanding": state.leases.outstanding,
                        "waiting_requests": len(state.waiters)},
-            "workers": [w.row(now, w.id in alive, leased.get(w.id, 0)) for w in state.workers.values()],
+            "workers": [{**w.row(now, w.id in alive, leased.get(w.id, 0)), **state.verifier.summary(w.id)}
+                        for w in state.workers.values()],
             "quarantined": [{"id": w.id, "name": w.name, "address": w.address, "why": w.quarantined}
                             for w in state.workers.values() if w.quarantined],
             "links": state.links.to_dict(),

@@ -68,6 +68,13 @@ class Verifier:
     def forget(self, worker_id: str) -> None:
         self.evidence.pop(worker_id, None)
 
+    def summary(self, worker_id: str) -> dict:
+        """The evidence on one worker, as /v1/status shows it."""
+        ev = self.evidence.get(worker_id) or Evidence()
+        return {"rewards_checked": len(ev.rewards), "reward_mismatch_share": round(ev.mismatch_share, 4),
+                "logprob_gap": round(ev.mean_gap, 4), "gap_tokens": ev.gap_tokens,
+                "lease_rate": round(ev.lease_rate, 3), "claims_clamped": ev.claims_clamped}
+
     def pick(self, groups: list[Group]) -> list[bool]:
         """Which groups to rescore (on the event loop: cheap and deterministic per seed)."""
         f = self.cfg.rescore_fraction

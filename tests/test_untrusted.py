@@ -320,3 +320,102 @@ def test_ledger_replay_reissues_in_flight_and_rolled_back_prompts(tmp_path):
     assert [p.id for p in rec.pending] == ["p1", "p4", "p5"] and rec.starts == 2
     with contextlib.suppress(FileNotFoundError):
         assert Ledger.replay(tmp_path / "none.jsonl", 0).pending == []
+
+
+# --- end to end, real learner and worker processes ---------------------------------------------
+
+
+def _ledger(run_dir):
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line.endswith("}")]
+
+
+def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(learner_factory):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, WATCHED
+
+    lp = learner_factory(run={"steps": 24, "checkpoint_every": 4}, buffer={"max_staleness": 2})
+    for name in ("a", "b"):
+        lp.worker(name, "--worker.max_rollouts_per_s", "150")
+    lp.wait_until(lambda: lp.status()["learner_version"] >= 10, 120, "ten updates")
+    lp.proc.send_signal(signal.SIGKILL)
+    lp.proc.wait(10)
+    before = _ledger(lp.run_dir)
+    newest_before = max(e["v"] for e in before if e["e"] == "P")
+    leased_before = {p[0] for e in before if e["e"] == "L" for p in e["p"]}
+
+    out = open(lp.run_dir.parent / "resumed.log", "w")
+    resumed = subprocess.Popen([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--json"],
+                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=WATCHED)
+    try:
+        assert resumed.wait(240) == 0, (lp.run_dir.parent / "resumed.log").read_text()[-3000:]
+    finally:
+        resumed.kill()
+    for w in lp.workers:  # the same processes, never restarted: they found the learner again
+        assert w.wait(60) == 0
+    logs = [(lp.run_dir.parent.parent / f"{name}.log").read_text() for name in ("a", "b")]
+    assert all("joined" in log and "again as" in log for log in logs)
+
+    events = _ledger(lp.run_dir)
+    resume = next(i for i, e in enumerate(events) if e["e"] == "R")
+    checkpoint = events[resume]["from"]
+    assert checkpoint % 4 == 0 and checkpoint <= 10
+    after = events[resume + 1:]
+    # Version numbers continue past everything published before the crash.
+    assert min(e["v"] for e in after if e["e"] == "P") > newest_before
+    # What was leased before the crash and not trained by a checkpointed update went out again.
+    trained_kept = {p for e in events[:resume] if e["e"] == "T" and e["s"] <= checkpoint for p in e["p"]}
+    reissued = {p[0] for e in after if e["e"] == "L" for p in e["p"]} & leased_before
+    assert reissued and reissued.isdisjoint(trained_kept)
+    # No group is trained twice: every prompt appears in at most one surviving training event.
+    surviving = [p for e in events[:resume] if e["e"] == "T" and e["s"] <= checkpoint for p in e["p"]]
+    surviving += [p for e in after if e["e"] == "T" for p in e["p"]]
+    assert len(surviving) == len(set(surviving))
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 24
+
+
+def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_factory, tiny_model):
+    """A worker whose behaviour log-probs are made up (claimed near-certain for random tokens)
+    while its rewards are right: the trainer's π on its fresh groups gives it away."""
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    lp = learner_factory(run={"steps": 100000}, buffer={"max_staleness": 4}, verify={"min_gap_tokens": 32})
+    lp.worker("honest", "--worker.max_rollouts_per_s", "20")  # slow: most groups trained are the cheat's, fresh
+    wid, cred = lp.join("cheat")
+    lp.wait_until(lambda: lp.status()["learner_version"] >= 1, 60, "training to start")
+    told = None
+    for _ in range(40):
+        status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 1, "version": lp.status()["published_version"]},
+                                   token=cred)
+        if status == 403:
+            told = lease
+            break
+        if not lease.get("lease_id"):
+            continue
+        version = lease["snapshot"]["version"]
+        ids = tok("++", add_special_tokens=False)["input_ids"]  # never a right answer: reward 0, as claimed
+        groups = [GroupMsg(p["id"], version, [SampleMsg(ids, [-0.01] * len(ids), 0.0) for _ in range(4)])
+                  for p in lease["prompts"]]
+        status, body = lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
+                                  content_type=CONTENT_TYPE, token=cred)
+        if status == 403:
+            told = body
+            break
+        assert status == 200, body
+        lp.request("POST", "/v1/heartbeat", {}, token=cred)
+        time.sleep(0.3)
+    assert told is not None and told["error"] == "quarantined" and "log-probs differ" in told["message"], json.dumps(lp.status()["workers"])
+    status, hb = lp.request("POST", "/v1/heartbeat", {}, token=cred)
+    assert hb["state"] == "quarantined"
+    assert [q["id"] for q in lp.status()["quarantined"]] == [wid]
+    metrics = urllib.request.urlopen(lp.url + "/metrics").read().decode()
+    assert 'echo_workers_quarantined_total{reason="logprobs"} 1.0' in metrics
+    v = lp.status()["learner_version"]  # the honest worker carries the run on
+    lp.wait_until(lambda: lp.status()["learner_version"] > v + 2, 60, "training to continue")
+    assert all(not w["quarantined"] for w in lp.status()["workers"] if w["name"] == "honest")
