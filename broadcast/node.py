@@ -262,7 +262,7 @@ class Node:
         child = route.route.chains[tree][member]
         first, end = route.route.span(tree, store.manifest.num_chunks)
         rate = route.route.pace(tree)
-        header = {"manifest": store.signed.to_wire(), "route": route.to_wire(), "from": self.id, "tree": tree}
+        header = {"manifest": store.manifest_wire, "route": route.to_wire(), "from": self.id, "tree": tree}
         guard = StallGuard(self.stall_timeout)
         bucket = TokenBucket(rate) if rate else None
 

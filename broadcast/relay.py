@@ -54,6 +54,8 @@ from broadcast.store import BroadcastFailed, Received, TransferStats, VersionGon
 from broadcast.transport import Hop, ProtocolError, Refused, Stalled, StallGuard, TokenBucket, read_header, read_into
 
 log = logging.getLogger("echo.broadcast")
+#: Chunks below this size are hashed on the event loop (~30 us per 64 KiB), bigger ones in a thread.
+INLINE_VERIFY_BYTES = 1 << 20
 #: Errors of a stream to or from one peer: the peer is bad or gone, the relay carries on.
 PEER_ERRORS = (ProtocolError, Stalled, Refused, Libp2pError, aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
@@ -228,7 +230,7 @@ class Relay(Node):
         r = route.route
         store = await self._new_store(signed)
         store.set_spans([p.span for p in places])
-        store.route = route
+        store.route, store.route_wire, store.places = route, route.to_wire(), places
         rates = [r.rates[p.tree] for p in places]
         store.stats.offered_rate = None if None in rates else sum(rates)
         pulling = self.id in r.pull
@@ -245,10 +247,22 @@ class Relay(Node):
                 self._spawn(store, self._expect_push(store, s, p))
         return store
 
+    def _known(self, header: dict) -> VersionStore | None:
+        """The store whose signed manifest and route are byte for byte the stream's: a striped
+        version arrives as one stream per tree, and each need not be verified and parsed again."""
+        manifest, route = header.get("manifest"), header.get("route")
+        for store in self.stores.values():
+            if (store.route is not None and store.places and store.manifest_wire == manifest
+                    and store.route_wire == route):
+                return store
+        return None
+
     async def _expect_push(self, store: VersionStore, s: int, place: Place) -> None:
-        """Pull span `s` from the ancestors if no push for it has begun within the stall timeout."""
+        """Pull span `s` from the ancestors if no push for it has begun within twice the stall
+        timeout. Twice: a busy parent opens its many stripe streams late, and a pull that
+        starts behind can only follow at its tree's rate, never catch up."""
         with contextlib.suppress(asyncio.TimeoutError, BroadcastError):  # ends early once whole (or gone)
-            await asyncio.wait_for(asyncio.shield(store.done), self.stall_timeout)
+            await asyncio.wait_for(asyncio.shield(store.done), 2 * self.stall_timeout)
         if s not in store.inbound and store.gone is None:
             store.inbound[s] = "pull"
             await self._fill(store, s, list(place.ancestors), -1, "no push arrived")
@@ -265,12 +279,16 @@ class Relay(Node):
         step = "manifest"
         try:
             header = await asyncio.wait_for(read_header(reader), self.stall_timeout)
-            signed = SignedManifest.from_wire(header["manifest"], self.verify_key)
-            step = "route"
-            route = SignedRoute.from_wire(header["route"], self.verify_key)
+            known = self._known(header)  # the version's other trees: verified and parsed already
+            if known is not None:
+                signed, route, places = known.signed, known.route, known.places
+            else:
+                signed = SignedManifest.from_wire(header["manifest"], self.verify_key)
+                step = "route"
+                route = SignedRoute.from_wire(header["route"], self.verify_key)
+                route.route.check(signed.manifest)
+                places = route.route.places(self.id, signed.manifest.num_chunks)
             r = route.route
-            r.check(signed.manifest)
-            places = r.places(self.id, signed.manifest.num_chunks)
             tree = header.get("tree", places[0].tree)
             place = next((p for p in places if p.tree == tree), None)
             if place is None:
@@ -346,7 +364,10 @@ class Relay(Node):
             view = store.view(i)
             await read_into(reader, view, guard, self.down)
             store.stats.bytes_in += n
-            await asyncio.to_thread(verify_chunk, m, i, view)  # blake3 releases the GIL
+            if n >= INLINE_VERIFY_BYTES:
+                await asyncio.to_thread(verify_chunk, m, i, view)  # blake3 releases the GIL
+            else:  # a thread hop costs more than hashing a small chunk
+                verify_chunk(m, i, view)
             await store.commit(i)
 
     def _complete(self, store: VersionStore) -> None:

@@ -78,11 +78,14 @@ class VersionStore:
         self.main_span = 0  # the largest span: its sender is `stats.parent`
         self.stats = TransferStats(m.key)
         self.route: SignedRoute | None = None
+        self.manifest_wire = signed.to_wire()  # what streams carry, kept to recognise them cheaply
+        self.route_wire: bytes | None = None
+        self.places: list = []  # this node's `broadcast.route.Place`s in the route
         self.span_rates: list[float | None] = [None]  # per span: its tree's rate, if the route is paced
         self.last_failure = ""  # why the latest inbound stream ended early (for repair events)
         self.gone: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
-        self._cond = asyncio.Condition()
+        self._conds = [asyncio.Condition()]  # one per span: a commit wakes only that span's readers
         self.done = asyncio.get_running_loop().create_future()
         if self.complete:
             self.done.set_result(self)
@@ -109,6 +112,7 @@ class VersionStore:
         self.spans = list(spans)
         self.next = [a for a, _ in spans]
         self.span_rates = [None] * len(spans)
+        self._conds = [asyncio.Condition() for _ in spans]
         self.main_span = max(range(len(spans)), key=lambda s: spans[s][1] - spans[s][0])
 
     def pace(self, index: int) -> float | None:
@@ -127,17 +131,18 @@ class VersionStore:
     async def commit(self, index: int) -> None:
         s = self.span_of(index)
         assert index == self.next[s], f"chunks of a span commit in order ({index} after {self.next[s]})"
-        async with self._cond:
+        async with self._conds[s]:
             self.next[s] = index + 1
             self.have += 1
-            self._cond.notify_all()
+            self._conds[s].notify_all()
         if self.complete and not self.done.done():
             self.done.set_result(self)
 
     async def wait_chunk(self, index: int) -> memoryview:
         """The verified bytes of chunk `index`, waiting until it is verified."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.ready(index) or self.gone is not None)
+        cond = self._conds[self.span_of(index)]
+        async with cond:
+            await cond.wait_for(lambda: self.ready(index) or self.gone is not None)
         if not self.ready(index):
             raise VersionGone(f"{self.key}: {self.gone}")
         return self.view(index)
@@ -145,8 +150,9 @@ class VersionStore:
     async def close(self, reason: BaseException) -> None:
         """Fail or evict: wake every waiter, cancel this version's tasks."""
         self.gone = reason
-        async with self._cond:
-            self._cond.notify_all()
+        for cond in self._conds:
+            async with cond:
+                cond.notify_all()
         if not self.done.done():
             self.done.set_exception(reason)
             self.done.exception()  # mark retrieved: nobody may be waiting

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -148,7 +149,7 @@ class Topology:
         self.hub_ns = ""
         self.hub_ip = f"{subnet}.{_HUB}"
         self._namespaces: list[str] = []
-        self._relay_server: Process | None = None
+        self._relay_servers: list[Process] = []  # delay relay processes, relays dealt round robin
         self._relays: dict[tuple[str, str, int], tuple[str, int]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class Topology:
         self._namespaces.clear()
         self.hosts.clear()
         self._relays.clear()
-        self._relay_server = None
+        self._relay_servers = []
         if errors:
             raise TopologyError(
                 "teardown was incomplete; run `python -m netem cleanup`: " + "; ".join(errors)
@@ -316,11 +317,13 @@ class Topology:
         return self._relays[key]
 
     def _request_relay(self, target: tuple[str, int], delay_ms: float) -> tuple[str, int]:
-        """Ask the hub's relay server (started on first use) for one more relay."""
-        if self._relay_server is None:
+        """Ask one of the hub's relay servers (one per core, started on first use; relays dealt
+        round robin, so every core carries delayed bytes) for one more relay."""
+        i = len(self._relays) % (os.cpu_count() or 1)
+        if i >= len(self._relay_servers):
             argv = [sys.executable, "-m", "netem.delay", "--control"]
-            self._relay_server = self.processes.start("hub:relay", argv, self.hub_ns, stdin=True)
-        server = self._relay_server
+            self._relay_servers.append(self.processes.start(f"hub:relay{i}", argv, self.hub_ns, stdin=True))
+        server = self._relay_servers[i]
         assert server.popen.stdin is not None
         request = {"listen": [self.hub_ip, 0], "target": list(target), "delay_ms": delay_ms}
         replies_before = len(_json_lines(server.output()))
