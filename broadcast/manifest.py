@@ -37,7 +37,7 @@ DEFAULT_CHUNK_SIZE = 4 * MIB
 MIN_CHUNK_SIZE = 64 * 1024
 MAX_CHUNK_SIZE = 64 * MIB
 HASH_BYTES = 32
-FORMAT = 1
+FORMAT = 2  # 2: a raw chunk travels as its hash alone (its offsets and length follow from its index)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -121,6 +121,22 @@ class ChunkEntry:
             raise ManifestError(f"bad chunk entry {raw!r}: expected 8 fields") from e
 
 
+def _chunks_from_wire(raw: Sequence, chunk_size: int, total_size: int) -> tuple[ChunkEntry, ...]:
+    """Chunk entries from their wire form: a raw chunk as its hash, others as full entries
+    (`Manifest._validate` then checks the whole layout)."""
+    out, wire = [], 0
+    for i, c in enumerate(raw):
+        if isinstance(c, bytes):
+            offset = i * chunk_size
+            length = max(0, min(chunk_size, total_size - offset))
+            entry = ChunkEntry(i, offset, length, wire, length, "raw", c, c)
+        else:
+            entry = ChunkEntry.from_wire(c)
+        out.append(entry)
+        wire = entry.wire_offset + entry.wire_length
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything a receiver needs to fetch, verify and install one version.
@@ -176,7 +192,9 @@ class Manifest:
             "chunk_size": self.chunk_size,
             "root": self.root,
             "tensors": [t.to_wire() for t in self.tensors],
-            "chunks": [c.to_wire() for c in self.chunks],
+            # A raw chunk is just its hash: everything else follows from its index, the chunk size
+            # and the contiguous wire layout. A 16 GB version in 4 MiB chunks: 130 KB instead of 370.
+            "chunks": [c.hash if c.encoding == "raw" else c.to_wire() for c in self.chunks],
         }
         return msgpack.packb(doc, use_bin_type=True)
 
@@ -198,7 +216,7 @@ class Manifest:
                 total_size=int(doc["total_size"]),
                 chunk_size=int(doc["chunk_size"]),
                 root=bytes(doc["root"]),
-                chunks=tuple(ChunkEntry.from_wire(c) for c in doc["chunks"]),
+                chunks=_chunks_from_wire(doc["chunks"], int(doc["chunk_size"]), int(doc["total_size"])),
                 tensors=tuple(TensorEntry.from_wire(t) for t in doc["tensors"]),
                 encoding=doc["encoding"],
                 base_version=None if doc["base_version"] is None else int(doc["base_version"]),

@@ -317,6 +317,7 @@ class Relay(Node):
             self._spawn(store, self._fill(store, s, list(place.ancestors), -1, "pull", repair=False))
             return 409, f"refused: {stranger}; pulling from {place.ancestors[0].id} instead"
         store.inbound[s] = "push"
+        store.stats.spans.append({"first": place.span[0], "by": "push", "from": header.get("from"), "t": time.time()})
         ancestors = list(place.ancestors[sender:])
         if await self._receive(store, reader, s, ancestors[0]):
             return 200, json.dumps({"have": store.have})
@@ -396,6 +397,7 @@ class Relay(Node):
         """
         idx, source_tries = failed_index + 1, 0
         end = store.spans[s][1]
+        store.stats.spans.append({"first": store.spans[s][0], "by": reason, "t": time.time()})
         while store.next[s] < end and store.gone is None:
             if idx >= len(ancestors):
                 if not ancestors or source_tries >= self.max_source_retries:

@@ -46,6 +46,7 @@ class TransferStats:
     t_complete: float | None = None
     pushes: list[dict] = field(default_factory=list)  # completed push streams sent: chain, to, seconds, bytes
     repairs: list[dict] = field(default_factory=list)
+    spans: list[dict] = field(default_factory=list)  # per span: first chunk, how it came, from whom, when
     corrupt: list[dict] = field(default_factory=list)
 
 

@@ -65,6 +65,8 @@ def test_from_bytes_rejects_garbage_and_inconsistency():
     import msgpack
 
     doc = msgpack.unpackb(m.to_bytes())
+    assert all(isinstance(c, bytes) for c in doc["chunks"])  # raw chunks travel as their hash alone
+    doc["chunks"][1] = m.chunks[1].to_wire()
     doc["chunks"][1][2] = 5  # length no longer matches the layout
     with pytest.raises(ManifestError, match="out of place"):
         Manifest.from_bytes(msgpack.packb(doc))
