@@ -85,6 +85,8 @@ class RunResult:
     replayed_share: float = 0.0  # of trained group-uses, the share that were replays
     reuse_counts: dict[str, int] = field(default_factory=dict)  # uses at training -> count
     rollouts: int = 0  # generated over the whole run
+    wasted_share: float = 0.0  # of generated groups, the share dropped (staler than S, or queue overflow)
+    reward_last: float = 0.0  # mean training reward of the last 50 updates (less noisy than one eval)
     step_period_s: float = 0.0  # median wall time per update
     learner_idle: float = 0.0
 
@@ -170,6 +172,8 @@ def analyse(run_dir: Path, arm: str, seed: int, target: float | None, group_size
         return (fresh + upto["recycled"] + upto["dropped_overflow"]) * group_size
 
     r.rollouts = generated(steps[-1])
+    r.wasted_share = (steps[-1]["recycled"] + steps[-1]["dropped_overflow"]) * group_size / max(1, r.rollouts)
+    r.reward_last = statistics.fmean(s["reward_mean"] for s in steps[-50:])
     if target is not None:
         hit = next((k for k, _, acc in r.evals if acc >= target and k > 0), None)
         if hit is not None:
@@ -233,6 +237,8 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
             "truncated_share": statistics.fmean(r.truncated_share for r in runs),
             "is_weight_mean": statistics.fmean(r.is_weight_mean for r in runs),
             "replayed_share": statistics.fmean(r.replayed_share for r in runs),
+            "wasted_share": statistics.fmean(r.wasted_share for r in runs),
+            "reward_last": statistics.fmean(r.reward_last for r in runs),
             "step_period_s": statistics.fmean(r.step_period_s for r in runs),
             "price_per_hour": round(3600 * prices.per_second(price), 4),
         })
@@ -247,7 +253,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         return format(v, fmt) + (f" ± {format(sd, sd_fmt or fmt)}" if sd is not None else "")
 
     head = ("| arm | steps to target | wall to target (s) | speed-up | final accuracy (mean ± sd, min–max) | "
-            "$ to target | rollouts to target | mean staleness | truncated weights | replayed |")
+            "$ to target | rollouts to target | mean staleness | truncated weights | replayed | dropped | reward, last 50 |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         reached = f" ({r['reached']}/{r['runs']})" if r["reached"] < r["runs"] else ""
@@ -257,7 +263,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {f(r['final_accuracy'], '.3f', r['final_accuracy_sd'])} ({r['final_accuracy_min']:.3f}–{r['final_accuracy_max']:.3f}) "
             f"| {f(r['dollars_to_target'], '.4f')} | {f(r['rollouts_to_target'], '.0f')} "
             f"| {r['mean_staleness']:.2f} (max {r['max_staleness']}) | {100 * r['truncated_share']:.2f}% "
-            f"| {100 * r['replayed_share']:.0f}% |")
+            f"| {100 * r['replayed_share']:.0f}% | {100 * r['wasted_share']:.0f}% | {r['reward_last']:.3f} |")
     return "\n".join(lines)
 
 
@@ -296,8 +302,12 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="results directory (default runs/experiment-staleness-TIME)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
     parser.add_argument("--smoke", action="store_true", help="seconds-long check of the harness: 6 steps, 1 seed, sync and S = 1 with replay")
+    parser.add_argument("--results", type=Path, metavar="DIR",
+                        help="run nothing: analyse the runs of an earlier sweep (its results.json) again, e.g. with another --target")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args, extra = parser.parse_known_args(argv)
+    if args.results:
+        return _reanalyse(args.results, args.target, args.json)
     try:
         ints = lambda text, flag: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
         staleness, replay = ints(args.staleness, "--staleness"), ints(args.replay, "--replay")
@@ -353,11 +363,17 @@ def cli(argv: list[str]) -> int:
         print("echo-rl experiment: no synchronous run finished, so there is no default target; pass --target", file=sys.stderr)
         return 1
     results = [retarget(r, target, n) for r in results]
+    report = {"experiment": "staleness", "config": str(args.config), "out": str(out), "steps": cfg.run.steps,
+              "seeds": args.seeds, "batch_rollouts": G * n, "group_size": n, "workers": cfg.workers.spawn,
+              "command": "echo-rl experiment " + " ".join(argv)}
+    return _finish(report, results, arms, prices, target, out, args.json)
+
+
+def _finish(report: dict[str, Any], results: list[RunResult], arms: list[Arm], prices: Prices, target: float,
+            out: Path, as_json: bool) -> int:
+    """Summarise, write results.json, table.md and the PNG, print."""
     rows = summarise(results, arms, prices, target)
-    report = {"experiment": "staleness", "config": str(args.config), "out": str(out), "target": target,
-              "steps": cfg.run.steps, "seeds": args.seeds, "batch_rollouts": G * n, "workers": cfg.workers.spawn,
-              "prices": asdict(prices), "command": "echo-rl experiment " + " ".join(argv),
-              "rows": rows, "runs": [asdict(r) for r in results]}
+    report.update(target=target, prices=asdict(prices), rows=rows, runs=[asdict(r) for r in results])
     (out / "results.json").write_text(json.dumps(report, indent=2))
     text = table(rows)
     (out / "table.md").write_text(text + "\n")
@@ -366,16 +382,38 @@ def cli(argv: list[str]) -> int:
 
         plot_experiment(report, out / "staleness.png")
     failed = [r for r in results if not r.ok]
-    if args.json:
+    if as_json:
         print(json.dumps(report))
     else:
-        print(f"\ntarget eval accuracy {target:.3f}; {cfg.run.steps} steps; prices: learner ${prices.learner}/h, "
+        print(f"\ntarget eval accuracy {target:.3f}; {report['steps']} steps; prices: learner ${prices.learner}/h, "
               f"{prices.workers} workers x ${prices.worker}/h (centralized: x ${prices.learner}/h)\n")
         print(text)
         print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}, {out / 'staleness.png'}")
         for r in failed:
             print(f"FAILED {r.arm} seed {r.seed}: {r.error}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _reanalyse(out: Path, target: float | None, as_json: bool) -> int:
+    try:
+        report = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"echo-rl experiment: cannot read {out / 'results.json'} ({e}); pass the directory of a finished sweep",
+              file=sys.stderr)
+        return 2
+    from learner.config import load_learner_config
+
+    target = report["target"] if target is None else target
+    n = load_learner_config(out / "base.toml").rollout.group_size  # what every run of the sweep started from
+    fields = set(RunResult.__dataclass_fields__)
+    results = [retarget(RunResult(**{k: v for k, v in r.items() if k in fields}), target, n) for r in report["runs"]]
+    arms = [_Named(name) for name in dict.fromkeys(r.arm for r in results)]  # in the sweep's order
+    return _finish(report, results, arms, Prices(**report["prices"]), target, out, as_json)
+
+
+@dataclass(frozen=True)
+class _Named:
+    name: str
 
 
 def _worker_price(overrides: list[str]) -> float:

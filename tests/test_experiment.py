@@ -4,6 +4,7 @@ its seconds-long smoke mode (a real learner and real workers on loopback)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ def _write_log(run_dir: Path, accuracies: dict[int, float], steps: int = 6, uses
     for k in range(1, steps + 1):
         rec = {"step": k, "time": 1000.0 + 2.0 * k, "loss": 0.0, "tokens": 100 * k, "is_weight_mean": 1.0,
                "is_truncated_fraction": 0.1 if k == steps else 0.0, "mismatch_kl": 0.0, "staleness": [0, 1],
-               "recycled": k, "dropped_overflow": 0, "idle_ratio": 0.5}
+               "recycled": k, "dropped_overflow": 0, "idle_ratio": 0.5, "reward_mean": 0.1 * k}
         if uses:
             rec.update(uses=uses, replayed=sum(u > 1 for u in uses))
         lines.append(rec)
@@ -37,6 +38,7 @@ def test_analyse_reads_target_wall_time_rollouts_and_weights_from_the_run_log(tm
     assert r.rollouts_to_target == (4 * 2 + 4) * 4  # 4 steps of 2 fresh groups + 4 dropped groups, n = 4
     assert r.truncated_share == pytest.approx(0.1 * 600 / 2100)  # token-weighted: only the last step truncated
     assert r.mean_staleness == 0.5 and r.max_staleness == 1 and r.step_period_s == 2.0
+    assert r.wasted_share == pytest.approx(6 / (12 + 6)) and r.reward_last == pytest.approx(0.35)
     assert analyse(run, "sync", 0, target=0.9, group_size=4).steps_to_target is None  # never reached
 
 
@@ -59,6 +61,20 @@ def test_summary_prices_dollars_to_target_and_the_centralized_configuration():
     assert rows["sync"]["final_accuracy"] == pytest.approx(0.805)
     text = table(list(rows.values()))
     assert text.count("\n") == 2 + 2 and "| S2-I1 | 10 ± 0 | 50.0 ± 0.0 | 2.00x |" in text
+
+
+def test_a_finished_sweep_is_analysed_again_with_another_target(tmp_path, capsys):
+    run = _write_log(tmp_path / "runs" / "sync-seed0-x", {2: 0.4, 4: 0.7, 6: 0.65})
+    (tmp_path / "base.toml").write_text("[rollout]\ngroup_size = 4\n")
+    r = analyse(run, "sync", 0, target=0.9, group_size=4)
+    report = {"experiment": "staleness", "steps": 6, "seeds": 1, "target": 0.9, "runs": [asdict(r)],
+              "prices": {"learner": 3.6, "worker": 0.36, "workers": 4}}
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    assert cli(["staleness", "--results", str(tmp_path), "--target", "0.5", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert (row["arm"], row["target"], row["steps_to_target"], row["wall_to_target_s"]) == ("sync", 0.5, 4, 6.0)
+    assert cli(["staleness", "--results", str(tmp_path / "nowhere")]) == 2
+    assert "pass the directory of a finished sweep" in capsys.readouterr().err
 
 
 def test_arms_follow_the_publication_rule_and_refuse_what_cannot_work():
