@@ -150,7 +150,7 @@ def _fleet(n: int, down: float, up, latency: float = 0.02, reachable=lambda i: T
 def test_stripes_reach_the_bound_where_chains_collapse_to_the_slowest_upload(fleet):
     """The spec's two cases: chains predict 1.31x and 2.69x T*; stripes stay near T* (latency,
     one chunk per hop and the groups' unused upload are what is left)."""
-    M, U = 128 * MIB, 200 * MBIT_
+    M, U = 2048 * MIB, 200 * MBIT_
     plan = plan_broadcast(M, U, fleet)
     best_chain = min(v for k, v in plan.alternatives.items() if k.startswith("chains"))
     assert plan.kind == "stripes"
@@ -193,11 +193,11 @@ def test_unreachable_workers_are_pulling_leaves_in_every_design():
 
 def test_chunk_size_follows_span_and_hops_within_limits():
     assert choose_chunk(128 * MIB, 128 * MIB, 5) == 9 * 64 * 1024  # 2% of M over 5 hops, rounded up to 64 KiB
-    assert choose_chunk(128 * MIB, 1 * MIB, 1) == 64 * 1024  # floor: per-chunk overhead
+    assert choose_chunk(128 * MIB, 1 * MIB, 1) == 256 * 1024  # floor: per-chunk overhead
     assert choose_chunk(16 << 30, 16 << 30, 1) == 16 * MIB  # ceiling
     assert choose_chunk(64 << 30, 1 << 20, 2) == (64 << 30) >> 16  # at most 65,536 chunks
-    plan = plan_broadcast(128 * MIB, 200 * MBIT_, _fleet(16, 200, 50))
-    assert plan.chunk_bytes < 1 * MIB  # stripes of 8 MiB each want small chunks
+    plan = plan_broadcast(512 * MIB, 200 * MBIT_, _fleet(16, 200, 50))
+    assert plan.kind == "stripes" and plan.chunk_bytes < 1 * MIB  # stripes of 32 MiB each want small chunks
 
 
 def test_chunk_spans_tile_and_routes_refuse_gaps_and_pulling_parents():
