@@ -232,3 +232,47 @@ def test_libp2p_push_from_a_peer_the_route_does_not_name_is_refused():
     assert [e["event"] for e in events if e["event"] == "sender_rejected"] == ["sender_rejected"]
     assert bytes(got.data) == blob and got.stats.parent == "source" and not got.stats.corrupt
     assert Libp2pHost and peer_id(key.public_key())  # the identity the route binds the source to
+
+
+def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
+    """The learner's publisher, as the learner drives it: workers with `reachable = False` (the
+    join probe failed) are planned as pulling leaves, `None` (not probed yet) counts as
+    reachable, the chunk size comes from the plan (at most the configured one), and every
+    worker ends with the version, the unreachable one without anyone connecting to it."""
+    from types import SimpleNamespace
+
+    from broadcast.links import MBIT, LinkTable
+    from broadcast.star import BlobStore
+    from learner.publisher import Publisher
+
+    blob = random_blob(3 * MIB, seed=8)
+
+    async def run():
+        links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
+        pub = Publisher(BlobStore(), "chain", chunk_bytes=1 * MIB, deltas=False, links=links,
+                        key_file=tmp_path / "learner.key", host="127.0.0.1")
+        source_url = await pub.start()
+        key = SigningKey.load(tmp_path / "learner.key")
+        relays = {w: Relay(w, key.public_key(), stall_timeout=3,
+                           **({"public_url": closed_port_url(), "source_url": source_url} if w == "w3" else {}))
+                  for w in ("w1", "w2", "w3")}
+        for w, r in relays.items():
+            await r.start()
+            links.declare(w, down=40 * MBIT, up=10 * MBIT)
+        workers = [SimpleNamespace(id=w, relay_url=r.url, version=-1, reachable={"w1": True, "w2": None}.get(w, False))
+                   for w, r in relays.items()]
+        try:
+            announced = await pub.publish(1, blob, workers)
+            got = {w: await r.wait("v1", 30) for w, r in relays.items()}
+            return announced, got, pub.wire_bytes[1]
+        finally:
+            for r in relays.values():
+                await r.stop()
+            await pub.stop()
+
+    announced, got, wire = asyncio.run(run())
+    plan = wire["plans"]["v1"]
+    assert plan["pull"] == ["w3"] and all(tree[0] != "w3" for tree in plan["chains"])
+    assert wire["chunk"] <= 1 * MIB
+    assert all(bytes(g.data) == blob for g in got.values())
+    assert announced["key"] == "v1"
