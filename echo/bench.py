@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "simspeed": ("scheduler.bench:speed_cli", "simulator throughput in simulated rollouts/s"),
     "engines": ("worker.bench:cli", "rollout engines: generation tokens/s, install ms and mismatch_kl, transformers vs vLLM"),
     "overlap": ("learner.bench:cli", "the overlap capacity rule on the real system: bubble vs pool size and S"),
+    "control-plane": ("learner.control_bench:cli", "the control API under many simulated workers with churn: latency per route, loop lag, ledger"),
     "learner": ("learner.trainer_bench:cli", "trainer memory and time: batch tokens, chunked log-probs, ranks, largest model"),
 }
 

@@ -139,6 +139,7 @@ class LeaseReply(Message):
     expires_in: float = 0.0
     snapshot: dict[str, Any] | None = None
     empty: Literal["", "wait", "install"] = ""
+    waited_s: float = 0.0  # how long the learner held this request for work (the long poll)
 
 
 class ReleaseReply(Message):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -306,6 +307,10 @@ class Learner:
 
         t_start, waited = time.monotonic(), 0.0
         display.start(trainer.version)
+        # Serving from here on: what start-up built (the model, torch, tokenizers: millions of
+        # objects) stays out of the cyclic collector, whose full passes over it held the event
+        # loop 100-160 ms (measured by `echo-rl bench control-plane`).
+        gc.freeze()
         loopwatch.watch("echo-learner")
         try:
             while trainer.version < cfg.run.steps:
@@ -318,13 +323,14 @@ class Learner:
                 state.learner_version = trainer.version
                 self.ledger.trained(trainer.version, [g.prompt_id for g in batch.groups])
                 self._check_logprobs(state, batch, stats.pop("group_gaps"))
-                state.changed()  # room in the buffer, and a new version to judge staleness by
+                state.stepped()  # room in the buffer, and a new version to judge staleness by
                 last = trainer.version == cfg.run.steps
                 if trainer.version % I == 0 or last:
                     await self._publish(state, drive)
                     due = cfg.run.eval_every and trainer.version - last_eval_opened >= cfg.run.eval_every
                     if on_workers and (last or (due and state.evals.round is None)):
                         state.evals.open(trainer.version, time.monotonic())
+                        state.changed()  # waiting workers holding this version can evaluate it
                         last_eval_opened = trainer.version
                 record = self._record(trainer, batch, stats, state, wait=t1 - t0, train=t2 - t1,
                                       idle=waited / max(1e-9, time.monotonic() - t_start))
@@ -417,7 +423,6 @@ class Learner:
         workers = [w for w in state.alive_workers(time.monotonic()) if w.active]
         state.announcement = await self.publisher.publish(version, blob, workers)
         state.metrics.published.set(version)
-        state.changed()
 
     def _broadcast_times(self, state: LearnerState) -> dict[int, float]:
         """T_bcast of each version that `[broadcast] done_fraction` of the active workers have

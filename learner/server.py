@@ -54,6 +54,7 @@ from learner.metrics import LearnerMetrics
 from learner.verify import Verdict, Verifier
 
 UNKNOWN_LINK_MBIT = 1000.0  # planning assumption for a link nobody declared or measured yet
+WAKE_BATCH = 32  # waiters woken per turn of the event loop
 PROBE_TIMEOUT_S = 3.0  # a relay that does not answer the learner's probe within this is unreachable
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
@@ -96,18 +97,21 @@ class WorkerInfo:
 
 
 class Waiters:
-    """Long-polled lease requests waiting for work, first come first served. A change that frees
-    room for one lease wakes one waiter; a change that may concern everyone wakes all."""
+    """Long-polled lease requests waiting for work, first come first served. Room freed for one
+    lease wakes one waiter; a new learner version wakes those it made too stale to be served
+    (they are told to install), and the room a batch freed; only the end of training wakes all."""
 
     def __init__(self) -> None:
-        self._queue: deque[asyncio.Future] = deque()
+        self._queue: deque[tuple[asyncio.Future, WorkerInfo]] = deque()
+        self._owed = 0  # wake-ups not yet delivered
+        self._paying: asyncio.Task | None = None
 
     def __len__(self) -> int:
         return len(self._queue)
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, timeout: float, worker: WorkerInfo) -> None:
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append(fut)
+        self._queue.append((fut, worker))
         try:
             await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -116,11 +120,37 @@ class Waiters:
             fut.cancel()  # a woken-up future is done; a cancelled one is skipped by wake()
 
     def wake(self, n: int = 1) -> None:
-        while n > 0 and self._queue:
-            fut = self._queue.popleft()
-            if not fut.done():
+        """Wake `n` waiters, a few at a time: a step that frees room for hundreds of leases would
+        otherwise serve them all in one turn of the loop while heartbeats queue behind them."""
+        self._owed += n
+        if self._owed > 0 and self._queue and self._paying is None:
+            self._paying = asyncio.get_running_loop().create_task(self._pay())
+
+    async def _pay(self) -> None:
+        try:
+            while self._owed > 0 and self._queue:
+                k = min(self._owed, WAKE_BATCH)
+                self._owed -= k
+                while k > 0 and self._queue:
+                    fut, _ = self._queue.popleft()
+                    if not fut.done():
+                        fut.set_result(None)
+                        k -= 1
+                await asyncio.sleep(0)
+        finally:
+            self._owed = 0 if not self._queue else self._owed
+            self._paying = None
+
+    def wake_where(self, predicate) -> None:
+        kept: deque = deque()
+        for fut, worker in self._queue:
+            if fut.done():
+                continue
+            if predicate(worker):
                 fut.set_result(None)
-                n -= 1
+            else:
+                kept.append((fut, worker))
+        self._queue = kept
 
     def wake_all(self) -> None:
         self.wake(len(self._queue))
@@ -198,9 +228,31 @@ class LearnerState:
         window = max(3 * self.cfg.server.heartbeat_interval, self.cfg.server.lease_ttl)
         return [w for w in self.workers.values() if now - w.last_seen <= window]
 
+    def token_ids(self, prompt) -> list[int]:
+        """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased."""
+        ids = self.prompt_ids.get(prompt.id)
+        if ids is None:
+            ids = self.prompt_ids[prompt.id] = self.encode(prompt.text)
+        return ids
+
     def changed(self) -> None:
-        """Something every waiting lease request may care about (a step, a publication, activation)."""
+        """Something every waiting lease request must hear at once (training done, run finished)."""
         self.waiters.wake_all()
+
+    def room(self) -> int:
+        """Prompts a lease could be given now."""
+        buf = self.buffer.buffer
+        if self.training_done or (self.cfg.buffer.backpressure and len(buf) >= buf.capacity):
+            return 0
+        return max(0, self.leases.max_outstanding - self.leases.outstanding)
+
+    def stepped(self) -> None:
+        """The learner took a batch and moved on a version: serve the room that freed, and tell
+        the waiting workers this version made too stale to be trained on to install a newer one."""
+        buf = self.buffer.buffer
+        if self.cfg.server.refuse_stale_leases:
+            self.waiters.wake_where(lambda w: w.version >= 0 and not buf.leasable(w.version, self.learner_version))
+        self.waiters.wake(self.room())
 
     def quarantine(self, worker: WorkerInfo, verdict: Verdict) -> None:
         """Stop taking `worker`'s work: its leases and queued groups go back to be generated by others."""
@@ -360,8 +412,13 @@ def build_app(state: LearnerState) -> web.Application:
         worker = worker_of(request)
         req = await body(request, P.LeaseRequest)
         worker.version = req.version  # what will generate this lease
-        deadline = time.monotonic() + min(req.wait_s, cfg.server.long_poll_s)
+        asked = time.monotonic()
+        deadline = asked + min(req.wait_s, cfg.server.long_poll_s)
         buf = state.buffer.buffer
+
+        def reply(message: P.LeaseReply) -> web.Response:  # saying how long the request was held
+            return web.json_response({**message.model_dump(), "waited_s": round(time.monotonic() - asked, 4)})
+
         while True:
             if state.finished:
                 worker.told_finished = True
@@ -382,23 +439,25 @@ def build_app(state: LearnerState) -> web.Application:
             # A worker on a version already too old to be admitted would only generate refusals.
             if cfg.server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(
                     worker.version, state.learner_version):
+                if state.room():
+                    state.waiters.wake(1)  # in case this request was woken for room it cannot use
                 return reply(P.LeaseReply(empty="install", snapshot=fresh_snapshot()))
             full = cfg.buffer.backpressure and len(buf) >= buf.capacity
             room = buf.lease_room(state.learner_version, state.leases.outstanding)  # S = 0: what the batch still needs
             got = None if full or room == 0 or state.training_done else state.leases.lease(
                 worker.id, min(req.max_prompts, room or req.max_prompts), now)
             if got is not None:
-                prompts = [P.PromptMsg(id=p.id, text=p.text, answer=p.answer,
-                                       prompt_ids=state.prompt_ids.setdefault(p.id, state.encode(p.text)))
+                prompts = [P.PromptMsg.model_construct(id=p.id, text=p.text, answer=p.answer,
+                                                       prompt_ids=state.token_ids(p))
                            for p in got.prompts.values()]
                 if state.leases.outstanding < state.leases.max_outstanding and not full:
                     state.waiters.wake(1)  # room for more: the next waiter may take it
                 # Workers learn of new versions here too, without waiting for a heartbeat.
-                return reply(P.LeaseReply(lease_id=got.id, prompts=prompts, expires_in=cfg.server.lease_ttl,
-                                          snapshot=fresh_snapshot()))
+                return reply(P.LeaseReply.model_construct(lease_id=got.id, prompts=prompts, expires_in=cfg.server.lease_ttl,
+                                                          snapshot=fresh_snapshot(), eval_version=None, empty=""))
             if now >= deadline:
                 return reply(P.LeaseReply(empty="wait", snapshot=fresh_snapshot()))
-            await state.waiters.wait(deadline - now)
+            await state.waiters.wait(deadline - now, worker)
 
     async def release(request: web.Request) -> web.Response:
         worker = worker_of(request)
@@ -563,7 +622,7 @@ def _admit(state: LearnerState, sub, worker: WorkerInfo) -> tuple[list[Group], f
         state.metrics.rejected.labels("stale-version").inc(len(stale))
     for g in fresh:
         state.leases.complete(sub.lease_id, g.prompt_id, worker.id)
-    return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=state.prompt_ids[g.prompt_id],
+    return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=state.token_ids(prompts[g.prompt_id]),
                   completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
                   rewards=[s.reward for s in g.samples], worker_id=worker.id,
                   prompt=prompts[g.prompt_id]) for g in fresh], age

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import logging
 import os
@@ -153,6 +154,7 @@ class Worker:
                                                eos_id=self.tokenizer.eos_token_id, pad_id=pad)
                 if joined.snapshot:  # a late joiner pulls the newest version whole
                     await self._fetch(client, joined.snapshot, wait_for_push=False)
+                gc.freeze()  # the engine's objects stay out of the cyclic collector's full passes
                 loopwatch.watch(f"echo-worker {self.name}")
                 await self._loop(client)
             except RunFinished:
