@@ -239,6 +239,7 @@ class Settings:
     nat: bool = True
     links: bool = False
     star: bool = False
+    designs: tuple[str, ...] = ("chains", "stripes")  # measured side by side (the star: `star`)
     stall_timeout: float = 5.0
     # The planner's headroom: trees are paced at this share of the measured uploads (1 = none).
     # Why: a relay whose uplink queue is full delays the ACKs of its own download, which then
@@ -504,7 +505,7 @@ def sweep(settings: Settings, log: Callable[[str], None] = print) -> dict:
                     entry: dict[str, Any] = {"fleet": fleet, "n": n, "calibration": cal, "t_star": bound,
                                              "choice": choice.kind, "choice_shape": _shape(choice),
                                              "alternatives": choice.alternatives, "runs": {}}
-                    designs = {"chains": ("chains",), "stripes": ("stripes",)}
+                    designs = {d: (d,) for d in settings.designs}
                     if settings.star:
                         designs["star"] = ("star",)
                     for name, only in designs.items():
@@ -664,8 +665,9 @@ def render(results: dict) -> str:
         c, st, t = e["runs"].get("chains"), e["runs"].get("stripes"), e["t_star"]
         chosen = {"chains": c, "stripes": st}.get(e["choice"], e["runs"].get("star"))
         cpu = max((r["cpu_busy"] for r in (c, st) if r), default=0)
+        t_c = c["predicted_s"] / t if c else None
         rows.append([e["fleet"], str(e["n"]), fmt(t, ".1f"), f"{e['choice']} ({e['choice_shape']})",
-                     fmt(c and _shape(c["plan"])), fmt(c and c["predicted_s"] / t, ".2f"), fmt(_ratio(c, t), ".2f"),
+                     fmt(c and _shape(c["plan"])), fmt(t_c, ".2f"), fmt(_ratio(c, t), ".2f"),
                      fmt(st and st["predicted_s"] / t, ".2f"), fmt(_ratio(st, t), ".2f"),
                      fmt(_ratio(chosen, t), ".2f"), f"{100 * cpu:.0f}%"])
     out.append(table(["fleet", "N", "T* s", "planner's choice", "chains", "chains pred/T*", "chains meas/T*",
@@ -744,6 +746,13 @@ def _fleets(text: str) -> tuple[str, ...]:
     return vals
 
 
+def _designs(text: str) -> tuple[str, ...]:
+    vals = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not vals or set(vals) - {"chains", "stripes"}:
+        raise argparse.ArgumentTypeError(f"designs are chains and/or stripes, got {text!r}")
+    return vals
+
+
 def cli(argv: Sequence[str]) -> int:
     """`echo-rl bench broadcast [transports] [options]`; returns the exit status."""
     argv = list(argv)
@@ -762,6 +771,8 @@ def cli(argv: Sequence[str]) -> int:
     p.add_argument("--rtt-ms", type=float, default=40.0, help="round-trip time of one hop (default 40)")
     p.add_argument("--headroom", type=float, default=0.95,
                    help="plan (and pace) uploads at this share of the measured rates (1 = off; default 0.95)")
+    p.add_argument("--designs", type=_designs, default=("chains", "stripes"),
+                   help="designs measured side by side (default chains,stripes; the planner still picks among all)")
     p.add_argument("--star", action="store_true", help="also measure the star (grows linearly with N)")
     p.add_argument("--links", action="store_true", help="add the misdeclared-links run (two versions, chains)")
     p.add_argument("--no-fault", action="store_true", help="skip the killed stripe owner")
@@ -784,7 +795,7 @@ def cli(argv: Sequence[str]) -> int:
         link_mbit=args.link_mbit,
         uplink_mbit=args.uplink_mbit or 2 * args.link_mbit,
         rtt_ms=args.rtt_ms,
-        star=args.star, links=args.links, fault=not (args.no_fault or q), delta=not (args.no_delta or q),
+        star=args.star, links=args.links, designs=args.designs, fault=not (args.no_fault or q), delta=not (args.no_delta or q),
         nat=not args.no_nat, headroom=args.headroom,
     )
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
