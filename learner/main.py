@@ -363,7 +363,7 @@ class Learner:
         await self._on_trainer(drive.stop)
         await self._stop_workers(state, grace=2 * cfg.server.heartbeat_interval + 3)
         if self.provider is not None:
-            self.provider.close()
+            await asyncio.to_thread(self.provider.close)  # waits for processes: not on the event loop
         await self.publisher.stop()
         await runner.cleanup()
         self.trainer_thread.shutdown()

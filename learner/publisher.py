@@ -22,6 +22,7 @@ The star store is kept in both modes: it serves the `/v1/snapshots` fallback and
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -62,7 +63,8 @@ class Publisher:
 
     async def publish(self, version: int, blob: bytes, workers: list) -> dict:
         """Publish `version` and start pushing it; returns what to announce to workers."""
-        info = self.blobs.add(version, blob)
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())  # not on the event loop
+        info = self.blobs.add(version, blob, sha256=digest)
         announcement = info.to_json()
         if self.source is None:
             return announcement
