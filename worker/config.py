@@ -31,6 +31,7 @@ class WorkerSection(Section):
         "the fastest) or libp2p (py-libp2p, peer ID from a fresh key; needs the p2p extra; it advertises "
         "p2p:/ip4/<relay_host>/tcp/<port>/p2p/<id>, so relay_host must be an IP other workers can dial)")
     seed: int = Field(0, description="[worker] seed: sampling seed (mixed with the worker id)")
+    learner_timeout_s: float = Field(600.0, gt=0.0, description="[worker] learner_timeout_s: how long the worker waits for a learner that does not answer (restarting: loading a large checkpoint takes minutes) before it leaves")
 
 
 class EngineSection(Section):

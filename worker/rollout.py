@@ -5,7 +5,7 @@ between two generation batches, so groups already in flight keep the version tha
 them and every later group is stamped with the new one.
 
 Leases are long-polled: with nothing to hand out the learner holds the request until there is.
-A learner that stops answering is waited for (`give_up_s`); one that restarted or forgot this
+A learner that stops answering is waited for (`[worker] learner_timeout_s`); one that restarted or forgot this
 worker answers `Forgotten`, and the worker joins again by itself. Generation, scoring and
 encoding run on threads: the event loop only moves messages.
 """
@@ -20,6 +20,7 @@ import gc
 import hashlib
 import logging
 import os
+import random
 import socket
 import time
 from collections import deque
@@ -97,7 +98,7 @@ class Worker:
         self.rollouts = 0
         self.stopped = asyncio.Event()
         self.unreachable = False
-        self.give_up_s = 60.0  # no heartbeat answered this long: the learner is gone
+        self.give_up_s = cfg.worker.learner_timeout_s  # no heartbeat answered this long: the learner is gone
         self.active = asyncio.Event()  # the learner's scheduler may idle this worker
         self.active.set()
         # (version, installed at, received at, install seconds): T_bcast and install time, apart
@@ -132,7 +133,7 @@ class Worker:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=120)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             client = LearnerClient(session, self.url, self.token)
-            joined = await client.join(self._info())
+            joined = await self._join(client)
             log.info("%s joined %s as %s", self.name, self.url, client.worker_id)
             self.joined = joined
             # Beat from the start: loading the engine can take long, and silence means dead.
@@ -183,14 +184,7 @@ class Worker:
         async with self._rejoining:
             if client.credential != credential:
                 return  # another task already joined again
-            while True:
-                try:
-                    joined = await client.join(self._info())
-                    break
-                except LearnerError as e:
-                    if e.status not in (429, 503):
-                        raise
-                    await asyncio.sleep(max(1.0, e.retry_after))
+            joined = await self._join(client)
             log.info("%s: joined %s again as %s", self.name, self.url, client.worker_id)
             self.joined = joined
             self.broadcast = joined.broadcast or {"mode": "star"}
@@ -200,6 +194,25 @@ class Worker:
             if self.broadcast["mode"] == "chain":
                 await self._start_relay(client.worker_id)
             self._notice(client, joined.snapshot)
+
+    async def _join(self, client: LearnerClient) -> P.JoinReply:
+        """Join, waiting out the learner's join limits (429, 503: as long as it says) and a learner
+        not up yet (up to `learner_timeout_s`); any other refusal is final."""
+        since = time.monotonic()
+        while True:
+            try:
+                return await client.join(self._info())
+            except LearnerError as e:
+                if e.status not in (429, 503):
+                    raise
+                log.info("%s: the learner is not taking joins now (%s); retrying in %.0f s", self.name, e.reason,
+                         max(1.0, e.retry_after))
+                await asyncio.sleep(max(1.0, e.retry_after) * random.uniform(1.0, 1.5))  # spread a herd
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                if time.monotonic() - since > self.give_up_s:
+                    raise
+                log.warning("%s: cannot reach the learner (%s); retrying", self.name, e)
+                await asyncio.sleep(2.0)
 
     async def _calling(self, client: LearnerClient, call):
         """Run `call()` through the learner's outages: rejoin when forgotten; retry while it does
