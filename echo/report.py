@@ -56,8 +56,9 @@ def plot(run_dir: Path, out: Path) -> Path:
 
 
 def plot_experiment(report: dict, out: Path) -> Path:
-    """`echo-rl experiment staleness`: eval accuracy against learner steps and against wall time,
-    one line per arm (the mean over seeds at each eval; replay arms dashed), the target dotted."""
+    """`echo-rl experiment staleness`: greedy eval accuracy against learner steps and against wall
+    time, and the training reward (25-step rolling mean, less noisy than an eval) against steps;
+    one line per arm, the mean over its seeds (replay arms dashed), the target dotted."""
     import statistics
 
     import matplotlib
@@ -65,31 +66,46 @@ def plot_experiment(report: dict, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    fig, (by_step, by_time, reward) = plt.subplots(1, 3, figsize=(17, 5))
     arms = list(dict.fromkeys(r["arm"] for r in report["runs"] if r["ok"]))
-    colors = {a: plt.cm.viridis(i / max(1, len(arms) - 1)) for i, a in enumerate(a for a in arms if "replay" not in a)}
+    bases = list(dict.fromkeys(a.split("-replay")[0] for a in arms))
+    colors = {b: ("black" if b == "sync" else plt.cm.tab10(i)) for i, b in enumerate(bases)}
     for arm in arms:
         runs = [r for r in report["runs"] if r["arm"] == arm and r["ok"]]
+        style = dict(color=colors[arm.split("-replay")[0]], ls="--" if "replay" in arm else "-", lw=1.4)
         steps = sorted({e[0] for r in runs for e in r["evals"]})
-        points = [(k, [e for r in runs for e in r["evals"] if e[0] == k]) for k in steps]
-        x = [k for k, es in points if len(es) == len(runs)]  # evals every seed reached
-        acc = [statistics.fmean(e[2] for e in es) for k, es in points if len(es) == len(runs)]
-        wall = [statistics.fmean(e[1] for e in es) for k, es in points if len(es) == len(runs)]
-        base = arm.split("-replay")[0]
-        style = dict(color=colors.get(base, "gray"), ls="--" if "replay" in arm else "-", marker=".", lw=1.4)
-        by_step.plot(x, acc, label=arm, **style)
-        by_time.plot(wall, acc, label=arm, **style)
+        points = [[e for r in runs for e in r["evals"] if e[0] == k] for k in steps]
+        points = [es for es in points if len(es) == len(runs)]  # evals every seed has
+        acc = [statistics.fmean(e[2] for e in es) for es in points]
+        by_step.plot([es[0][0] for es in points], acc, marker=".", label=arm, **style)
+        by_time.plot([statistics.fmean(e[1] for e in es) for es in points], acc, marker=".", label=arm, **style)
+        curves = [_rolling([s["reward_mean"] for s in load_run(Path(r["run_dir"]))[0]], 25) for r in runs
+                  if (Path(r["run_dir"]) / "metrics.jsonl").exists()]
+        if curves:
+            n = min(map(len, curves))
+            reward.plot(range(1, n + 1), [statistics.fmean(c[i] for c in curves) for i in range(n)], label=arm, **style)
     for ax in (by_step, by_time):
         ax.axhline(report["target"], color="red", ls=":", lw=1, label="target")
+    for ax in (by_step, by_time, reward):
         ax.grid(alpha=0.3)
     by_step.set_xlabel("learner step")
     by_time.set_xlabel("wall time from the first update (s)")
-    by_step.set_ylabel(f"greedy eval accuracy (mean of {report['seeds']} seeds)")
+    reward.set_xlabel("learner step")
+    by_step.set_ylabel(f"greedy eval accuracy (mean over seeds, {report['seeds']} per arm)")
+    reward.set_ylabel("training reward (25-step rolling mean, mean over seeds)")
     by_time.legend(loc="lower right", fontsize=8)
     fig.suptitle("synchronous vs bounded staleness (dashed: with replay)")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+def _rolling(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
     return out
 
 

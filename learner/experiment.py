@@ -259,7 +259,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         reached = f" ({r['reached']}/{r['runs']})" if r["reached"] < r["runs"] else ""
         lines.append(
             f"| {r['arm']} | {f(r['steps_to_target'], '.0f', r['steps_to_target_sd'])}{reached} "
-            f"| {f(r['wall_to_target_s'], '.1f', r['wall_to_target_sd'])} | {f(r['speedup_vs_sync'], '.2f')}x "
+            f"| {f(r['wall_to_target_s'], '.1f', r['wall_to_target_sd'])} | {f(r['speedup_vs_sync'], '.2f')}{'x' if r['speedup_vs_sync'] else ''} "
             f"| {f(r['final_accuracy'], '.3f', r['final_accuracy_sd'])} ({r['final_accuracy_min']:.3f}–{r['final_accuracy_max']:.3f}) "
             f"| {f(r['dollars_to_target'], '.4f')} | {f(r['rollouts_to_target'], '.0f')} "
             f"| {r['mean_staleness']:.2f} (max {r['max_staleness']}) | {100 * r['truncated_share']:.2f}% "
@@ -296,6 +296,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--positive-bias", type=float, default=0.0, help="δ of positive-biased replay (default 0)")
     parser.add_argument("--publish-every", type=int, help="I for every S >= 1 (default max(1, S - 1))")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds are FIRST.. FIRST+SEEDS-1 (default 0): "
+                        "add seeds to an earlier sweep by giving its --out")
     parser.add_argument("--steps", type=int, help="learner updates per run (default: the config's)")
     parser.add_argument("--target", type=float, help="target eval accuracy (default: 0.9 x the synchronous mean final accuracy)")
     parser.add_argument("--workers", type=int, help="local workers per run (default: the config's [workers] spawn)")
@@ -303,7 +305,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
     parser.add_argument("--smoke", action="store_true", help="seconds-long check of the harness: 6 steps, 1 seed, sync and S = 1 with replay")
     parser.add_argument("--results", type=Path, metavar="DIR",
-                        help="run nothing: analyse the runs of an earlier sweep (its results.json) again, e.g. with another --target")
+                        help="run nothing: analyse every run of an earlier sweep directory again (all its seeds, "
+                             "also those added with --first-seed, or of a sweep cut short), e.g. with another --target")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args, extra = parser.parse_known_args(argv)
     if args.results:
@@ -345,7 +348,7 @@ def cli(argv: list[str]) -> int:
 
     results: list[RunResult] = []
     G, n = cfg.trainer.batch_prompts, cfg.rollout.group_size
-    for seed in range(args.seeds):  # interleaved: seed 0 of every arm, then seed 1, ...
+    for seed in range(args.first_seed, args.first_seed + args.seeds):  # interleaved: seed 0 of every arm, then seed 1, ...
         for arm in arms:
             t = time.monotonic()
             try:
@@ -395,20 +398,41 @@ def _finish(report: dict[str, Any], results: list[RunResult], arms: list[Arm], p
 
 
 def _reanalyse(out: Path, target: float | None, as_json: bool) -> int:
-    try:
-        report = json.loads((out / "results.json").read_text())
-    except (OSError, ValueError) as e:
-        print(f"echo-rl experiment: cannot read {out / 'results.json'} ({e}); pass the directory of a finished sweep",
-              file=sys.stderr)
-        return 2
+    """Every run under `out/runs` (named ARM-seedN-TIME by `run_arm`), priced from `out/base.toml`."""
+    import re
+
     from learner.config import load_learner_config
 
-    target = report["target"] if target is None else target
-    n = load_learner_config(out / "base.toml").rollout.group_size  # what every run of the sweep started from
-    fields = set(RunResult.__dataclass_fields__)
-    results = [retarget(RunResult(**{k: v for k, v in r.items() if k in fields}), target, n) for r in report["runs"]]
-    arms = [_Named(name) for name in dict.fromkeys(r.arm for r in results)]  # in the sweep's order
-    return _finish(report, results, arms, Prices(**report["prices"]), target, out, as_json)
+    try:
+        cfg = load_learner_config(out / "base.toml")
+    except ConfigError as e:
+        print(f"echo-rl experiment: {e}; pass the directory of a sweep (it holds base.toml and runs/)", file=sys.stderr)
+        return 2
+    n = cfg.rollout.group_size
+    found = []
+    for log in sorted((out / "runs").glob("*-seed*-*/metrics.jsonl")):
+        m = re.fullmatch(r"(.+)-seed(\d+)-\d{8}-\d{6}", log.parent.name)
+        if m and (log.parent / "summary.json").exists():  # a finished run
+            found.append((m[1], int(m[2]), log.parent))
+    if not found:
+        print(f"echo-rl experiment: no finished runs under {out / 'runs'}", file=sys.stderr)
+        return 2
+    results = [analyse(d, arm, seed, target, n) for arm, seed, d in found]
+    if target is None:
+        sync_final = _spread([r.final_accuracy for r in results if r.arm == "sync"])[0]
+        if sync_final is None:
+            print("echo-rl experiment: no synchronous run to set the default target by; pass --target", file=sys.stderr)
+            return 2
+        target = round(0.9 * sync_final, 4)
+        results = [retarget(r, target, n) for r in results]
+    order = {name: i for i, name in enumerate(["sync"] + [f"S{s}" for s in range(1, 100)])}
+    names = sorted(dict.fromkeys(r.arm for r in results), key=lambda a: (order.get(a.split("-")[0], 999), a))
+    seeds = sorted({r.seed for r in results})
+    prices = Prices(cfg.scheduler.learner_price_per_hour, _worker_price(cfg.workers.overrides), cfg.workers.spawn)
+    report = {"experiment": "staleness", "out": str(out), "steps": cfg.run.steps, "seeds": len(seeds),
+              "batch_rollouts": cfg.batch_rollouts, "group_size": n, "workers": cfg.workers.spawn,
+              "command": f"echo-rl experiment staleness --results {out}" + (f" --target {target}" if target else "")}
+    return _finish(report, results, [_Named(name) for name in names], prices, target, out, as_json)
 
 
 @dataclass(frozen=True)

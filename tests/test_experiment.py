@@ -4,7 +4,6 @@ its seconds-long smoke mode (a real learner and real workers on loopback)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -63,18 +62,22 @@ def test_summary_prices_dollars_to_target_and_the_centralized_configuration():
     assert text.count("\n") == 2 + 2 and "| S2-I1 | 10 ± 0 | 50.0 ± 0.0 | 2.00x |" in text
 
 
-def test_a_finished_sweep_is_analysed_again_with_another_target(tmp_path, capsys):
-    run = _write_log(tmp_path / "runs" / "sync-seed0-x", {2: 0.4, 4: 0.7, 6: 0.65})
-    (tmp_path / "base.toml").write_text("[rollout]\ngroup_size = 4\n")
-    r = analyse(run, "sync", 0, target=0.9, group_size=4)
-    report = {"experiment": "staleness", "steps": 6, "seeds": 1, "target": 0.9, "runs": [asdict(r)],
-              "prices": {"learner": 3.6, "worker": 0.36, "workers": 4}}
-    (tmp_path / "results.json").write_text(json.dumps(report))
+def test_a_finished_sweep_is_analysed_again_from_its_run_directories(tmp_path, capsys):
+    for name, acc in (("sync-seed0-20260101-000000", 0.7), ("sync-seed1-20260101-000100", 0.5),
+                      ("S1-I1-seed0-20260101-000200", 0.6)):
+        run = _write_log(tmp_path / "runs" / name, {2: 0.4, 4: acc, 6: acc})
+        (run / "summary.json").write_text("{}")
+    _write_log(tmp_path / "runs" / "S2-I1-seed0-20260101-000300", {2: 0.4})  # cut short: no summary, left out
+    (tmp_path / "base.toml").write_text("[rollout]\ngroup_size = 4\n[workers]\nspawn = 2\n"
+                                        "overrides = ['--worker.price_per_hour', '0.5']\n")
     assert cli(["staleness", "--results", str(tmp_path), "--target", "0.5", "--json"]) == 0
-    row = json.loads(capsys.readouterr().out)["rows"][0]
-    assert (row["arm"], row["target"], row["steps_to_target"], row["wall_to_target_s"]) == ("sync", 0.5, 4, 6.0)
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["arm"]: r for r in report["rows"]}
+    assert list(rows) == ["sync", "S1-I1", "centralized (sync)"] and report["seeds"] == 2
+    assert (rows["sync"]["runs"], rows["sync"]["reached"], rows["sync"]["steps_to_target"]) == (2, 2, 4)
+    assert report["prices"]["worker"] == 0.5 and report["prices"]["workers"] == 2
     assert cli(["staleness", "--results", str(tmp_path / "nowhere")]) == 2
-    assert "pass the directory of a finished sweep" in capsys.readouterr().err
+    assert "base.toml" in capsys.readouterr().err
 
 
 def test_arms_follow_the_publication_rule_and_refuse_what_cannot_work():
