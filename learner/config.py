@@ -176,6 +176,7 @@ class VerifySection(Section):
     min_gap_tokens: int = Field(64, ge=1, description="[verify] min_gap_tokens: fresh tokens needed before a worker can be judged on log-probs")
     capacity_claim_factor: float = Field(2.0, ge=1.0, description="[verify] capacity_claim_factor: a worker's claimed rollouts/s is believed up to this multiple of the rate the learner measured on its leases (unproven until one lease came back)")
     quarantine: bool = Field(True, description="[verify] quarantine: stop taking work from a worker judged dishonest (else only count it)")
+    ban_address: bool = Field(True, description="[verify] ban_address: refuse joins from a quarantined worker's address, so it cannot return under a new identity (workers behind one NAT share the ban)")
 
 
 class WorkersSection(Section):

@@ -215,6 +215,7 @@ class LearnerState:
         # Blocking work a request needs (decoding uploads, recomputing rewards) runs here.
         self.offload = ThreadPoolExecutor(2, thread_name_prefix="offload")
         self.waiters = Waiters()
+        self.banned: dict[str, str] = {}  # address -> why: a quarantined worker's address may not join again
         self.gate = JoinGate(cfg.server.join_rate, cfg.server.join_burst, cfg.server.allow_networks)
         self._worker_ids = itertools.count(1)
         self._probes: set[asyncio.Task] = set()
@@ -260,6 +261,8 @@ class LearnerState:
         if worker.quarantined or not self.cfg.verify.quarantine:
             return
         worker.quarantined, worker.active = verdict.message, False
+        if self.cfg.verify.ban_address and worker.address:  # else it would join again under a new name
+            self.banned[worker.address] = verdict.message
         leased = sum(len(lease.prompts) for lease in self.leases.release_worker(worker.id))
         dropped = self.buffer.buffer.drop_worker(worker.id)
         self.metrics.quarantined.labels(verdict.reason).inc()
@@ -343,9 +346,13 @@ def build_app(state: LearnerState) -> web.Application:
     async def body(request: web.Request, model: type[P.Message]) -> P.Message:
         if (request.content_length or 0) > P.MAX_JSON_BYTES:
             raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=request.content_length)
-        raw = await request.content.read(P.MAX_JSON_BYTES + 1)
-        if len(raw) > P.MAX_JSON_BYTES:
-            raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=len(raw))
+        chunks, size = [], 0
+        while chunk := await request.content.read(1 << 16):  # a chunked body has no length to check first
+            size += len(chunk)
+            if size > P.MAX_JSON_BYTES:
+                raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=size)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             data = json.loads(raw or b"{}")
             return P.parse(model, data)
@@ -364,6 +371,9 @@ def build_app(state: LearnerState) -> web.Application:
         if not state.gate.allowed_from(address):
             state.metrics.joins_refused.labels("network").inc()
             return json_error(403, "network", f"joins from {address} are not allowed ([server] allow_networks)")
+        if address in state.banned:
+            state.metrics.joins_refused.labels("banned").inc()
+            return json_error(403, "banned", f"a worker from {address} was quarantined: {state.banned[address]}")
         if len(state.workers) >= cfg.server.max_workers:
             state.metrics.joins_refused.labels("full").inc()
             return json_error(503, "fleet-full", f"the learner holds its maximum of {cfg.server.max_workers} workers "

@@ -214,6 +214,9 @@ def test_fabricated_rewards_are_recomputed_and_the_worker_quarantined(tokenizer,
         async with api.session.get(api.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
             listed = (await resp.json())["quarantined"]
         assert [q["id"] for q in listed] == [cheat] and "rewards differ" in listed[0]["why"]
+        # Nor does it come back under a new identity from the same address.
+        status, body, _ = await api.call("/v1/join", {"name": "cheat-again"})
+        assert (status, body["error"]) == (403, "banned") and "rewards differ" in body["message"]
 
     run_api(tokenizer, test, tmp_path)
 
