@@ -95,8 +95,13 @@ class RunResult:
 
 
 @contextlib.contextmanager
-def measuring_lock(path: Path = LOCK):
-    """Exclusive while one training run is timed: measurements on this machine never overlap."""
+def measuring_lock(path: Path | None = LOCK):
+    """Exclusive while one training run is timed: measurements on this machine never overlap.
+    None: no lock (the smoke mode times nothing worth protecting, and must not queue behind a
+    benchmark)."""
+    if path is None:
+        yield
+        return
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -105,7 +110,8 @@ def measuring_lock(path: Path = LOCK):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_arm(arm: Arm, seed: int, config: Path, out: Path, extra: list[str], timeout_s: float) -> Path:
+def run_arm(arm: Arm, seed: int, config: Path, out: Path, extra: list[str], timeout_s: float,
+            lock: Path | None = LOCK) -> Path:
     """Run one learner (it spawns its workers) to completion; return its run directory."""
     name = f"{arm.name}-seed{seed}"
     cmd = [sys.executable, "-m", "learner.main", "--config", str(config), "--json", "--run.dir", str(out),
@@ -114,7 +120,7 @@ def run_arm(arm: Arm, seed: int, config: Path, out: Path, extra: list[str], time
            "PYTHONUNBUFFERED": "1"}
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"{name}.log"
-    with measuring_lock(), open(log, "w") as f:
+    with measuring_lock(lock), open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -303,7 +309,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, help="local workers per run (default: the config's [workers] spawn)")
     parser.add_argument("--out", type=Path, help="results directory (default runs/experiment-staleness-TIME)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
-    parser.add_argument("--smoke", action="store_true", help="seconds-long check of the harness: 6 steps, 1 seed, sync and S = 1 with replay")
+    parser.add_argument("--smoke", action="store_true", help="seconds-long check of the harness: 6 steps, 1 seed, sync and "
+                        "S = 1 with replay (takes no measurement lock)")
     parser.add_argument("--results", type=Path, metavar="DIR",
                         help="run nothing: analyse every run of an earlier sweep directory again (all its seeds, "
                              "also those added with --first-seed, or of a sweep cut short), e.g. with another --target")
@@ -352,7 +359,8 @@ def cli(argv: list[str]) -> int:
         for arm in arms:
             t = time.monotonic()
             try:
-                run_dir = run_arm(arm, seed, resolved, out / "runs", [], min(args.timeout, per_run))
+                run_dir = run_arm(arm, seed, resolved, out / "runs", [], min(args.timeout, per_run),
+                                  lock=None if args.smoke else LOCK)
                 r = analyse(run_dir, arm.name, seed, args.target, n)
             except RuntimeError as e:
                 r = RunResult(arm.name, seed, "", ok=False, error=str(e))
