@@ -60,6 +60,7 @@ class Prediction:
     parents: tuple[tuple[int, ...], ...] = ()  # each member's parent per tree (-1 source); () = chains
     pull: tuple[str, ...] = ()  # unreachable workers: they pull from their parent
     chunk: float = 0.0  # the chunk size the prediction assumed
+    groups: tuple[int, ...] = ()  # stripes: each tree's group; a group's shares split the chunks ()=one
 
     @property
     def makespan(self) -> float:
@@ -99,6 +100,7 @@ class Plan:
     shares: tuple[float, ...] = ()
     parents: tuple[tuple[int, ...], ...] = ()
     pull: tuple[str, ...] = ()
+    groups: tuple[int, ...] = ()  # stripes fed group by group: the shares of each group split all chunks
 
     @property
     def k(self) -> int:
@@ -109,6 +111,7 @@ class Plan:
         d["chains"] = [list(c) for c in self.chains]
         d["rates"] = list(self.rates)
         d["shares"], d["parents"], d["pull"] = list(self.shares), [list(p) for p in self.parents], list(self.pull)
+        d["groups"] = list(self.groups)
         return d
 
     def summary(self) -> dict:
@@ -125,6 +128,7 @@ class Plan:
         d["shares"] = tuple(d.get("shares", ()))
         d["parents"] = tuple(tuple(p) for p in d.get("parents", ()))
         d["pull"] = tuple(d.get("pull", ()))
+        d["groups"] = tuple(d.get("groups", ()))
         return cls(**d)
 
 
@@ -358,12 +362,50 @@ def predict_stripes(M: float, U: float, peers: Sequence[PeerLink], chunk: float 
     groups = stripe_groups(peers, group_size)
     owners = [[p for p in g if p.reachable and p.up > 0] for g in groups]  # fastest first
     k = min(len(o) for o in owners)
+    if k == 0:
+        return None
+    best = _best_owners(M, U, peers, groups, owners, chunk)
+    if len(groups) > 1:
+        # Or every group its own Mutualcast, fed by the source with U/G: better when the
+        # uplink can feed every group at the rate its uploads sustain (U large, as a datacenter's).
+        parallel = _parallel_groups(M, U, groups, owners, chunk)
+        if parallel.makespan < best.makespan * (1 - 1e-9):
+            best = parallel
+    return best
+
+
+def _best_owners(M: float, U: float, peers: Sequence[PeerLink], groups: list[list[PeerLink]],
+                 owners: list[list[PeerLink]], chunk: float | None) -> Prediction:
+    """Stripes owned by the fastest `m` uploaders of each group, for the best `m`."""
+    k = min(len(o) for o in owners)
     best: Prediction | None = None
     for m in sorted({max(1, k * i // 8) for i in range(1, 9)} | set(range(1, min(k, 8) + 1))):
         pred = _stripes(M, U, peers, groups, [o[:m] for o in owners], chunk)
         if best is None or pred.makespan < best.makespan * (1 - 1e-9):
             best = pred
+    assert best is not None
     return best
+
+
+def _parallel_groups(M: float, U: float, groups: list[list[PeerLink]], owners: list[list[PeerLink]],
+                     chunk: float | None) -> Prediction:
+    """Each group striped on its own with U / G of the uplink; one chunk size for all."""
+    G = len(groups)
+    preds = [_best_owners(M, U / G, g, [g], [o], chunk) for g, o in zip(groups, owners)]
+    if chunk is None:  # one manifest: the smallest chunk any group wants
+        c = min(p.chunk for p in preds)
+        preds = [_best_owners(M, U / G, g, [g], [o], c) for g, o in zip(groups, owners)]
+    trees, parents, rates, shares, tags, arrivals = [], [], [], [], [], {}
+    for j, p in enumerate(preds):
+        trees += p.chains
+        parents += p.parents
+        rates += p.rates
+        shares += p.shares
+        tags += [j] * len(p.chains)
+        arrivals.update(p.arrivals)
+    pull = tuple(x for p in preds for x in p.pull)
+    return Prediction(f"stripes:{G}p", tuple(trees), tuple(rates), arrivals, shares=tuple(shares),
+                      parents=tuple(parents), pull=pull, chunk=preds[0].chunk, groups=tuple(tags))
 
 
 def _stripes(M: float, U: float, peers: Sequence[PeerLink], groups: list[list[PeerLink]],
@@ -501,4 +543,5 @@ def plan_broadcast(
         shares=best.shares,
         parents=best.parents,
         pull=best.pull,
+        groups=best.groups,
     )

@@ -134,8 +134,13 @@ class Source(Node):
             raise BroadcastError(f"plan names workers with no known address: {missing}; re-plan without them")
         trees = [[hops[w] for w in tree] for tree in plan.chains]
         rates, parents, spans = list(plan.rates), plan.parents or None, None
-        if plan.shares:
-            spans = chunk_spans(store.manifest.num_chunks, plan.shares)
+        if plan.shares:  # each group of trees splits the whole version by its shares
+            groups = plan.groups or (0,) * len(trees)
+            spans = [(0, 0)] * len(trees)
+            for g in sorted(set(groups)):
+                mine = [t for t in range(len(trees)) if groups[t] == g]
+                for t, span in zip(mine, chunk_spans(store.manifest.num_chunks, [plan.shares[t] for t in mine])):
+                    spans[t] = span
             keep = [t for t, (a, b) in enumerate(spans) if b > a]  # stripes too small for one chunk
             trees, rates, spans = [trees[t] for t in keep], [rates[t] for t in keep], [spans[t] for t in keep]
             parents = [parents[t] for t in keep] if parents else None
