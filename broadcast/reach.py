@@ -29,7 +29,10 @@ async def probe_relay(url: str, timeout_s: float) -> bool:
         if url.startswith(("http://", "https://")):
             return await asyncio.wait_for(_probe_http(url.rstrip("/")), timeout_s)
         if url.startswith("p2p:"):
-            return await asyncio.wait_for(_probe_p2p(url, timeout_s), timeout_s + 5.0)
+            # On a thread with its own event loop: importing py-libp2p and setting up a host hold
+            # a loop for most of a second, and the caller's is the learner's.
+            return await asyncio.wait_for(asyncio.to_thread(lambda: asyncio.run(_probe_p2p(url, timeout_s))),
+                                          timeout_s + 10.0)
     except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
         return False
     except Exception:  # noqa: BLE001 - libp2p dial errors of every kind: not reachable

@@ -39,7 +39,11 @@ def watch(name: str) -> float | None:
     run = handle._run
     sched = _run_queue_clock()
 
+    watched = asyncio.get_running_loop()  # not the private loops of helper threads
+
     def timed_run(self) -> None:
+        if self._loop is not watched:
+            return run(self)
         wall, waited = time.perf_counter(), sched()
         run(self)
         wall = time.perf_counter() - wall
