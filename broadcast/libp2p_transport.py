@@ -65,7 +65,7 @@ reuse the connection (~4 ms), and so does a peer restarted elsewhere under the s
 the old connection closes. A push's `from` is not checked against the stream's (noise-proven)
 peer ID: as over HTTP, the signed route and chunk hashes are what is trusted. The trio thread
 competes for the GIL with the asyncio loop: a libp2p link costs more CPU than an aiohttp one
-(`broadcast.transports_bench`, the loopback benchmark, measures both).
+(`broadcast.bench.transports`, the loopback benchmark, measures both).
 """
 
 from __future__ import annotations
