@@ -68,9 +68,12 @@ class Publisher:
         announcement = info.to_json()
         if self.source is None:
             return announcement
-        same_layout = self._previous is not None and len(self._previous[1]) == len(blob)
-        base = (self._previous[1], self._previous[2]) if self.deltas and same_layout else None
         chunk = self.chunk_for(len(blob), [w for w in workers if w.relay_url])
+        # A delta needs its base's chunk layout: when the plan's chunk size changed, this version
+        # goes out full once and the next ones are deltas on it again.
+        same_layout = (self._previous is not None and len(self._previous[1]) == len(blob)
+                       and self._previous[2].chunk_size == chunk)
+        base = (self._previous[1], self._previous[2]) if self.deltas and same_layout else None
         full, delta = await self.source.publish(blob, version, chunk_size=chunk, base=base)
         self._previous = (version, blob, full.manifest)
         # A delta only helps workers that hold its base; anyone else gets the full version.

@@ -276,3 +276,47 @@ def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
     assert wire["chunk"] <= 1 * MIB
     assert all(bytes(g.data) == blob for g in got.values())
     assert announced["key"] == "v1"
+
+
+def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
+    """Version 1 goes out before any worker joined (the configured chunk size), version 2 to
+    workers whose plan wants smaller chunks: a delta needs its base's layout, so version 2 goes
+    out full in the new chunk size and version 3 is a delta on it again (the learner once
+    crashed here: 'differ in layout')."""
+    from types import SimpleNamespace
+
+    from broadcast.links import MBIT, LinkTable
+    from broadcast.star import BlobStore
+    from learner.publisher import Publisher
+
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal(768 * 1024, dtype=np.float32)
+    blobs = []
+    for _ in range(3):
+        base = base.copy()
+        base[rng.random(base.size) < 0.01] *= 1.001
+        blobs.append(base.tobytes())
+
+    async def run():
+        links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
+        pub = Publisher(BlobStore(), "chain", chunk_bytes=1 * MIB, deltas=True, links=links,
+                        key_file=tmp_path / "learner.key", host="127.0.0.1")
+        await pub.start()
+        workers = [SimpleNamespace(id=f"w{i}", relay_url=closed_port_url(), version=-1, reachable=None)
+                   for i in range(8)]
+        for w in workers:
+            links.declare(w.id, down=40 * MBIT, up=10 * MBIT)
+        try:
+            await pub.publish(1, blobs[0], [])
+            await pub.publish(2, blobs[1], workers)
+            for w in workers:
+                w.version = 2
+            await pub.publish(3, blobs[2], workers)
+            return pub.wire_bytes
+        finally:
+            await pub.stop()
+
+    wire = asyncio.run(run())
+    assert wire[1]["chunk"] == 1 * MIB and wire[2]["chunk"] < 1 * MIB
+    assert wire[2]["delta"] is None  # new layout: full once
+    assert wire[3]["chunk"] == wire[2]["chunk"] and wire[3]["delta"] is not None and wire[3]["delta"] < wire[3]["full"] / 4
