@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_control_plane_bench_smoke_run_balances_its_ledger():
     out = subprocess.run([sys.executable, "-m", "learner.control_bench", "--workers", "30", "--seconds", "8",
-                          "--churn-every", "3", "--ramp-s", "1", "--step-rate", "2", "--batch-prompts", "8",
+                          "--churn", "0.3", "--churn-every", "3", "--ramp-s", "1", "--step-rate", "2", "--batch-prompts", "8",
                           "--gen-s", "0.5", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
