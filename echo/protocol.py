@@ -90,9 +90,13 @@ class ReleaseRequest(Message):
 
 
 class EvalSubmission(Message):
+    """An eval lease's answers: the completion token ids per prompt, which the learner scores
+    itself, and the worker's own rewards, which it checks against its scores."""
+
     lease_id: Id
     version: Version
     rewards: Annotated[dict[Id, Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=1024)]
+    completions: Annotated[dict[Id, Annotated[list[int], Field(max_length=65536)]], Field(max_length=1024)] = {}
 
 
 # --- learner → worker ----------------------------------------------------------------------------

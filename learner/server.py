@@ -506,7 +506,14 @@ def build_app(state: LearnerState) -> web.Application:
         # The leases are closed: a second upload of the same groups is refused from here on.
         rescored = [g for g, pick in zip(groups, state.verifier.pick(groups)) if pick] if state.rescore else []
         if rescored:
-            mismatched = await asyncio.get_running_loop().run_in_executor(loop_offload, state.rescore, rescored)
+            try:
+                mismatched = await asyncio.get_running_loop().run_in_executor(loop_offload, state.rescore, rescored)
+            except Exception as e:  # the task's reward code failed: train nothing unchecked, lose no prompt
+                for g in groups:
+                    state.leases.recycle(g.prompt)
+                state.on_note(f"recomputing rewards failed ({type(e).__name__}: {e}); {len(groups)} prompts re-issued")
+                return json_error(500, "verify-failed", "the learner could not recompute this upload's rewards; "
+                                                        "its prompts were re-issued (nothing to do on the worker)")
             flags = [m for per_group in mismatched for m in per_group]
             state.metrics.rewards_checked.inc(len(flags))
             state.metrics.rewards_mismatched.inc(sum(flags))
@@ -531,10 +538,15 @@ def build_app(state: LearnerState) -> web.Application:
     async def eval_results(request: web.Request) -> web.Response:
         worker = worker_of(request)
         req = await body(request, P.EvalSubmission)
+        if worker.quarantined:
+            return json_error(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
         if state.evals is None:
             return json_error(409, "no-eval", "this learner evaluates on itself ([eval] where = 'learner')")
+        rewards = dict(req.rewards)
         try:
-            result = state.evals.submit(worker.id, req.lease_id, req.version, dict(req.rewards), time.monotonic())
+            if state.rescore is not None:  # score the answers here; the worker's rewards are claims
+                rewards = await score_eval(worker, req)
+            result = state.evals.submit(worker.id, req.lease_id, req.version, rewards, time.monotonic())
         except Rejected as e:
             state.metrics.rejected.labels(f"eval-{e.reason}").inc()
             return json_error(e.status, e.reason, e.message)
@@ -542,6 +554,27 @@ def build_app(state: LearnerState) -> web.Application:
             state.metrics.eval_accuracy.set(result.accuracy)
             state.on_eval(result)
         return reply(P.EvalReply(accepted=len(req.rewards)))
+
+    async def score_eval(worker: WorkerInfo, req: P.EvalSubmission) -> dict[str, float]:
+        prompts = state.evals.prompts
+        if set(req.completions) != set(req.rewards) or not set(req.completions) <= set(prompts):
+            raise Rejected(422, "wrong-prompts", "send the completion token ids of exactly the eval lease's prompts "
+                                                 "(`completions`), one per reward")
+        for pid, ids in req.completions.items():
+            if not 0 < len(ids) <= cfg.rollout.max_new_tokens or min(ids) < 0 or max(ids) >= state.vocab_size:
+                raise Rejected(422, "bad-token", f"eval completion {pid!r}: 1..{cfg.rollout.max_new_tokens} token ids "
+                                                 f"in [0, {state.vocab_size})")
+        ids = list(req.completions)
+        truth = await asyncio.get_running_loop().run_in_executor(
+            loop_offload, state.rescore.score, [(prompts[k], req.completions[k]) for k in ids])
+        mismatches = [abs(req.rewards[k] - t) > cfg.verify.reward_tolerance for k, t in zip(ids, truth)]
+        state.metrics.rewards_checked.inc(len(mismatches))
+        state.metrics.rewards_mismatched.inc(sum(mismatches))
+        verdict = state.verifier.rewards_checked(worker.id, mismatches)
+        if verdict is not None:
+            state.quarantine(worker, verdict)
+            raise Rejected(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
+        return dict(zip(ids, truth))
 
     def read_model_files() -> bytes:
         files = {p.name: p.read_bytes() for p in sorted(state.model_dir.iterdir())

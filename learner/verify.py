@@ -138,6 +138,11 @@ class Rescorer:
     def __init__(self, task, tokenizer, tolerance: float):
         self.task, self.tokenizer, self.tolerance = task, tokenizer, tolerance
 
+    def score(self, answers: list[tuple]) -> list[float]:
+        """Blocking. The rewards of (prompt, completion token ids) pairs (eval answers)."""
+        texts = self.tokenizer.batch_decode([ids for _, ids in answers], skip_special_tokens=True)
+        return [float(self.task.reward(prompt, text)) for (prompt, _), text in zip(answers, texts)]
+
     def __call__(self, groups: list[Group]) -> list[list[bool]]:
         """Blocking. Replaces each group's rewards with the recomputed ones; returns per group
         which samples' claimed reward was off."""

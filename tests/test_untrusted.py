@@ -221,6 +221,44 @@ def test_fabricated_rewards_are_recomputed_and_the_worker_quarantined(tokenizer,
     run_api(tokenizer, test, tmp_path)
 
 
+def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
+    from learner.evals import EvalBook
+
+    async def test(api: Api):
+        state = api.state
+        results = []
+        state.evals = EvalBook(load_task("arith", {}).eval_prompts()[:8], 30.0, 4)
+        state.on_eval = results.append
+        state.evals.open(0, time.monotonic())
+        liar, cred = await api.join("liar")
+        honest, cred_h = await api.join("honest")
+
+        async def answer(token, right: bool, claim: float):
+            status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 0}, token=token)
+            assert lease["eval_version"] == 0
+            ids = {p["id"]: tokenizer(p["answer"] if right else "+", add_special_tokens=False)["input_ids"]
+                   for p in lease["prompts"]}
+            return await api.call("/v1/eval", {"lease_id": lease["lease_id"], "version": 0, "completions": ids,
+                                               "rewards": {k: claim for k in ids}}, token=token)
+
+        status, body, _ = await answer(cred, right=False, claim=1.0)  # wrong answers, claimed right
+        assert status == 200
+        status, body, _ = await answer(cred_h, right=True, claim=1.0)
+        assert status == 200
+        # The round counts what the learner scored: half the answers were wrong.
+        assert [r.accuracy for r in results] == [0.5]
+        assert state.verifier.evidence[liar].mismatch_share == 1.0
+        assert state.verifier.evidence[honest].mismatch_share == 0.0
+        # Without completions there is nothing to score: refused.
+        state.evals.open(1, time.monotonic())
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred_h)
+        status, body, _ = await api.call("/v1/eval", {"lease_id": lease["lease_id"], "version": 1,
+                                                      "rewards": {p["id"]: 1.0 for p in lease["prompts"]}}, token=cred_h)
+        assert (status, body["error"]) == (422, "wrong-prompts")
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_oversized_and_unknown_fields_are_refused_and_not_stored(tokenizer, tmp_path):
     async def test(api: Api):
         a, cred = await api.join("a")

@@ -81,9 +81,11 @@ class LearnerClient:
         return await self._json("/v1/lease", P.LeaseRequest(max_prompts=max_prompts, version=version, wait_s=wait_s),
                                 P.LeaseReply)
 
-    async def submit_eval(self, lease_id: str, version: int, rewards: dict[str, float]) -> P.EvalReply:
-        return await self._json("/v1/eval", P.EvalSubmission(lease_id=lease_id, version=version, rewards=rewards),
-                                P.EvalReply)
+    async def submit_eval(self, lease_id: str, version: int, rewards: dict[str, float],
+                          completions: dict[str, list[int]]) -> P.EvalReply:
+        """An eval lease's answers: the learner scores the completions itself and checks the rewards."""
+        return await self._json("/v1/eval", P.EvalSubmission(lease_id=lease_id, version=version, rewards=rewards,
+                                                             completions=completions), P.EvalReply)
 
     async def release(self, lease_id: str) -> P.ReleaseReply:
         """Give a lease's prompts back unanswered (they are re-issued at once)."""

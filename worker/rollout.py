@@ -461,14 +461,15 @@ class Worker:
         """An eval lease: one greedy sample per prompt with `version`, scored, rewards sent back."""
         greedy = dataclasses.replace(self.params, n=1, temperature=0.0, top_p=1.0)
 
-        def generate_and_score() -> dict[str, float]:
+        def generate_and_score() -> tuple[dict[str, float], dict[str, list[int]]]:
             groups = self.engine.generate([p.prompt_ids for p in lease.prompts], greedy)
             texts = self.tokenizer.batch_decode([g[0].tokens for g in groups], skip_special_tokens=True)
-            return {p.id: self.task.reward(p, t) for p, t in zip(prompts, texts)}
+            return ({p.id: self.task.reward(p, t) for p, t in zip(prompts, texts)},
+                    {p.id: list(g[0].tokens) for p, g in zip(prompts, groups)})
 
-        rewards = await asyncio.to_thread(generate_and_score)
+        rewards, completions = await asyncio.to_thread(generate_and_score)
         try:
-            await self._calling(client, lambda: client.submit_eval(lease.lease_id, version, rewards))
+            await self._calling(client, lambda: client.submit_eval(lease.lease_id, version, rewards, completions))
         except LearnerError as e:  # the round moved on (restarted, or its lease expired): nothing to keep
             log.warning("%s: eval of v%d refused: %s", self.name, version, e)
 
