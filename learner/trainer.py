@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 from pathlib import Path
@@ -257,9 +258,11 @@ class Trainer:
                         "scaler": self.scaler.state_dict() if self.scaler else None}, path / "schedule.pt")
             (path / "learner_state.json").write_text(json.dumps(
                 {"version": self.version, "ranks": self.world.size, **extra}, indent=2))
-            latest = Path(directory) / "latest"
-            latest.unlink(missing_ok=True)
-            latest.symlink_to(path.name)
+            # Point `latest` at it atomically: a learner killed here still has a checkpoint to resume.
+            staging = Path(directory) / f".latest-{os.getpid()}"
+            staging.unlink(missing_ok=True)
+            staging.symlink_to(path.name)
+            os.replace(staging, Path(directory) / "latest")
         self.world.barrier()
         return path
 
