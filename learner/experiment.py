@@ -258,13 +258,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             return "–"
         return format(v, fmt) + (f" ± {format(sd, sd_fmt or fmt)}" if sd is not None else "")
 
-    head = ("| arm | steps to target | wall to target (s) | speed-up | final accuracy (mean ± sd, min–max) | "
+    head = ("| arm | s per update | steps to target | wall to target (s) | speed-up | final accuracy (mean ± sd, min–max) | "
             "$ to target | rollouts to target | mean staleness | truncated weights | replayed | dropped | reward, last 50 |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         reached = f" ({r['reached']}/{r['runs']})" if r["reached"] < r["runs"] else ""
         lines.append(
-            f"| {r['arm']} | {f(r['steps_to_target'], '.0f', r['steps_to_target_sd'])}{reached} "
+            f"| {r['arm']} | {r['step_period_s']:.3f} | {f(r['steps_to_target'], '.0f', r['steps_to_target_sd'])}{reached} "
             f"| {f(r['wall_to_target_s'], '.1f', r['wall_to_target_sd'])} | {f(r['speedup_vs_sync'], '.2f')}{'x' if r['speedup_vs_sync'] else ''} "
             f"| {f(r['final_accuracy'], '.3f', r['final_accuracy_sd'])} ({r['final_accuracy_min']:.3f}–{r['final_accuracy_max']:.3f}) "
             f"| {f(r['dollars_to_target'], '.4f')} | {f(r['rollouts_to_target'], '.0f')} "

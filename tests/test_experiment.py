@@ -59,7 +59,7 @@ def test_summary_prices_dollars_to_target_and_the_centralized_configuration():
     assert rows["S2-I1"]["speedup_vs_sync"] == 2.0 and rows["S2-I1"]["dollars_to_target"] == pytest.approx(0.07)
     assert rows["sync"]["final_accuracy"] == pytest.approx(0.805)
     text = table(list(rows.values()))
-    assert text.count("\n") == 2 + 2 and "| S2-I1 | 10 ± 0 | 50.0 ± 0.0 | 2.00x |" in text
+    assert text.count("\n") == 2 + 2 and "| S2-I1 | 0.000 | 10 ± 0 | 50.0 ± 0.0 | 2.00x |" in text
 
 
 def test_a_finished_sweep_is_analysed_again_from_its_run_directories(tmp_path, capsys):
