@@ -9,7 +9,7 @@ import importlib
 import sys
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "broadcast": ("broadcast.bench:cli", "chains vs the bound T* and the star on emulated WAN links (needs root)"),
+    "broadcast": ("broadcast.bench:cli", "stripes, chains and the star against the bound T* on emulated WAN links: symmetric, asymmetric and mixed fleets, a killed stripe owner, a worker behind NAT (needs root)"),
     "activation": ("scheduler.bench:activation_cli", "greedy vs exact (ILP) activation on random pools: cost gap, solve time"),
     "staleness": ("scheduler.bench:staleness_cli", "closed-form staleness vs the discrete-event simulator on a grid"),
     "simspeed": ("scheduler.bench:speed_cli", "simulator throughput in simulated rollouts/s"),

@@ -123,6 +123,9 @@ class HeartbeatReply(Message):
     state: Literal["active", "idle", "stop", "quarantined"]
     snapshot: dict[str, Any] | None = None
     message: str = ""
+    # Could the learner connect to the worker's relay? False: nobody can push to it, so it pulls
+    # each version from a parent the route names, following the learner's route feed.
+    reachable: bool | None = None
 
 
 class PromptMsg(Message):

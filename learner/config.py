@@ -130,7 +130,7 @@ class EvalSection(Section):
 
 class BroadcastSection(Section):
     mode: Literal["chain", "star"] = Field("chain", description="[broadcast] mode: 'chain' (signed, chunked, pipelined chains planned from links) or 'star' (every worker downloads from the learner)")
-    chunk_mib: float = Field(1.0, ge=0.0625, le=64.0, description="[broadcast] chunk_mib: chunk size in MiB (1-4 MiB suits wide-area links)")
+    chunk_mib: float = Field(1.0, ge=0.0625, le=64.0, description="[broadcast] chunk_mib: the largest chunk in MiB; each version's chunk size is chosen from its size, the rates and the hop count of its plan, 256 KiB up to this")
     deltas: bool = Field(True, description="[broadcast] deltas: send XOR+zstd deltas on the previous version when smaller")
     uplink_mbit: float = Field(1000.0, gt=0.0, description="[broadcast] uplink_mbit: the learner's upload bandwidth (Mbit/s), for planning and pacing")
     key_file: Path | None = Field(None, description="[broadcast] key_file: ed25519 signing key (PEM; created if missing; default: in the run directory)")

@@ -412,7 +412,7 @@ def build_app(state: LearnerState) -> web.Application:
             worker.active = state.fleet.is_active(worker.name)
         worker.told_finished = state.finished
         return reply(P.HeartbeatReply(state="stop" if state.finished else "active" if worker.active else "idle",
-                                      snapshot=fresh_snapshot()))
+                                      snapshot=fresh_snapshot(), reachable=worker.reachable))
 
     def refuse_quarantined(worker: WorkerInfo) -> None:
         if worker.quarantined:

@@ -460,3 +460,20 @@ def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_
     v = lp.status()["learner_version"]  # the honest worker carries the run on
     lp.wait_until(lambda: lp.status()["learner_version"] > v + 2, 60, "training to continue")
     assert all(not w["quarantined"] for w in lp.status()["workers"] if w["name"] == "honest")
+
+
+def test_a_worker_nobody_can_connect_to_is_told_so_and_pulls_every_version(learner_factory):
+    """The reachability ladder in the real loop: the learner's probe of a relay that advertises an
+    address nobody listens on fails, the heartbeat says so, and the worker follows the route feed
+    and pulls each version from its parent; with the fallback pull 10 minutes away, training at
+    S = 1 only keeps going if that works."""
+    lp = learner_factory(run={"steps": 8}, buffer={"max_staleness": 1}, broadcast={"fallback_s": 600.0})
+    lp.worker("open", "--worker.max_rollouts_per_s", "100")
+    lp.worker("natted", "--worker.max_rollouts_per_s", "100", "--worker.advertise_url", "http://127.0.0.1:9")
+    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    log = (lp.run_dir.parent.parent / "natted.log").read_text()
+    installs = [line for line in log.splitlines() if "natted: installed v" in line]
+    assert len(installs) >= 4, log[-3000:]
+    assert "pulling v" not in log  # never the learner's fallback
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and {w["name"]: w["groups"] > 0 for w in summary["workers"]}["natted"]

@@ -335,6 +335,8 @@ class Worker:
                 elif reply.state == "active" and not self.active.is_set():
                     log.info("%s: activated by the learner's scheduler", self.name)
                     self.active.set()
+                if reply.reachable is False and self.relay is not None and self.broadcast.get("source"):
+                    self.relay.follow(self.broadcast["source"])  # behind NAT: pull what the routes assign
                 self._notice(client, reply.snapshot)
                 failing_since = None
             except Forgotten:
