@@ -20,7 +20,7 @@ def test_control_plane_bench_smoke_run_balances_its_ledger():
     ledger = r["ledger"]
     assert ledger["lost"] == 0 and ledger["trained"] > 0
     # What workers saw acknowledged, the learner accepted (it may have accepted a little more:
-    # a killed worker's last upload can be accepted after its connection is gone).
-    assert 0 <= ledger["accepted_by_learner"] - ledger["acknowledged_to_workers"] <= 5
+    # each killed worker's last upload can be accepted after its connection is gone).
+    assert 0 <= ledger["accepted_by_learner"] - ledger["acknowledged_to_workers"] <= r["killed_and_replaced"]
     assert ledger["accepted_by_learner"] == ledger["trained"] + ledger["dropped"] + ledger["queued"]
     assert r["learner"]["quarantined"] == 0  # honest simulated workers: rewards recomputed and agreeing
