@@ -320,7 +320,7 @@ def _results(args, fleet: Fleet, server: dict, client_cpu: float) -> dict:
 
 
 def _table(out: dict) -> str:
-    from broadcast.bench.table import fmt, table
+    from echo.table import fmt, table
 
     rows = [[route, str(r["requests"]), fmt(r["p50_ms"]), fmt(r["p99_ms"]), fmt(r["max_ms"]),
              "yes" if r["p99_ms"] < GOALS["p99_ms"] else "NO"] for route, r in out["routes"].items()]

@@ -23,6 +23,7 @@ from typing import Any
 from scheduler import activation as act
 from scheduler import staleness as st
 from scheduler.simulator import blog_config, pipeline_config, simulate
+from echo.table import table
 
 # GPU kinds a random market draws from: (name, $/h, rollouts/s) around realistic values.
 _MARKET = [("rtx3090", 0.20, 1.8), ("rtx4080", 0.22, 2.0), ("rtx4090", 0.35, 3.0),
@@ -44,13 +45,8 @@ def _print(as_json: bool, title: str, header: list[str], rows: list[list[Any]], 
     if as_json:
         print(json.dumps(data, indent=2, ensure_ascii=False))
         return
-    cells = [[h for h in header]] + [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     print(title)
-    for k, row in enumerate(cells):
-        print("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
-        if k == 0:
-            print("  " + "  ".join("-" * w for w in widths))
+    print(table(header, [[_cell(v) for v in row] for row in rows]))
     for note in notes:
         print(note)
 

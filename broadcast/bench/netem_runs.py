@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from broadcast.bench.table import fmt, table
+from echo.table import fmt, table
 from broadcast.manifest import MIB, chunk_hash
 from broadcast.planner import PeerLink, Plan, lower_bound, plan_broadcast
 

@@ -153,7 +153,7 @@ def cli(argv: list[str]) -> int:
     import argparse
     import json
 
-    from broadcast.bench.table import fmt, table
+    from echo.table import fmt, table
     from broadcast.manifest import MIB
 
     p = argparse.ArgumentParser(prog="echo-rl bench broadcast transports", description=cli.__doc__)

@@ -1,4 +1,4 @@
-"""The one table printer of the broadcast benchmarks: right-aligned columns under a rule."""
+"""The one table printer of the benchmarks: right-aligned columns under a rule."""
 
 from __future__ import annotations
 
