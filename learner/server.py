@@ -29,12 +29,10 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import itertools
 import json
 import secrets
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,13 +46,13 @@ from echo import protocol as P
 from echo.wire import CONTENT_TYPE, Rejected, decode_submission
 from learner.buffer import AsyncBuffer, Group
 from learner.config import LearnerConfig
+from learner.admission import JoinGate, Waiters
 from learner.evals import EvalBook
 from learner.leases import LeaseBook, UnknownLease
 from learner.metrics import LearnerMetrics
 from learner.verify import Verdict, Verifier
 
 UNKNOWN_LINK_MBIT = 1000.0  # planning assumption for a link nobody declared or measured yet
-WAKE_BATCH = 32  # waiters woken per turn of the event loop
 PROBE_TIMEOUT_S = 3.0  # a relay that does not answer the learner's probe within this is unreachable
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
@@ -94,93 +92,6 @@ class WorkerInfo:
                 "gpu": self.gpu, "engine": self.engine, "groups_accepted": self.groups_accepted,
                 "relay_url": self.relay_url, "reachable": self.reachable, "leased_prompts": leased,
                 "quarantined": self.quarantined}
-
-
-class Waiters:
-    """Long-polled lease requests waiting for work, first come first served. Room freed for one
-    lease wakes one waiter; a new learner version wakes those it made too stale to be served
-    (they are told to install), and the room a batch freed; only the end of training wakes all."""
-
-    def __init__(self) -> None:
-        self._queue: deque[tuple[asyncio.Future, WorkerInfo]] = deque()
-        self._owed = 0  # wake-ups not yet delivered
-        self._paying: asyncio.Task | None = None
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    async def wait(self, timeout: float, worker: WorkerInfo) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.append((fut, worker))
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            fut.cancel()  # a woken-up future is done; a cancelled one is skipped by wake()
-
-    def wake(self, n: int = 1) -> None:
-        """Wake `n` waiters, a few at a time: a step that frees room for hundreds of leases would
-        otherwise serve them all in one turn of the loop while heartbeats queue behind them."""
-        self._owed += n
-        if self._owed > 0 and self._queue and self._paying is None:
-            self._paying = asyncio.get_running_loop().create_task(self._pay())
-
-    async def _pay(self) -> None:
-        try:
-            while self._owed > 0 and self._queue:
-                k = min(self._owed, WAKE_BATCH)
-                self._owed -= k
-                while k > 0 and self._queue:
-                    fut, _ = self._queue.popleft()
-                    if not fut.done():
-                        fut.set_result(None)
-                        k -= 1
-                await asyncio.sleep(0)
-        finally:
-            self._owed = 0 if not self._queue else self._owed
-            self._paying = None
-
-    def wake_where(self, predicate) -> None:
-        kept: deque = deque()
-        for fut, worker in self._queue:
-            if fut.done():
-                continue
-            if predicate(worker):
-                fut.set_result(None)
-            else:
-                kept.append((fut, worker))
-        self._queue = kept
-
-    def wake_all(self) -> None:
-        self.wake(len(self._queue))
-
-
-class JoinGate:
-    """Token bucket on joins, plus the network allow-list."""
-
-    def __init__(self, rate: float, burst: int, networks: list[str]):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.at = float(burst), time.monotonic()
-        self.networks = [ipaddress.ip_network(n, strict=False) for n in networks]
-
-    def allowed_from(self, address: str) -> bool:
-        if not self.networks:
-            return True
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return any(ip in net for net in self.networks)
-
-    def take(self, now: float) -> float:
-        """0 if a join may pass now, else the seconds until one may."""
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate
 
 
 class LearnerState:

@@ -1,0 +1,102 @@
+"""Who gets in, and who waits: the join gate and the long-polled lease requests.
+
+`JoinGate`: joins per second (a token bucket) and the network allow-list.
+`Waiters`: lease requests parked until there is work, woken first come first served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+from collections import deque
+from typing import Any, Callable
+
+WAKE_BATCH = 32  # waiters woken per turn of the event loop
+
+
+class Waiters:
+    """Long-polled lease requests waiting for work, first come first served. Room freed for one
+    lease wakes one waiter; a new learner version wakes those it made too stale to be served
+    (they are told to install), and the room a batch freed; only the end of training wakes all."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[asyncio.Future, Any]] = deque()
+        self._owed = 0  # wake-ups not yet delivered
+        self._paying: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    async def wait(self, timeout: float, worker: Any) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((fut, worker))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            fut.cancel()  # a woken-up future is done; a cancelled one is skipped by wake()
+
+    def wake(self, n: int = 1) -> None:
+        """Wake `n` waiters, a few at a time: a step that frees room for hundreds of leases would
+        otherwise serve them all in one turn of the loop while heartbeats queue behind them."""
+        self._owed += n
+        if self._owed > 0 and self._queue and self._paying is None:
+            self._paying = asyncio.get_running_loop().create_task(self._pay())
+
+    async def _pay(self) -> None:
+        try:
+            while self._owed > 0 and self._queue:
+                k = min(self._owed, WAKE_BATCH)
+                self._owed -= k
+                while k > 0 and self._queue:
+                    fut, _ = self._queue.popleft()
+                    if not fut.done():
+                        fut.set_result(None)
+                        k -= 1
+                await asyncio.sleep(0)
+        finally:
+            self._owed = 0 if not self._queue else self._owed
+            self._paying = None
+
+    def wake_where(self, predicate: Callable[[Any], bool]) -> None:
+        kept: deque = deque()
+        for fut, worker in self._queue:
+            if fut.done():
+                continue
+            if predicate(worker):
+                fut.set_result(None)
+            else:
+                kept.append((fut, worker))
+        self._queue = kept
+
+    def wake_all(self) -> None:
+        self.wake(len(self._queue))
+
+
+class JoinGate:
+    """Token bucket on joins, plus the network allow-list."""
+
+    def __init__(self, rate: float, burst: int, networks: list[str]):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = float(burst), time.monotonic()
+        self.networks = [ipaddress.ip_network(n, strict=False) for n in networks]
+
+    def allowed_from(self, address: str) -> bool:
+        if not self.networks:
+            return True
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.networks)
+
+    def take(self, now: float) -> float:
+        """0 if a join may pass now, else the seconds until one may."""
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
