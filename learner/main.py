@@ -607,6 +607,9 @@ class Learner:
             "sampled_mean_length": round(buf["sampled_mean_length"], 3),
             "trained_mean_length": round(buf["trained_mean_length"], 3),
             "workers": [{"id": w.id, "name": w.name, "groups": w.groups_accepted} for w in state.workers.values()],
+            "quarantined": [{"id": w.id, "name": w.name, "address": w.address, "why": w.quarantined}
+                            for w in state.workers.values() if w.quarantined],
+            "rewards_checked": state.verifier.checked, "rewards_mismatched": state.verifier.mismatched,
             "cost": self.cost.summary(),
         }
 

@@ -60,6 +60,7 @@ class Verifier:
     def __init__(self, cfg: VerifySection, seed: int = 0):
         self.cfg = cfg
         self.evidence: dict[str, Evidence] = {}
+        self.checked = self.mismatched = 0  # rewards recomputed, and how many disagreed, over the run
         self._rng = random.Random(seed)
 
     def _of(self, worker_id: str) -> Evidence:
@@ -81,6 +82,8 @@ class Verifier:
         return [f >= 1.0 or (f > 0.0 and self._rng.random() < f) for _ in groups]
 
     def rewards_checked(self, worker_id: str, mismatches: list[bool]) -> Verdict | None:
+        self.checked += len(mismatches)
+        self.mismatched += sum(mismatches)
         ev = self._of(worker_id)
         ev.rewards.extend(int(m) for m in mismatches)
         if len(ev.rewards) >= self.cfg.min_checked and ev.mismatch_share > self.cfg.max_reward_mismatch:
