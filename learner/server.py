@@ -156,7 +156,9 @@ class LearnerState:
         buf = self.buffer.buffer
         if self.training_done or (self.cfg.buffer.backpressure and len(buf) >= buf.capacity):
             return 0
-        return max(0, self.leases.max_outstanding - self.leases.outstanding)
+        room = max(0, self.leases.max_outstanding - self.leases.outstanding)
+        needed = buf.lease_room(self.learner_version, self.leases.outstanding)  # S = 0: what the batch needs
+        return room if needed is None else min(room, needed)
 
     def stepped(self) -> None:
         """The learner took a batch and moved on a version: serve the room that freed, and tell
