@@ -224,13 +224,7 @@ def predict_chains(M: float, U: float, chains: Sequence[Sequence[PeerLink]], chu
     feeds = chain_feed_rates(U, chains)
     arrivals: dict[str, float] = {}
     for chain, s in zip(chains, feeds):
-        rate, lat, lag = s, 0.0, 0.0
-        for pos, p in enumerate(chain):
-            if pos > 0:
-                rate = min(rate, chain[pos - 1].up)
-                lag += chunk / rate if rate > 0 else math.inf
-            rate = min(rate, p.down)
-            lat += p.latency
+        for p, rate, lat, lag in _pipeline(chain, s, chunk):
             arrivals[p.id] = M / rate + lat + lag if rate > 0 else math.inf
     return Prediction(name or f"chains:{len(chains)}", tuple(tuple(p.id for p in c) for c in chains),
                       tuple(feeds), arrivals)
@@ -314,14 +308,7 @@ def predict_chains_with_leaves(M: float, U: float, chains: Sequence[Sequence[Pee
     arrivals = dict(base.arrivals)
     trees, parents = [], []
     for chain, feed, mine in zip(chains, base.rates, per_chain):
-        rate, lat, lag = feed, 0.0, 0.0
-        for pos, p in enumerate(chain):
-            if pos > 0:
-                rate = min(rate, chain[pos - 1].up)
-                lag += chunk / rate if rate > 0 else math.inf
-            rate = min(rate, p.down)
-            lat += p.latency
-        tail = chain[-1]
+        tail, rate, lat, lag = list(_pipeline(chain, feed, chunk))[-1]
         for leaf in mine:
             r = min(rate, tail.up / len(mine), leaf.down)
             arrivals[leaf.id] = M / r + lat + leaf.latency + lag + chunk / r if r > 0 else math.inf
@@ -329,6 +316,19 @@ def predict_chains_with_leaves(M: float, U: float, chains: Sequence[Sequence[Pee
         parents.append(tuple(range(-1, len(chain) - 1)) + (len(chain) - 1,) * len(mine))
     return Prediction(base.name, tuple(trees), base.rates, arrivals, parents=tuple(parents),
                       pull=tuple(p.id for p in leaves), chunk=chunk)
+
+
+def _pipeline(chain: Sequence[PeerLink], feed: float, chunk: float):
+    """Each node of a pipelined chain fed at `feed`: (node, the rate it receives at, the latency
+    to it, the chunk-forwarding lag to it)."""
+    rate, lat, lag = feed, 0.0, 0.0
+    for pos, p in enumerate(chain):
+        if pos > 0:
+            rate = min(rate, chain[pos - 1].up)
+            lag += chunk / rate if rate > 0 else math.inf
+        rate = min(rate, p.down)
+        lat += p.latency
+        yield p, rate, lat, lag
 
 
 def stripe_groups(peers: Sequence[PeerLink], group_size: int) -> list[list[PeerLink]]:
