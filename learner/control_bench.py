@@ -156,10 +156,10 @@ async def _serve(args) -> int:
 
 
 class Fleet:
-    def __init__(self, url: str, args, tokenizer, task):
-        self.url, self.args, self.tokenizer, self.task = url, args, tokenizer, task
+    def __init__(self, url: str, args, tokenizer):
+        self.url, self.args, self.tokenizer = url, args, tokenizer
         self.latency: dict[str, list[float]] = {}
-        self.acked = self.uploads = self.killed = self.errors = 0
+        self.acked = self.killed = self.errors = 0
         self.refused: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
@@ -221,7 +221,6 @@ class Fleet:
                     self.acked += reply.accepted
                 except LearnerError as e:  # e.g. a group gone stale while "generating": counted by reason
                     self.refused[e.reason] = self.refused.get(e.reason, 0) + 1
-                self.uploads += 1
                 self.timed("trajectories", time.perf_counter() - t)
         finally:
             beats.cancel()
@@ -263,8 +262,6 @@ class Fleet:
 
 
 async def _drive(args) -> int:
-    from echo.tasks import load_task
-
     with tempfile.TemporaryDirectory(prefix="echo-control-bench-") as tmp:
         d = Path(tmp)
         (d / "config.json").write_text("{}")
@@ -276,7 +273,7 @@ async def _drive(args) -> int:
                 print(f"echo-rl bench control-plane: the learner side failed:\n{log.read_text()}", file=sys.stderr)
                 return 1
             await asyncio.sleep(0.1)
-        fleet = Fleet((d / "url").read_text(), args, _tokenizer(), load_task("arith", {}))
+        fleet = Fleet((d / "url").read_text(), args, _tokenizer())
         print(f"{args.workers} simulated workers for {args.seconds:.0f} s against the control plane "
               f"(the trainer is a stand-in consuming {args.step_rate:g} batches/s of {args.batch_prompts} groups)...",
               file=sys.stderr, flush=True)

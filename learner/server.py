@@ -224,7 +224,6 @@ def build_app(state: LearnerState) -> web.Application:
     cfg = state.cfg
     app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)),
                           middlewares=[_errors_as_json])
-    loop_offload = state.offload
 
     def bearer(request: web.Request) -> str:
         header = request.headers.get("Authorization", "")
@@ -273,9 +272,6 @@ def build_app(state: LearnerState) -> web.Application:
             state.metrics.rejected.labels("bad-request").inc()
             raise web.HTTPBadRequest(text=str(e) if isinstance(e, P.ProtocolError) else "body must be a JSON object") from None
 
-    def fresh_snapshot() -> dict | None:
-        return state.announcement
-
     async def join(request: web.Request) -> web.Response:
         run_token(request)
         report = await body(request, P.Report)
@@ -309,7 +305,7 @@ def build_app(state: LearnerState) -> web.Application:
             worker_id=wid, credential=f"{wid}.{secret}", broadcast=state.broadcast,
             heartbeat_interval=cfg.server.heartbeat_interval, lease_ttl=cfg.server.lease_ttl,
             long_poll_s=cfg.server.long_poll_s, task=P.TaskInfo(name=cfg.task.name, options=cfg.task.options),
-            rollout=cfg.rollout.model_dump(), snapshot=fresh_snapshot()))
+            rollout=cfg.rollout.model_dump(), snapshot=state.announcement))
 
     async def heartbeat(request: web.Request) -> web.Response:
         worker = worker_of(request)
@@ -325,7 +321,7 @@ def build_app(state: LearnerState) -> web.Application:
             worker.active = state.fleet.is_active(worker.name)
         worker.told_finished = state.finished
         return reply(P.HeartbeatReply(state="stop" if state.finished else "active" if worker.active else "idle",
-                                      snapshot=fresh_snapshot(), reachable=worker.reachable))
+                                      snapshot=state.announcement, reachable=worker.reachable))
 
     def refuse_quarantined(worker: WorkerInfo) -> None:
         if worker.quarantined:
@@ -349,7 +345,7 @@ def build_app(state: LearnerState) -> web.Application:
             if worker.quarantined:
                 return json_error(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
             if not worker.active:
-                return reply(P.LeaseReply(empty="wait", snapshot=fresh_snapshot()))
+                return reply(P.LeaseReply(empty="wait", snapshot=state.announcement))
             now = time.monotonic()
             if state.evals is not None:
                 got_eval = state.evals.lease(worker.id, worker.version, cfg.eval.prompts_per_lease, now)
@@ -358,13 +354,13 @@ def build_app(state: LearnerState) -> web.Application:
                     return reply(P.LeaseReply(
                         lease_id=lease_id, eval_version=version, expires_in=cfg.server.lease_ttl,
                         prompts=[P.PromptMsg(id=p.id, text=p.text, answer=p.answer, prompt_ids=state.encode(p.text))
-                                 for p in eval_prompts], snapshot=fresh_snapshot()))
+                                 for p in eval_prompts], snapshot=state.announcement))
             # A worker on a version already too old to be admitted would only generate refusals.
             if cfg.server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(
                     worker.version, state.learner_version):
                 if state.room():
                     state.waiters.wake(1)  # in case this request was woken for room it cannot use
-                return reply(P.LeaseReply(empty="install", snapshot=fresh_snapshot()))
+                return reply(P.LeaseReply(empty="install", snapshot=state.announcement))
             full = cfg.buffer.backpressure and len(buf) >= buf.capacity
             room = buf.lease_room(state.learner_version, state.leases.outstanding)  # S = 0: what the batch still needs
             got = None if full or room == 0 or state.training_done else state.leases.lease(
@@ -377,9 +373,9 @@ def build_app(state: LearnerState) -> web.Application:
                     state.waiters.wake(1)  # room for more: the next waiter may take it
                 # Workers learn of new versions here too, without waiting for a heartbeat.
                 return reply(P.LeaseReply.model_construct(lease_id=got.id, prompts=prompts, expires_in=cfg.server.lease_ttl,
-                                                          snapshot=fresh_snapshot(), eval_version=None, empty=""))
+                                                          snapshot=state.announcement, eval_version=None, empty=""))
             if now >= deadline:
-                return reply(P.LeaseReply(empty="wait", snapshot=fresh_snapshot()))
+                return reply(P.LeaseReply(empty="wait", snapshot=state.announcement))
             await state.waiters.wait(deadline - now, worker)
 
     async def release(request: web.Request) -> web.Response:
@@ -404,7 +400,7 @@ def build_app(state: LearnerState) -> web.Application:
                 raise Rejected(413, "oversized", f"upload larger than [server] max_body_mb = {cfg.server.max_body_mb} MiB; "
                                                  "submit fewer groups per request") from None
             loop = asyncio.get_running_loop()
-            sub = await loop.run_in_executor(loop_offload, lambda: decode_submission(
+            sub = await loop.run_in_executor(state.offload, lambda: decode_submission(
                 raw, vocab_size=state.vocab_size, max_tokens=cfg.rollout.max_new_tokens, group_size=cfg.rollout.group_size))
             if sub.worker_id != worker.id:
                 raise Rejected(403, "impersonation", f"the upload names worker {sub.worker_id[:64]!r} but the credential is "
@@ -420,7 +416,7 @@ def build_app(state: LearnerState) -> web.Application:
         rescored = [g for g, pick in zip(groups, state.verifier.pick(groups)) if pick] if state.rescore else []
         if rescored:
             try:
-                mismatched = await asyncio.get_running_loop().run_in_executor(loop_offload, state.rescore, rescored)
+                mismatched = await asyncio.get_running_loop().run_in_executor(state.offload, state.rescore, rescored)
             except Exception as e:  # the task's reward code failed: train nothing unchecked, lose no prompt
                 for g in groups:
                     state.leases.recycle(g.prompt)
@@ -479,7 +475,7 @@ def build_app(state: LearnerState) -> web.Application:
                                                  f"in [0, {state.vocab_size})")
         ids = list(req.completions)
         truth = await asyncio.get_running_loop().run_in_executor(
-            loop_offload, state.rescore.score, [(prompts[k], req.completions[k]) for k in ids])
+            state.offload, state.rescore.score, [(prompts[k], req.completions[k]) for k in ids])
         mismatches = [abs(req.rewards[k] - t) > cfg.verify.reward_tolerance for k, t in zip(ids, truth)]
         state.metrics.rewards_checked.inc(len(mismatches))
         state.metrics.rewards_mismatched.inc(sum(mismatches))
@@ -496,7 +492,7 @@ def build_app(state: LearnerState) -> web.Application:
 
     async def model_files(request: web.Request) -> web.Response:
         anyone(request)
-        data = await asyncio.get_running_loop().run_in_executor(loop_offload, read_model_files)
+        data = await asyncio.get_running_loop().run_in_executor(state.offload, read_model_files)
         return web.Response(body=data, content_type="application/msgpack")
 
     async def status(request: web.Request) -> web.Response:
