@@ -343,6 +343,13 @@ def cli(argv: list[str]) -> int:
         return 2
     if cfg.workers.spawn < 1:
         parser.error("the experiment needs local workers: set [workers] spawn or --workers N")
+    model = cfg.model.path if cfg.model.path.is_absolute() else ROOT / cfg.model.path
+    if not (model / "config.json").exists():  # a fresh clone: build the demo model, as `make model` does
+        from echo.tinymodel import cli as build_model
+
+        with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):  # stdout keeps only the JSON
+            if build_model(["--config", str(config), "--out", str(model)]) != 0:
+                return 2
     out = (args.out or ROOT / "runs" / f"experiment-staleness-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "base.toml"

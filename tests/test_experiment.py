@@ -93,10 +93,16 @@ def test_arms_follow_the_publication_rule_and_refuse_what_cannot_work():
 
 def test_smoke_runs_the_real_learner_and_workers_synchronously_and_with_replay(tmp_path, capsys):
     """`make test`: the harness end to end in seconds. S = 0 trains only groups of the current
-    version (the synchronous baseline, no deadlock); S = 1 with reuse 2 replays groups."""
-    code = cli(["staleness", "--smoke", "--workers", "2", "--out", str(tmp_path), "--target", "0.0", "--json"])
-    report = json.loads(capsys.readouterr().out)
-    assert code == 0, [r["error"] for r in report["runs"]]
+    version (the synchronous baseline, no deadlock); S = 1 with reuse 2 replays groups. The model
+    does not exist yet, as in a fresh clone: the harness builds it first."""
+    model = tmp_path / "model"
+    code = cli(["staleness", "--smoke", "--workers", "2", "--out", str(tmp_path), "--target", "0.0", "--json",
+                "--model.path", str(model)])
+    out = capsys.readouterr()
+    assert code == 0, (out.err[-3000:], out.out[-3000:])  # the out has each failed run's log path
+    report = json.loads(out.out)
+    assert all(r["ok"] for r in report["runs"]), [r["error"] for r in report["runs"]]
+    assert (model / "config.json").exists() and f"built {model}" in out.err
     runs = {r["arm"]: r for r in report["runs"]}
     assert set(runs) == {"sync", "S1-I1-replay2"} and all(r["ok"] and r["steps"] == 6 for r in runs.values())
     sync, replay = runs["sync"], runs["S1-I1-replay2"]
