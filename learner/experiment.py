@@ -39,7 +39,7 @@ from echo.config import ConfigError, dump_toml
 ROOT = Path(__file__).resolve().parents[1]  # the tree whose code runs (a frozen copy, for long sweeps)
 LOCK = Path("/tmp/echo-measure.lock")
 DEFAULT_CONFIG = "configs/experiments/staleness.toml"
-FINAL_EVALS = 3  # final accuracy = mean of the last this many evals of a run
+FINAL_WINDOW = 50  # final accuracy and reward: means over a run's last this many updates
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class RunResult:
     reuse_counts: dict[str, int] = field(default_factory=dict)  # uses at training -> count
     rollouts: int = 0  # generated over the whole run
     wasted_share: float = 0.0  # of generated groups, the share dropped (staler than S, or queue overflow)
-    reward_last: float = 0.0  # mean training reward of the last 50 updates (less noisy than one eval)
+    reward_last: float = 0.0  # mean training reward of the last FINAL_WINDOW updates (less noisy than evals)
     step_period_s: float = 0.0  # median wall time per update
     learner_idle: float = 0.0
 
@@ -157,8 +157,9 @@ def analyse(run_dir: Path, arm: str, seed: int, target: float | None, group_size
     wall[0] = 0.0
     r.steps, r.wall_s = steps[-1]["step"], round(steps[-1]["time"] - t0, 2)
     r.evals = [(k, round(wall.get(k, math.nan), 2), acc) for k, acc in sorted(evals.items())]
-    # The last FINAL_EVALS evals averaged: one eval of a policy still moving is noisy.
-    r.final_accuracy = statistics.fmean([acc for _, _, acc in r.evals[1:]][-FINAL_EVALS:] or [math.nan])
+    # The evals of the last FINAL_WINDOW updates averaged: one eval of a policy still moving is noisy.
+    last = [acc for k, _, acc in r.evals if k > 0 and k > r.steps - FINAL_WINDOW] or [acc for _, _, acc in r.evals[-1:]]
+    r.final_accuracy = statistics.fmean(last or [math.nan])
     tokens = sum(s["tokens"] for s in steps)
     r.is_weight_mean = sum(s["is_weight_mean"] * s["tokens"] for s in steps) / tokens
     r.truncated_share = sum(s["is_truncated_fraction"] * s["tokens"] for s in steps) / tokens
@@ -179,7 +180,7 @@ def analyse(run_dir: Path, arm: str, seed: int, target: float | None, group_size
 
     r.rollouts = generated(steps[-1])
     r.wasted_share = (steps[-1]["recycled"] + steps[-1]["dropped_overflow"]) * group_size / max(1, r.rollouts)
-    r.reward_last = statistics.fmean(s["reward_mean"] for s in steps[-50:])
+    r.reward_last = statistics.fmean(s["reward_mean"] for s in steps[-FINAL_WINDOW:])
     if target is not None:
         hit = next((k for k, _, acc in r.evals if acc >= target and k > 0), None)
         if hit is not None:
@@ -217,7 +218,10 @@ def _spread(values: list[float]) -> tuple[float | None, float | None]:
 def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target: float) -> list[dict[str, Any]]:
     """One row per arm (and the centralized pricing of the synchronous runs)."""
     rows = []
-    sync_wall = _spread([r.wall_to_target for r in results if r.arm == "sync" and r.ok])[0]
+    sync = [r for r in results if r.arm == "sync" and r.ok]
+    sync_wall = _spread([r.wall_to_target for r in sync])[0]
+    sync_acc, sync_reward = _spread([r.final_accuracy for r in sync])[0], _spread([r.reward_last for r in sync])[0]
+    relative = lambda v, base: (v / base - 1) if v is not None and base else None  # noqa: E731
     for label, arm_name, price in [(a.name, a.name, None) for a in arms] + [("centralized (sync)", "sync", prices.learner)]:
         runs = [r for r in results if r.arm == arm_name and r.ok]
         if not runs:
@@ -244,7 +248,10 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
             "is_weight_mean": statistics.fmean(r.is_weight_mean for r in runs),
             "replayed_share": statistics.fmean(r.replayed_share for r in runs),
             "wasted_share": statistics.fmean(r.wasted_share for r in runs),
+            "final_vs_sync": relative(acc_m, sync_acc),
             "reward_last": statistics.fmean(r.reward_last for r in runs),
+            "reward_last_sd": _spread([r.reward_last for r in runs])[1],
+            "reward_vs_sync": relative(statistics.fmean(r.reward_last for r in runs), sync_reward),
             "step_period_s": statistics.fmean(r.step_period_s for r in runs),
             "price_per_hour": round(3600 * prices.per_second(price), 4),
         })
@@ -258,8 +265,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             return "–"
         return format(v, fmt) + (f" ± {format(sd, sd_fmt or fmt)}" if sd is not None else "")
 
-    head = ("| arm | s per update | steps to target | wall to target (s) | speed-up | final accuracy (mean ± sd, min–max) | "
-            "$ to target | rollouts to target | mean staleness | truncated weights | replayed | dropped | reward, last 50 |")
+    def vs(v):
+        return "–" if v is None else f"{100 * v:+.0f}%"
+
+    head = ("| arm | s per update | steps to target | wall to target (s) | speed-up | final accuracy (mean ± sd, min–max) "
+            "| vs sync | $ to target | rollouts to target | mean staleness | truncated weights | replayed | dropped "
+            f"| reward, last {FINAL_WINDOW} | vs sync |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         reached = f" ({r['reached']}/{r['runs']})" if r["reached"] < r["runs"] else ""
@@ -267,9 +278,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['arm']} | {r['step_period_s']:.3f} | {f(r['steps_to_target'], '.0f', r['steps_to_target_sd'])}{reached} "
             f"| {f(r['wall_to_target_s'], '.1f', r['wall_to_target_sd'])} | {f(r['speedup_vs_sync'], '.2f')}{'x' if r['speedup_vs_sync'] else ''} "
             f"| {f(r['final_accuracy'], '.3f', r['final_accuracy_sd'])} ({r['final_accuracy_min']:.3f}–{r['final_accuracy_max']:.3f}) "
+            f"| {vs(r['final_vs_sync'])} "
             f"| {f(r['dollars_to_target'], '.4f')} | {f(r['rollouts_to_target'], '.0f')} "
             f"| {r['mean_staleness']:.2f} (max {r['max_staleness']}) | {100 * r['truncated_share']:.2f}% "
-            f"| {100 * r['replayed_share']:.0f}% | {100 * r['wasted_share']:.0f}% | {r['reward_last']:.3f} |")
+            f"| {100 * r['replayed_share']:.0f}% | {100 * r['wasted_share']:.0f}% "
+            f"| {f(r['reward_last'], '.3f', r['reward_last_sd'])} | {vs(r['reward_vs_sync'])} |")
     return "\n".join(lines)
 
 

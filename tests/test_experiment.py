@@ -39,6 +39,10 @@ def test_analyse_reads_target_wall_time_rollouts_and_weights_from_the_run_log(tm
     assert r.mean_staleness == 0.5 and r.max_staleness == 1 and r.step_period_s == 2.0
     assert r.wasted_share == pytest.approx(6 / (12 + 6)) and r.reward_last == pytest.approx(0.35)
     assert analyse(run, "sync", 0, target=0.9, group_size=4).steps_to_target is None  # never reached
+    # In a longer run, final accuracy is the mean of the evals in the last 50 updates only.
+    long = analyse(_write_log(tmp_path / "long", {40: 0.1, 60: 0.2, 80: 0.6, 100: 0.7, 120: 0.8}, steps=120),
+                   "sync", 0, target=None, group_size=4)
+    assert long.final_accuracy == pytest.approx(0.7)
 
 
 def test_replay_counts_and_fresh_rollouts_come_from_the_per_step_uses(tmp_path):
@@ -49,17 +53,21 @@ def test_replay_counts_and_fresh_rollouts_come_from_the_per_step_uses(tmp_path):
 
 def test_summary_prices_dollars_to_target_and_the_centralized_configuration():
     runs = [RunResult("sync", s, "", True, steps=10, final_accuracy=0.8 + s / 100, steps_to_target=8,
-                      wall_to_target=100.0, rollouts_to_target=800) for s in range(2)]
+                      wall_to_target=100.0, rollouts_to_target=800, reward_last=0.5) for s in range(2)]
     runs += [RunResult("S2-I1", s, "", True, steps=10, final_accuracy=0.8, steps_to_target=10, wall_to_target=50.0,
-                       mean_staleness=1.5, max_staleness=2, truncated_share=0.01) for s in range(2)]
+                       mean_staleness=1.5, max_staleness=2, truncated_share=0.01, reward_last=0.4 + s / 10)
+             for s in range(2)]
     prices = Prices(learner=3.6, worker=0.36, workers=4)
     rows = {r["arm"]: r for r in summarise(runs, [Arm(0, 1), Arm(2, 1)], prices, target=0.7)}
     assert rows["sync"]["dollars_to_target"] == pytest.approx(100 * (3.6 + 4 * 0.36) / 3600)
     assert rows["centralized (sync)"]["dollars_to_target"] == pytest.approx(100 * 5 * 3.6 / 3600)
     assert rows["S2-I1"]["speedup_vs_sync"] == 2.0 and rows["S2-I1"]["dollars_to_target"] == pytest.approx(0.07)
-    assert rows["sync"]["final_accuracy"] == pytest.approx(0.805)
+    assert rows["sync"]["final_accuracy"] == pytest.approx(0.805) and rows["sync"]["final_vs_sync"] == 0
+    assert rows["S2-I1"]["final_vs_sync"] == pytest.approx(0.8 / 0.805 - 1)
+    assert rows["S2-I1"]["reward_vs_sync"] == pytest.approx(-0.1) and rows["S2-I1"]["reward_last_sd"] > 0
     text = table(list(rows.values()))
     assert text.count("\n") == 2 + 2 and "| S2-I1 | 0.000 | 10 ± 0 | 50.0 ± 0.0 | 2.00x |" in text
+    assert "| -1% |" in text and "| 0.450 ± 0.071 | -10% |" in text
 
 
 def test_a_finished_sweep_is_analysed_again_from_its_run_directories(tmp_path, capsys):
