@@ -56,9 +56,9 @@ def plot(run_dir: Path, out: Path) -> Path:
 
 
 def plot_experiment(report: dict, out: Path) -> Path:
-    """`echo-rl experiment staleness`: greedy eval accuracy against learner steps and against wall
-    time, and the training reward (25-step rolling mean, less noisy than an eval) against steps;
-    one line per arm, the mean over its seeds (replay arms dashed), the target dotted."""
+    """`echo-rl experiment staleness`: greedy eval accuracy (rolling mean of 5 evals) against learner
+    steps and against wall time, and the training reward (25-step rolling mean) against steps; one
+    line per arm, the mean over its seeds (replay arms dashed), the target dotted."""
     import statistics
 
     import matplotlib
@@ -76,7 +76,7 @@ def plot_experiment(report: dict, out: Path) -> Path:
         steps = sorted({e[0] for r in runs for e in r["evals"]})
         points = [[e for r in runs for e in r["evals"] if e[0] == k] for k in steps]
         points = [es for es in points if len(es) == len(runs)]  # evals every seed has
-        acc = [statistics.fmean(e[2] for e in es) for es in points]
+        acc = _rolling([statistics.fmean(e[2] for e in es) for es in points], 5)  # one eval of a moving policy is noisy
         by_step.plot([es[0][0] for es in points], acc, marker=".", label=arm, **style)
         by_time.plot([statistics.fmean(e[1] for e in es) for es in points], acc, marker=".", label=arm, **style)
         curves = [_rolling([s["reward_mean"] for s in load_run(Path(r["run_dir"]))[0]], 25) for r in runs
@@ -91,7 +91,7 @@ def plot_experiment(report: dict, out: Path) -> Path:
     by_step.set_xlabel("learner step")
     by_time.set_xlabel("wall time from the first update (s)")
     reward.set_xlabel("learner step")
-    by_step.set_ylabel(f"greedy eval accuracy (mean over seeds, {report['seeds']} per arm)")
+    by_step.set_ylabel(f"greedy eval accuracy (rolling mean of 5 evals, mean over {report['seeds']} seeds)")
     reward.set_ylabel("training reward (25-step rolling mean, mean over seeds)")
     by_time.legend(loc="lower right", fontsize=8)
     fig.suptitle("synchronous vs bounded staleness (dashed: with replay)")

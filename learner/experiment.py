@@ -220,8 +220,15 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
     rows = []
     sync = [r for r in results if r.arm == "sync" and r.ok]
     sync_wall = _spread([r.wall_to_target for r in sync])[0]
-    sync_acc, sync_reward = _spread([r.final_accuracy for r in sync])[0], _spread([r.reward_last for r in sync])[0]
-    relative = lambda v, base: (v / base - 1) if v is not None and base else None  # noqa: E731
+    sync_acc, sync_reward = _spread([r.final_accuracy for r in sync]), _spread([r.reward_last for r in sync])
+
+    def relative(values: list[float], base: tuple[float | None, float | None]) -> tuple[float | None, float | None]:
+        """(mean / sync mean - 1, its standard error): how far from sync, and how well that is known."""
+        (m, sd), (b, b_sd) = _spread(values), base
+        if m is None or not b:
+            return None, None
+        se = math.sqrt(sd**2 / len(values) + b_sd**2 / len(sync)) / b if len(values) > 1 and len(sync) > 1 else None
+        return m / b - 1, se
     for label, arm_name, price in [(a.name, a.name, None) for a in arms] + [("centralized (sync)", "sync", prices.learner)]:
         runs = [r for r in results if r.arm == arm_name and r.ok]
         if not runs:
@@ -248,10 +255,12 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
             "is_weight_mean": statistics.fmean(r.is_weight_mean for r in runs),
             "replayed_share": statistics.fmean(r.replayed_share for r in runs),
             "wasted_share": statistics.fmean(r.wasted_share for r in runs),
-            "final_vs_sync": relative(acc_m, sync_acc),
+            "final_vs_sync": relative([r.final_accuracy for r in runs], sync_acc)[0],
+            "final_vs_sync_se": relative([r.final_accuracy for r in runs], sync_acc)[1],
             "reward_last": statistics.fmean(r.reward_last for r in runs),
             "reward_last_sd": _spread([r.reward_last for r in runs])[1],
-            "reward_vs_sync": relative(statistics.fmean(r.reward_last for r in runs), sync_reward),
+            "reward_vs_sync": relative([r.reward_last for r in runs], sync_reward)[0],
+            "reward_vs_sync_se": relative([r.reward_last for r in runs], sync_reward)[1],
             "step_period_s": statistics.fmean(r.step_period_s for r in runs),
             "price_per_hour": round(3600 * prices.per_second(price), 4),
         })
@@ -265,24 +274,24 @@ def table(rows: list[dict[str, Any]]) -> str:
             return "–"
         return format(v, fmt) + (f" ± {format(sd, sd_fmt or fmt)}" if sd is not None else "")
 
-    def vs(v):
-        return "–" if v is None else f"{100 * v:+.0f}%"
+    def vs(v, se):
+        return "–" if v is None else f"{100 * v:+.0f}%" + (f" ± {100 * se:.0f}" if se is not None else "")
 
-    head = ("| arm | s per update | steps to target | wall to target (s) | speed-up | final accuracy (mean ± sd, min–max) "
-            "| vs sync | $ to target | rollouts to target | mean staleness | truncated weights | replayed | dropped "
-            f"| reward, last {FINAL_WINDOW} | vs sync |")
+    head = ("| arm | seeds | s per update | steps to target | wall to target (s) | speed-up | final accuracy (mean ± sd, min–max) "
+            "| vs sync (± se) | $ to target | rollouts to target | mean staleness | truncated weights | replayed | dropped "
+            f"| reward, last {FINAL_WINDOW} | vs sync (± se) |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         reached = f" ({r['reached']}/{r['runs']})" if r["reached"] < r["runs"] else ""
         lines.append(
-            f"| {r['arm']} | {r['step_period_s']:.3f} | {f(r['steps_to_target'], '.0f', r['steps_to_target_sd'])}{reached} "
+            f"| {r['arm']} | {r['runs']} | {r['step_period_s']:.3f} | {f(r['steps_to_target'], '.0f', r['steps_to_target_sd'])}{reached} "
             f"| {f(r['wall_to_target_s'], '.1f', r['wall_to_target_sd'])} | {f(r['speedup_vs_sync'], '.2f')}{'x' if r['speedup_vs_sync'] else ''} "
             f"| {f(r['final_accuracy'], '.3f', r['final_accuracy_sd'])} ({r['final_accuracy_min']:.3f}–{r['final_accuracy_max']:.3f}) "
-            f"| {vs(r['final_vs_sync'])} "
+            f"| {vs(r['final_vs_sync'], r['final_vs_sync_se'])} "
             f"| {f(r['dollars_to_target'], '.4f')} | {f(r['rollouts_to_target'], '.0f')} "
             f"| {r['mean_staleness']:.2f} (max {r['max_staleness']}) | {100 * r['truncated_share']:.2f}% "
             f"| {100 * r['replayed_share']:.0f}% | {100 * r['wasted_share']:.0f}% "
-            f"| {f(r['reward_last'], '.3f', r['reward_last_sd'])} | {vs(r['reward_vs_sync'])} |")
+            f"| {f(r['reward_last'], '.3f', r['reward_last_sd'])} | {vs(r['reward_vs_sync'], r['reward_vs_sync_se'])} |")
     return "\n".join(lines)
 
 

@@ -66,8 +66,9 @@ def test_summary_prices_dollars_to_target_and_the_centralized_configuration():
     assert rows["S2-I1"]["final_vs_sync"] == pytest.approx(0.8 / 0.805 - 1)
     assert rows["S2-I1"]["reward_vs_sync"] == pytest.approx(-0.1) and rows["S2-I1"]["reward_last_sd"] > 0
     text = table(list(rows.values()))
-    assert text.count("\n") == 2 + 2 and "| S2-I1 | 0.000 | 10 ± 0 | 50.0 ± 0.0 | 2.00x |" in text
-    assert "| -1% |" in text and "| 0.450 ± 0.071 | -10% |" in text
+    assert text.count("\n") == 2 + 2 and "| S2-I1 | 2 | 0.000 | 10 ± 0 | 50.0 ± 0.0 | 2.00x |" in text
+    assert "| -1% ± 1 |" in text and "| 0.450 ± 0.071 | -10% ± 10 |" in text  # ± the standard error of the gap
+    assert rows["S2-I1"]["reward_vs_sync_se"] == pytest.approx(0.0707 / 2**0.5 / 0.5, rel=1e-3)
 
 
 def test_a_finished_sweep_is_analysed_again_from_its_run_directories(tmp_path, capsys):
