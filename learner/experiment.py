@@ -316,7 +316,9 @@ def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="echo-rl experiment",
         description="Measure synchronous vs bounded-staleness training (and the replay buffer) end to end: "
-                    "the real learner and throttled local workers, several seeds per arm.")
+                    "the real learner and throttled local workers, several seeds per arm.",
+        epilog="Any other --section.key VALUE overrides the base config for every arm, e.g. --trainer.lr 1.5e-4 "
+               "or --buffer.queue_factor 1. Results: OUT/table.md, OUT/results.json, OUT/staleness.png.")
     parser.add_argument("name", choices=["staleness"], help="the experiment (only 'staleness')")
     parser.add_argument("--config", type=Path, default=Path(DEFAULT_CONFIG), help=f"base learner config (default {DEFAULT_CONFIG})")
     parser.add_argument("--staleness", default="0,1,2,3,4", help="S values, 0 = synchronous (default 0,1,2,3,4)")
