@@ -222,13 +222,14 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
     sync_wall = _spread([r.wall_to_target for r in sync])[0]
     sync_acc, sync_reward = _spread([r.final_accuracy for r in sync]), _spread([r.reward_last for r in sync])
 
-    def relative(values: list[float], base: tuple[float | None, float | None]) -> tuple[float | None, float | None]:
+    def relative(values: list[float], base: tuple[float | None, float | None], arm: str) -> tuple[float | None, float | None]:
         """(mean / sync mean - 1, its standard error): how far from sync, and how well that is known."""
         (m, sd), (b, b_sd) = _spread(values), base
         if m is None or not b:
             return None, None
-        se = math.sqrt(sd**2 / len(values) + b_sd**2 / len(sync)) / b if len(values) > 1 and len(sync) > 1 else None
-        return m / b - 1, se
+        if arm == "sync" or len(values) < 2 or len(sync) < 2:
+            return m / b - 1, None  # sync against itself has no gap to know
+        return m / b - 1, math.sqrt(sd**2 / len(values) + b_sd**2 / len(sync)) / b
     for label, arm_name, price in [(a.name, a.name, None) for a in arms] + [("centralized (sync)", "sync", prices.learner)]:
         runs = [r for r in results if r.arm == arm_name and r.ok]
         if not runs:
@@ -255,12 +256,12 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
             "is_weight_mean": statistics.fmean(r.is_weight_mean for r in runs),
             "replayed_share": statistics.fmean(r.replayed_share for r in runs),
             "wasted_share": statistics.fmean(r.wasted_share for r in runs),
-            "final_vs_sync": relative([r.final_accuracy for r in runs], sync_acc)[0],
-            "final_vs_sync_se": relative([r.final_accuracy for r in runs], sync_acc)[1],
+            "final_vs_sync": relative([r.final_accuracy for r in runs], sync_acc, arm_name)[0],
+            "final_vs_sync_se": relative([r.final_accuracy for r in runs], sync_acc, arm_name)[1],
             "reward_last": statistics.fmean(r.reward_last for r in runs),
             "reward_last_sd": _spread([r.reward_last for r in runs])[1],
-            "reward_vs_sync": relative([r.reward_last for r in runs], sync_reward)[0],
-            "reward_vs_sync_se": relative([r.reward_last for r in runs], sync_reward)[1],
+            "reward_vs_sync": relative([r.reward_last for r in runs], sync_reward, arm_name)[0],
+            "reward_vs_sync_se": relative([r.reward_last for r in runs], sync_reward, arm_name)[1],
             "step_period_s": statistics.fmean(r.step_period_s for r in runs),
             "price_per_hour": round(3600 * prices.per_second(price), 4),
         })

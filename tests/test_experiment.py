@@ -63,6 +63,7 @@ def test_summary_prices_dollars_to_target_and_the_centralized_configuration():
     assert rows["centralized (sync)"]["dollars_to_target"] == pytest.approx(100 * 5 * 3.6 / 3600)
     assert rows["S2-I1"]["speedup_vs_sync"] == 2.0 and rows["S2-I1"]["dollars_to_target"] == pytest.approx(0.07)
     assert rows["sync"]["final_accuracy"] == pytest.approx(0.805) and rows["sync"]["final_vs_sync"] == 0
+    assert rows["sync"]["final_vs_sync_se"] is None and rows["centralized (sync)"]["reward_vs_sync_se"] is None
     assert rows["S2-I1"]["final_vs_sync"] == pytest.approx(0.8 / 0.805 - 1)
     assert rows["S2-I1"]["reward_vs_sync"] == pytest.approx(-0.1) and rows["S2-I1"]["reward_last_sd"] > 0
     text = table(list(rows.values()))
