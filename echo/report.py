@@ -91,7 +91,7 @@ def plot_experiment(report: dict, out: Path) -> Path:
     by_step.set_xlabel("learner step")
     by_time.set_xlabel("wall time from the first update (s)")
     reward.set_xlabel("learner step")
-    by_step.set_ylabel(f"greedy eval accuracy (rolling mean of 5 evals, mean over {report['seeds']} seeds)")
+    by_step.set_ylabel("greedy eval accuracy (rolling mean of 5 evals, mean over the arm's seeds)")
     reward.set_ylabel("training reward (25-step rolling mean, mean over seeds)")
     by_time.legend(loc="lower right", fontsize=8)
     fig.suptitle("synchronous vs bounded staleness (dashed: with replay)")
