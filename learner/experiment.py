@@ -239,6 +239,8 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
         wall_m, wall_sd = _spread([r.wall_to_target for r in reached])
         acc_m, acc_sd = _spread([r.final_accuracy for r in runs])
         dollars = [r.wall_to_target * prices.per_second(price) for r in reached]
+        final_gap, final_se = relative([r.final_accuracy for r in runs], sync_acc, arm_name)
+        reward_gap, reward_se = relative([r.reward_last for r in runs], sync_reward, arm_name)
         rollouts_m, _ = _spread([r.rollouts_to_target for r in reached])
         rows.append({
             "arm": label, "runs": len(runs), "reached": len(reached), "target": target,
@@ -256,12 +258,10 @@ def summarise(results: list[RunResult], arms: list[Arm], prices: Prices, target:
             "is_weight_mean": statistics.fmean(r.is_weight_mean for r in runs),
             "replayed_share": statistics.fmean(r.replayed_share for r in runs),
             "wasted_share": statistics.fmean(r.wasted_share for r in runs),
-            "final_vs_sync": relative([r.final_accuracy for r in runs], sync_acc, arm_name)[0],
-            "final_vs_sync_se": relative([r.final_accuracy for r in runs], sync_acc, arm_name)[1],
+            "final_vs_sync": final_gap, "final_vs_sync_se": final_se,
             "reward_last": statistics.fmean(r.reward_last for r in runs),
             "reward_last_sd": _spread([r.reward_last for r in runs])[1],
-            "reward_vs_sync": relative([r.reward_last for r in runs], sync_reward, arm_name)[0],
-            "reward_vs_sync_se": relative([r.reward_last for r in runs], sync_reward, arm_name)[1],
+            "reward_vs_sync": reward_gap, "reward_vs_sync_se": reward_se,
             "step_period_s": statistics.fmean(r.step_period_s for r in runs),
             "price_per_hour": round(3600 * prices.per_second(price), 4),
         })
