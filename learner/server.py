@@ -361,15 +361,13 @@ def build_app(state: LearnerState) -> web.Application:
                 if state.room():
                     state.waiters.wake(1)  # in case this request was woken for room it cannot use
                 return reply(P.LeaseReply(empty="install", snapshot=state.announcement))
-            full = cfg.buffer.backpressure and len(buf) >= buf.capacity
-            room = buf.lease_room(state.learner_version, state.leases.outstanding)  # S = 0: what the batch still needs
-            got = None if full or room == 0 or state.training_done else state.leases.lease(
-                worker.id, min(req.max_prompts, room or req.max_prompts), now)
+            room = state.room()
+            got = state.leases.lease(worker.id, min(req.max_prompts, room), now) if room else None
             if got is not None:
                 prompts = [P.PromptMsg.model_construct(id=p.id, text=p.text, answer=p.answer,
                                                        prompt_ids=state.token_ids(p))
                            for p in got.prompts.values()]
-                if state.leases.outstanding < state.leases.max_outstanding and not full:
+                if state.room():
                     state.waiters.wake(1)  # room for more: the next waiter may take it
                 # Workers learn of new versions here too, without waiting for a heartbeat.
                 return reply(P.LeaseReply.model_construct(lease_id=got.id, prompts=prompts, expires_in=cfg.server.lease_ttl,
