@@ -10,13 +10,13 @@ import sys
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "broadcast": ("broadcast.bench:cli", "stripes, chains and the star against the bound T* on emulated WAN links: symmetric, asymmetric and mixed fleets, a killed stripe owner, a worker behind NAT (needs root)"),
-    "activation": ("scheduler.bench:activation_cli", "greedy vs exact (ILP) activation on random pools: cost gap, solve time"),
-    "staleness": ("scheduler.bench:staleness_cli", "closed-form staleness vs the discrete-event simulator on a grid"),
-    "simspeed": ("scheduler.bench:speed_cli", "simulator throughput in simulated rollouts/s"),
-    "engines": ("worker.bench:cli", "rollout engines: generation tokens/s, install ms and mismatch_kl, transformers vs vLLM"),
-    "overlap": ("learner.bench:cli", "the overlap capacity rule on the real system: bubble vs pool size and S"),
-    "control-plane": ("learner.control_bench:cli", "the control API under many simulated workers with churn: latency per route, loop lag, ledger"),
-    "learner": ("learner.trainer_bench:cli", "trainer memory and time: batch tokens, chunked log-probs, ranks, largest model"),
+    "activation": ("scheduler.bench.planning:activation_cli", "greedy vs exact (ILP) activation on random pools: cost gap, solve time"),
+    "staleness": ("scheduler.bench.planning:staleness_cli", "closed-form staleness vs the discrete-event simulator on a grid"),
+    "simspeed": ("scheduler.bench.planning:speed_cli", "simulator throughput in simulated rollouts/s"),
+    "engines": ("worker.bench.engines:cli", "rollout engines: generation tokens/s, install ms and mismatch_kl, transformers vs vLLM"),
+    "overlap": ("learner.bench.overlap:cli", "the overlap capacity rule on the real system: bubble vs pool size and S"),
+    "control-plane": ("learner.bench.control_plane:cli", "the control API under many simulated workers with churn: latency per route, loop lag, ledger"),
+    "learner": ("learner.bench.trainer:cli", "trainer memory and time: batch tokens, chunked log-probs, ranks, largest model"),
 }
 
 

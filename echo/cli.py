@@ -10,11 +10,11 @@ import sys
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns
 # an exit code; it parses its own arguments, so `echo-rl NAME --help` explains NAME.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "build-model": ("echo.tinymodel:cli", "build the tiny demo model + tokenizer and warm-start it"),
+    "build-model": ("learner.tinymodel:cli", "build the tiny demo model + tokenizer and warm-start it"),
     "report": ("echo.report:cli", "turn a run directory's metrics.jsonl into PNG plots"),
-    "plan": ("echo.plan:cli", "predict staleness, capacity and cost of a configuration"),
+    "plan": ("scheduler.plan:cli", "predict staleness, capacity and cost of a configuration"),
     "bench": ("echo.bench:cli", "run a benchmark and print its table"),
-    "experiment": ("learner.experiment:cli", "measure sync vs bounded staleness (and replay) end to end"),
+    "experiment": ("learner.bench.experiment:cli", "measure sync vs bounded staleness (and replay) end to end"),
 }
 
 

@@ -10,7 +10,7 @@ The training loop in one sitting:
 
 The event loop stays responsive to workers throughout: torch work runs on the trainer thread.
 With `--nproc N` (or `[run] nproc`) the learner relaunches itself under torchrun: rank 0 runs
-this loop, ranks 1..N-1 replay its trainer calls (`learner.dist.Lockstep`).
+this loop, ranks 1..N-1 replay its trainer calls (`learner.train.dist.Lockstep`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from echo.config import ConfigError, add_config_args, dump_toml
 from echo.tasks import Prompt
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig, load_learner_config
-from learner.dist import Lockstep, World, close, init_world, under_torchrun
+from learner.train.dist import Lockstep, World, close, init_world, under_torchrun
 from learner.evals import EvalBook, EvalResult
 from learner.leases import LeaseBook
 from learner.ledger import Ledger, Recovery
 from learner.metrics import RunLog
-from learner.preflight import PreflightError, check_fits, preflight
+from learner.train.preflight import PreflightError, check_fits, preflight
 from learner.publisher import Publisher
 from learner.server import LearnerState, build_app, reaper
 from learner.status import StatusDisplay
@@ -153,7 +153,7 @@ def _follow(cfg: LearnerConfig, world: World, resume: Path | None) -> int:
     """Ranks 1..N-1: build the same trainer, then replay rank 0's calls until it says stop."""
     import torch
 
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     torch.set_num_threads(cfg.run.threads)
     checkpoint = _latest_checkpoint(resume) if resume else None
@@ -188,7 +188,7 @@ class Learner:
     async def run(self) -> int:
         import torch
 
-        from learner.trainer import Trainer
+        from learner.train.trainer import Trainer
 
         cfg = self.cfg
         torch.set_num_threads(cfg.run.threads)

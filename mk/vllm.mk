@@ -35,4 +35,4 @@ $(VLLM_STAMP): pyproject.toml mk/vllm.mk
 vllm-venv: $(VLLM_STAMP)   ## .venv-vllm: echo + vLLM for `echo-worker --engine.type vllm`
 
 test-vllm: vllm-venv       ## vLLM engine tests in .venv-vllm (one engine instance, ~1 min)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_BIN)/python -m pytest tests/test_engine_vllm.py
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_BIN)/python -m pytest tests/unit/worker/test_engine_vllm.py

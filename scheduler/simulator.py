@@ -27,7 +27,7 @@ Invariants (asserted at the end of every run): staleness ≥ 0; trained stalenes
 
 `record=True` keeps the run's events (`SimResult.events`: group completions with their stamp,
 batches with the groups they took, drops), so a trace can be replayed through the live
-learner's buffer and both compared (tests/test_scheduler_simulator.py).
+learner's buffer and both compared (tests/unit/scheduler/test_scheduler_simulator.py).
 
 The hot loop handles one sample completion per iteration with one `heapreplace` on a heap of
 `(finish_time, slot)`; trainer and install events are rare and are compared against a single

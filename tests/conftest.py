@@ -26,7 +26,7 @@ def tiny_model(tmp_path_factory) -> Path:
     import torch
 
     from echo.tasks import load_task
-    from echo.tinymodel import build_model, build_tokenizer, warm_start
+    from learner.tinymodel import build_model, build_tokenizer, warm_start
 
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("model")

@@ -1,4 +1,4 @@
-"""Driven by tests/test_trainer_dist.py under `torchrun --nproc_per_node N`: a Trainer on the
+"""Driven by tests/integration/test_trainer_dist.py under `torchrun --nproc_per_node N`: a Trainer on the
 same synthetic batches whatever N is, steered through `Lockstep` exactly as the learner does
 (rank 0 calls, the other ranks replay). Writes, from rank 0, `result.json` (the losses, the
 sha256 of the snapshot before the first step) and `final.safetensors` (the weights at the end).
@@ -17,8 +17,8 @@ import torch
 
 from learner.buffer import BatchInfo, Group
 from learner.config import load_learner_config
-from learner.dist import Lockstep, close, init_world
-from learner.trainer import Trainer
+from learner.train.dist import Lockstep, close, init_world
+from learner.train.trainer import Trainer
 
 GROUPS, SAMPLES = 4, 4
 

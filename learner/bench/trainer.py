@@ -1,0 +1,334 @@
+"""`echo-rl bench learner`: what the trainer's memory and time do as the work grows.
+
+Every measurement runs in a fresh process (ranks under torchrun), on models built here from
+a config (random weights, nothing downloaded). Memory is the process's own peak resident set
+(`VmHWM`, reset before the measured step through /proc/self/clear_refs), so it counts what
+torch really allocated on this CPU; tensor accounting is exact bytes of parameters, gradients
+and optimizer state. Four tables, each against a baseline from the same run:
+
+1. tokens: one step's peak as the batch grows 8× at a fixed `micro_batch_tokens`, against the
+   same batches in one micro-batch; with the prediction of `learner.train.memory`.
+2. log-probs: chunked `logit[target] − logsumexp` vs the full log-softmax, vocab 32k and 152k.
+3. ranks: per-rank parameter + gradient + optimizer bytes and step time, 1 and 2 ranks.
+4. fit: the largest model built here whose step stays within a memory limit (16 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GiB, MiB = float(1 << 30), float(1 << 20)
+ROW_TOKENS, PROMPT_TOKENS, GROUP = 128, 32, 8  # synthetic rows: 32 prompt + 96 completion tokens
+
+
+# --- measured in a child process ------------------------------------------------------------------
+
+def _status(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def build_model(out: Path, hidden: int, layers: int, vocab: int, tied: bool = False) -> Path:
+    """A Qwen2-architecture model of this shape with the local character tokenizer (cached)."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.tinymodel import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    heads = max(2, hidden // 64)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                         max_position_embeddings=4096, tie_word_embeddings=tied, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def synthetic_batch(rows: int, vocab: int, seed: int = 0):
+    import random
+
+    from learner.buffer import BatchInfo, Group
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(max(1, rows // GROUP)):
+        prompt = [1] + [rng.randrange(4, 19) for _ in range(PROMPT_TOKENS - 1)]
+        completions = [[rng.randrange(4, min(vocab, 19)) for _ in range(ROW_TOKENS - PROMPT_TOKENS)]
+                       for _ in range(GROUP)]
+        groups.append(Group(f"g{g}", 0, prompt, completions, [[-2.0] * len(c) for c in completions],
+                            [float(i % 2) for i in range(GROUP)]))
+    return BatchInfo(groups, 0, [0] * len(groups))
+
+
+def _state_bytes(trainer) -> float:
+    """Exact bytes of this rank's parameters, gradients and optimizer state (local shards)."""
+    import torch
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = 0
+    for p in trainer.policy.parameters():
+        total += local(p).numel() * local(p).element_size()
+    total += total  # fp32 gradients, same shapes (they are freed after the step: counted at their peak)
+    for state in trainer.optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                total += local(v).numel() * local(v).element_size()
+    return float(total)
+
+
+def child_step(spec: dict) -> dict:
+    """One trainer, a warm-up step (allocates AdamW state), then the measured step(s)."""
+    import torch
+
+    from learner.config import load_learner_config
+    from learner.train.dist import close, init_world
+    from learner.train.trainer import Trainer
+
+    torch.set_num_threads(spec.get("threads", 1))
+    world = init_world("cpu")
+    cfg = load_learner_config(None, ["--model.path", spec["model"], "--trainer.batch_prompts", "1",
+                                     "--rollout.group_size", str(GROUP), "--publish.dtype", "float32",
+                                     "--trainer.micro_batch_tokens", str(spec["micro_batch_tokens"]),
+                                     *spec.get("overrides", [])])
+    trainer = Trainer(cfg, world)
+    vocab = trainer.vocab_size
+    trainer.step(synthetic_batch(GROUP * max(1, world.size), vocab, seed=1))
+    times = []
+    before = _status("VmRSS")
+    _reset_peak()
+    for i in range(spec.get("steps", 1)):
+        t0 = time.perf_counter()
+        trainer.step(synthetic_batch(spec["rows"], vocab, seed=2 + i))
+        times.append(time.perf_counter() - t0)
+    out = {"rank": world.rank, "ranks": world.size, "peak": _status("VmHWM"), "before": before,
+           "step_s": statistics.median(times), "state": _state_bytes(trainer), "params": trainer.num_parameters}
+    close(world)
+    return out
+
+
+def child_logprobs(spec: dict) -> dict:
+    """Head log-probs of T tokens with backward: the full log-softmax vs echo's chunked one."""
+    import torch
+
+    from echo.hf import head_logprobs
+
+    torch.set_num_threads(spec.get("threads", 1))
+    torch.manual_seed(0)
+    T, H, V = spec["tokens"], spec["hidden"], spec["vocab"]
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(T, H, requires_grad=True)
+    targets = torch.randint(0, V, (T,))
+    head_logprobs(hidden[:2], head, targets[:2], temperature=1.0, top_p=1.0).sum().backward()  # lazy imports
+    hidden.grad = None
+    _reset_peak()
+    before = _status("VmRSS")
+    t0 = time.perf_counter()
+    if spec["kind"] == "naive":
+        logp = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    else:
+        logp = head_logprobs(hidden, head, targets, temperature=1.0, top_p=1.0)
+    logp.sum().backward()
+    seconds = time.perf_counter() - t0
+    return {"peak_extra": _status("VmHWM") - before, "seconds": seconds,
+            "checksum": float(logp.detach().double().sum()), "grad": float(hidden.grad.double().norm())}
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+def _run_child(kind: str, spec: dict, ranks: int = 0, timeout: float = 1800) -> list[dict]:
+    payload = json.dumps(spec)
+    if ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               "-m", "learner.bench.trainer", "_child", kind, payload]
+    else:
+        cmd = [sys.executable, "-m", "learner.bench.trainer", "_child", kind, payload]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec.get("threads", 1))}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    rows = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not rows:
+        return [{"error": (done.stderr or done.stdout)[-600:].strip().splitlines()[-1] if (done.stderr or done.stdout)
+                 else f"exit {done.returncode}", "returncode": done.returncode}]
+    return rows
+
+
+def _predicted(model: Path, tokens: int, ranks: int = 1) -> float:
+    from learner.train.memory import ModelShape, predict
+
+    shape = ModelShape.of(model)
+    return predict(shape, ranks=ranks, micro_batch_tokens=tokens, compute_bytes=4, checkpointing=False,
+                   reference=False, chunk_tokens=min(tokens, (1 << 25) // shape.vocab), top_p=1.0).total
+
+
+def bench_tokens(models: Path, sizes: list[int], micro: int, hidden: int, layers: int, vocab: int) -> list[dict]:
+    model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+    rows = []
+    for tokens in sizes:
+        n_rows = max(GROUP, tokens // ROW_TOKENS)
+        for label, budget in ((f"micro {micro}", micro), ("one micro-batch", tokens)):
+            r = _run_child("step", {"model": str(model), "rows": n_rows, "micro_batch_tokens": budget, "threads": 2})[0]
+            rows.append({"batch_tokens": n_rows * ROW_TOKENS, "mode": label, **r,
+                         "predicted": _predicted(model, min(budget, n_rows * ROW_TOKENS))})
+    return rows
+
+
+def bench_logprobs(tokens: int, hidden: int, vocabs: list[int]) -> list[dict]:
+    rows = []
+    for vocab in vocabs:
+        for kind in ("naive", "chunked"):
+            r = _run_child("logprobs", {"kind": kind, "tokens": tokens, "hidden": hidden, "vocab": vocab, "threads": 2})[0]
+            rows.append({"vocab": vocab, "kind": kind, "tokens": tokens, "hidden": hidden, **r})
+    return rows
+
+
+def bench_ranks(models: Path, hidden: int, layers: int, vocab: int, rows_per_step: int, micro: int) -> list[dict]:
+    model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+    spec = {"model": str(model), "rows": rows_per_step, "micro_batch_tokens": micro, "steps": 3}
+    out = []
+    for ranks, threads in ((1, 2), (2, 1)):  # the same two cores either way
+        for r in _run_child("step", {**spec, "threads": threads}, ranks=ranks):
+            out.append({**r, "threads": threads})
+    return out
+
+
+def bench_fit(models: Path, limit_gib: float, candidates: list[tuple[int, int]], vocab: int, micro: int) -> list[dict]:
+    """Build each candidate shape (smallest first) and run one step; stop after the first that
+    does not fit."""
+    rows = []
+    for hidden, layers in candidates:
+        model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+        r = _run_child("step", {"model": str(model), "rows": GROUP, "micro_batch_tokens": micro, "threads": 2})[0]
+        row = {"hidden": hidden, "layers": layers, "vocab": vocab, **r, "predicted": _predicted(model, micro)}
+        row["fits"] = "peak" in r and r["peak"] <= limit_gib * GiB
+        rows.append(row)
+        if not row["fits"]:
+            break
+    return rows
+
+
+def _print_tables(result: dict) -> None:
+    t = result.get("tokens")
+    if t:
+        base = {r["mode"]: r for r in t if r["batch_tokens"] == t[0]["batch_tokens"]}
+        print("1. one step's peak memory as the batch grows (fixed micro_batch_tokens vs one micro-batch)")
+        print(f"{'batch tokens':>12} {'mode':>16} {'peak RSS':>10} {'× first':>8} {'step work':>10} {'× first':>8} "
+              f"{'predicted':>10} {'step s':>7}")
+        for r in t:
+            if "error" in r:
+                print(f"{r['batch_tokens']:>12} {r['mode']:>16}  failed: {r['error']}")
+                continue
+            b = base[r["mode"]]
+            work, bwork = r["peak"] - r["before"], b["peak"] - b["before"]
+            print(f"{r['batch_tokens']:>12} {r['mode']:>16} {r['peak'] / MiB:>8.0f}Mi {r['peak'] / b['peak']:>8.2f} "
+                  f"{work / MiB:>8.0f}Mi {work / max(bwork, 1):>8.2f} {r['predicted'] / MiB:>8.0f}Mi {r['step_s']:>7.2f}")
+        print()
+    lp = result.get("logprobs")
+    if lp:
+        print("2. head log-probs of %d tokens (hidden %d) with backward: full log-softmax vs chunked"
+              % (lp[0]["tokens"], lp[0]["hidden"]))
+        print(f"{'vocab':>8} {'kind':>8} {'peak extra':>11} {'beyond W, dW':>13} {'× naive':>8} {'seconds':>8} "
+              f"{'|Δ checksum|':>13}")
+        for r in lp:
+            ref = next(x for x in lp if x["vocab"] == r["vocab"] and x["kind"] == "naive")
+            delta = abs(r["checksum"] - ref["checksum"]) if "checksum" in r and "checksum" in ref else float("nan")
+            weights = 2 * 4 * r["vocab"] * r["hidden"]  # the head and its gradient, the same in both
+            logits, ref_logits = r["peak_extra"] - weights, ref["peak_extra"] - weights
+            print(f"{r['vocab']:>8} {r['kind']:>8} {r['peak_extra'] / MiB:>9.0f}Mi {logits / MiB:>11.0f}Mi "
+                  f"{logits / ref_logits:>8.2f} {r['seconds']:>8.2f} {delta:>13.2e}")
+        print()
+    rk = result.get("ranks")
+    if rk:
+        one = next(r for r in rk if r.get("ranks") == 1)
+        print("3. per-rank state (params + grads + AdamW, exact bytes) and step time, 1 vs 2 ranks on the same 2 cores")
+        print(f"{'ranks':>5} {'rank':>4} {'threads':>7} {'state':>9} {'× 1 rank':>9} {'step s':>7} {'× 1 rank':>9}")
+        for r in rk:
+            if "error" in r:
+                print(f"  failed: {r['error']}")
+                continue
+            print(f"{r['ranks']:>5} {r['rank']:>4} {r['threads']:>7} {r['state'] / MiB:>7.0f}Mi "
+                  f"{r['state'] / one['state']:>9.2f} {r['step_s']:>7.2f} {r['step_s'] / one['step_s']:>9.2f}")
+        print()
+    fit = result.get("fit")
+    if fit:
+        print(f"4. the largest model built here whose step fits in {result['fit_limit_gib']:.0f} GiB "
+              f"(one micro-batch of {result['fit_micro']} tokens)")
+        print(f"{'hidden':>6} {'layers':>6} {'params':>9} {'peak RSS':>10} {'predicted':>10} {'fits':>5}")
+        for r in fit:
+            params = f"{r['params'] / 1e6:.0f}M" if "params" in r else "-"
+            peak = f"{r['peak'] / GiB:.2f}Gi" if "peak" in r else r.get("error", "failed")[:40]
+            print(f"{r['hidden']:>6} {r['layers']:>6} {params:>9} {peak:>10} {r['predicted'] / GiB:>8.2f}Gi "
+                  f"{'yes' if r['fits'] else 'no':>5}")
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="echo-rl bench learner", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="tokens,logprobs,ranks,fit", help="tables to run (default: all four)")
+    p.add_argument("--micro", type=int, default=512, help="micro_batch_tokens of table 1 (default 512)")
+    p.add_argument("--fit-gib", type=float, default=16.0, help="memory limit of table 4 (default 16)")
+    p.add_argument("--models", type=Path, default=Path(".echo-cache/bench-models"),
+                   help="where the built models are kept between runs (default .echo-cache/bench-models)")
+    p.add_argument("--quick", action="store_true", help="seconds-long smoke version (tiny sizes)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    only = set(args.only.split(","))
+    quick = args.quick
+    models = Path(tempfile.mkdtemp()) if quick else args.models
+    result: dict = {}
+    if "tokens" in only:
+        sizes = [1024, 2048] if quick else [1024, 2048, 4096, 8192]
+        result["tokens"] = bench_tokens(models, sizes, 256 if quick else args.micro, 64 if quick else 256,
+                                        1 if quick else 4, 512 if quick else 32000)
+    if "logprobs" in only:
+        result["logprobs"] = bench_logprobs(64 if quick else 2048, 32 if quick else 1024,
+                                            [1000] if quick else [32000, 151936])
+    if "ranks" in only:
+        result["ranks"] = bench_ranks(models, 64 if quick else 512, 1 if quick else 8, 512 if quick else 32000,
+                                      GROUP if quick else 4 * GROUP, 1024)
+    if "fit" in only:
+        candidates = [(64, 1)] if quick else [(1024, 16), (1536, 20), (2048, 14), (2048, 16)]
+        result["fit"] = bench_fit(models, args.fit_gib, candidates, 512 if quick else 32000, 512)
+        result["fit_limit_gib"], result["fit_micro"] = args.fit_gib, 512
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_tables(result)
+    return 0
+
+
+def _child_main(kind: str, payload: str) -> None:
+    spec = json.loads(payload)
+    out = child_step(spec) if kind == "step" else child_logprobs(spec)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "_child":
+        _child_main(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(cli(sys.argv[1:]))

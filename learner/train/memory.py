@@ -1,0 +1,135 @@
+"""Predict a training step's memory per rank from the model's config, before loading anything.
+
+Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` padded tokens:
+
+    state        16·P/N            fp32 master weights 4, gradients 4, AdamW m and v 8
+    reference    b·P/N             the frozen KL reference in the compute dtype (kl_coef > 0)
+    gathered     8·(P_root + 2·P_layer)  while computing (N > 1): the FSDP root (embeddings,
+                                   norm, head) and two layers (one prefetched) unsharded in
+                                   fp32, with their unsharded gradients before reduce-scatter
+    activations  T·(L·4H + A)      checkpointed: each layer's fp32 input kept, one layer's
+                 or T·L·A          working set A recomputed at a time; without: every layer's A
+    head         c·V·(16 [+16])    one chunk of c tokens: logits, their grad and softmax in
+                                   fp32 (+ the sort of top-p)
+    runtime      1 GiB on a GPU    CUDA context and workspaces; 0.4 GiB on a CPU (the
+                                   interpreter with torch and transformers imported)
+
+with `A = (8 + 16·b)·H + 2·b·H_kv + 8·b·I` bytes per token for a pre-norm decoder layer with
+SwiGLU in compute dtype `b`: the fp32 residual stream, about sixteen hidden-sized tensors
+autograd keeps (norm statistics and outputs, q and its rotary copy, attention in and out,
+projections), two key/value-sized ones and eight intermediate-sized ones (gate, up, their
+activation and product, with allocator slack); SDPA keeps no attention matrix. Counted from a
+Qwen2 layer and checked against the peak `echo-rl bench learner` measures on this machine
+(fp32, table 1 of the README), where it lands within 10%.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = float(1 << 30)
+
+
+@dataclass
+class ModelShape:
+    params: int
+    root_params: int  # embeddings, final norm, head: everything outside the decoder layers
+    layer_params: int  # one decoder layer
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_dim: int
+    tied: bool
+
+    @classmethod
+    def of(cls, model_dir: Path) -> ModelShape:
+        """From the config alone: the model is built on the meta device (no memory, no weights)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from learner.train.model import decoder_layers
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        layers = decoder_layers(model)
+        total = sum(p.numel() for p in model.parameters())
+        per_layer = sum(p.numel() for p in layers[0].parameters())
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(params=total, root_params=total - per_layer * len(layers), layer_params=per_layer,
+                   layers=len(layers), hidden=text.hidden_size,
+                   intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+                   vocab=model.get_output_embeddings().weight.shape[0],
+                   kv_dim=head_dim * getattr(text, "num_key_value_heads", heads),
+                   tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted bytes per rank, by component."""
+
+    state: float
+    reference: float
+    gathered: float
+    activations: float
+    head: float
+    runtime: float
+
+    @property
+    def total(self) -> float:
+        return self.state + self.reference + self.gathered + self.activations + self.head + self.runtime
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in vars(self).items() if v)
+        return f"{self.total / GiB:.2f} GiB per rank ({parts})"
+
+
+def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_bytes: int, checkpointing: bool,
+            reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False) -> MemoryPlan:
+    P, N, T, H = shape.params, ranks, micro_batch_tokens, shape.hidden
+    b = compute_bytes
+    per_token_layer = (8 + 16 * b) * H + 2 * b * shape.kv_dim + 8 * b * shape.intermediate
+    if checkpointing:
+        activations = T * (shape.layers * 4 * H + 2 * per_token_layer)  # the layer's work and its grads
+    else:
+        activations = T * shape.layers * per_token_layer
+    activations += 3 * 4 * T * H  # final hidden states, normed, and their gradient
+    return MemoryPlan(
+        state=16 * P / N,
+        reference=b * P / N if reference else 0.0,
+        gathered=8 * (shape.root_params + 2 * shape.layer_params) if N > 1 else 0.0,
+        activations=float(activations),
+        head=float(chunk_tokens * shape.vocab * (16 + (16 if top_p < 1 else 0))),
+        runtime=GiB if gpu else 0.4 * GiB,
+    )
+
+
+def available_bytes(device: str, ranks_per_node: int) -> tuple[float, str]:
+    """What one rank may use: free memory of its GPU, or this machine's available RAM shared by
+    the ranks on it; and a description."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return float("inf"), "no GPU on this machine: a prediction only"
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return float(free), f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB on {torch.cuda.get_device_name(device)}"
+    available = _meminfo_available()
+    return available / ranks_per_node, (f"{available / GiB:.1f} GiB available RAM / {ranks_per_node} ranks"
+                                        if ranks_per_node > 1 else f"{available / GiB:.1f} GiB available RAM")
+
+
+def _meminfo_available() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -1,0 +1,90 @@
+"""Before any weight loads: what is about to be trained, and will a step fit.
+
+Reads the model directory's config and tokenizer only (the model is built on the meta device),
+prints parameters, dtypes, tied embeddings, vocabulary against tokenizer, and the predicted
+memory per rank for the configured ranks and token budget (`learner.train.memory`), and refuses a
+configuration that cannot work, saying what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from learner.config import LearnerConfig
+from learner.train.memory import GiB, ModelShape, MemoryPlan, available_bytes, predict
+from learner.train.model import DTYPES, saved_dtype
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class PreflightError(Exception):
+    """The configuration cannot train this model here; the message says what to change."""
+
+
+@dataclass
+class Preflight:
+    shape: ModelShape
+    plan: MemoryPlan
+    available: float
+    where: str
+    lines: list[str]
+
+
+def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool = True) -> Preflight:
+    """The report and the prediction; `need_tokenizer=False` (`--preflight`) also reads a
+    directory that holds only a config.json (to plan a model not downloaded yet)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from echo.hf import chunk_tokens_for
+
+    t = cfg.trainer
+    path = cfg.model.path
+    shape = ModelShape.of(path)
+    arch = "/".join(AutoConfig.from_pretrained(path).architectures or ["?"])
+    tokens = None
+    if any((path / name).exists() for name in TOKENIZER_FILES):
+        try:
+            tokens = len(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError, TypeError) as e:
+            raise PreflightError(f"cannot load the tokenizer of {path}: {e}") from None
+    elif need_tokenizer:
+        raise PreflightError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the tokenizer into the "
+                             "model directory (tokenizer.save_pretrained)")
+    if tokens is not None and tokens > shape.vocab:
+        raise PreflightError(f"the tokenizer of {path} has {tokens} tokens but the model's output layer "
+                             f"has {shape.vocab} rows: tokens past {shape.vocab - 1} would index out of range. "
+                             "Resize the embeddings (model.resize_token_embeddings) and save the model again")
+    compute = t.compute_dtype
+    publish = saved_dtype(path) if cfg.publish.dtype == "auto" else cfg.publish.dtype
+    snapshot_bytes = shape.params * DTYPES[publish].itemsize + shape.tied * shape.vocab * shape.hidden * DTYPES[publish].itemsize
+    chunk = min(chunk_tokens_for(shape.vocab, t.logprob_chunk_tokens), t.micro_batch_tokens)
+    plan = predict(shape, ranks=ranks, micro_batch_tokens=t.micro_batch_tokens, compute_bytes=DTYPES[compute].itemsize,
+                   checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
+                   top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"))
+    available, where = available_bytes(device, ranks)
+    lines = [
+        f"model {path}: {shape.params / 1e6:.1f}M parameters ({arch}, {shape.layers} layers, hidden {shape.hidden}, "
+        f"vocab {shape.vocab}; tokenizer {tokens if tokens is not None else 'not in the directory'}"
+        f"{' tokens' if tokens is not None else ''}), tied embeddings: {'yes' if shape.tied else 'no'}",
+        f"  weights: fp32 master + AdamW state; forward/backward {compute}"
+        f"{' autocast' if compute != 'float32' else ''}; snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)",
+        f"  memory: {ranks} rank{'s' if ranks > 1 else ''} on {device}, micro-batches of {t.micro_batch_tokens} tokens, "
+        f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, head chunks of {chunk} tokens: "
+        f"predicted {plan.describe()}; {where}",
+    ]
+    return Preflight(shape, plan, available, where, lines)
+
+
+def check_fits(pf: Preflight, cfg: LearnerConfig, ranks: int) -> None:
+    if not cfg.trainer.check_memory or pf.plan.total <= pf.available:
+        return
+    t = cfg.trainer
+    advice = [f"more ranks (--nproc {2 * ranks})" if pf.plan.state > pf.available / 2 else None,
+              f"a smaller [trainer] micro_batch_tokens (now {t.micro_batch_tokens})"
+              if pf.plan.activations > pf.available / 4 else None,
+              "[trainer] activation_checkpointing = true" if not t.activation_checkpointing else None,
+              "[trainer] compute_dtype = 'bfloat16'" if t.compute_dtype == "float32" else None]
+    raise PreflightError(
+        f"a training step is predicted to need {pf.plan.total / GiB:.1f} GiB per rank but {pf.where}. Try "
+        + ", ".join(a for a in advice if a) + "; or set [trainer] check_memory = false to start anyway")

@@ -1,0 +1,320 @@
+"""The trainer: one GRPO update per batch of groups, snapshots and checkpoints, on one rank or
+many (FSDP2 under torchrun; see `learner.train.dist`).
+
+A step, on every rank at once:
+
+    advantages per group → the batch's samples in a seeded order → `minibatches` slices
+    each slice: this rank's share (split by tokens) → micro-batches of ≤ micro_batch_tokens
+                → forward (π, chunked head) + backward under autocast, gradients accumulate
+                → clip, AdamW on the fp32 master weights
+    statistics: token sums, one all-reduce
+
+The loss is normalised by the token count of the whole batch, so micro-batches, slices and
+ranks add up to the batch's loss and its gradient does not depend on the split. Ranks run
+the same number of micro-batches (a rank short of work runs an empty one), because every
+forward and backward of a sharded model is a collective.
+
+Blocking torch code: the learner runs it on its trainer thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from echo.hf import PromptEncoder, TokenBatch, sample
+from echo.tasks import Prompt, Task
+from learner.buffer import BatchInfo
+from learner.config import LearnerConfig
+from learner.train.dist import World
+from learner.train.losses import LossStats, group_advantages, grpo_loss
+from learner.train.microbatch import pack, split_by_tokens
+from learner.train.model import DTYPES, build_policy, count_parameters, saved_dtype, write_safetensors
+
+TOKENIZER_AND_CONFIG = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                        "tokenizer.model", "added_tokens.json")
+
+
+def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base learning rate after `step` updates."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+class Trainer:
+    def __init__(self, cfg: LearnerConfig, world: World | None = None, checkpoint: Path | None = None):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.world = world or World(device=torch.device(cfg.model.device))
+        torch.manual_seed(cfg.run.seed)
+        t, r = cfg.trainer, cfg.rollout
+        self.model_dir = Path(cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.encode = PromptEncoder(self.tokenizer, cfg.task.chat_template, cfg.task.system_prompt)
+        self.autocast_dtype = None if t.compute_dtype == "float32" else DTYPES[t.compute_dtype]
+        self.publish_dtype = DTYPES[saved_dtype(self.model_dir) if cfg.publish.dtype == "auto" else cfg.publish.dtype]
+        common = dict(temperature=r.temperature, top_p=r.top_p, chunk_tokens=t.logprob_chunk_tokens)
+        self.policy = build_policy(self.model_dir, self.world, activation_checkpointing=t.activation_checkpointing,
+                                   **common)
+        self.reference = None
+        if t.kl_coef > 0:  # frozen, in the compute dtype: a second model costs b bytes per parameter
+            self.reference = build_policy(self.model_dir, self.world, activation_checkpointing=False,
+                                          dtype=self.autocast_dtype or torch.float32, trainable=False, **common)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=t.lr, betas=t.betas,
+                                           weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
+            step, t.schedule, t.warmup_steps, cfg.run.steps, t.min_lr_ratio))
+        # fp16 overflows without loss scaling (bf16 has fp32's range and needs none).
+        self.scaler = torch.amp.GradScaler(self.world.device.type) if t.compute_dtype == "float16" else None
+        self.num_parameters = count_parameters(self.policy)
+        self.version = 0  # number of updates applied
+        self.resumed = self.load_checkpoint(checkpoint) if checkpoint else {}
+
+    @property
+    def hf(self):
+        return self.policy.hf
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_output_embeddings().weight.shape[0]
+
+    @property
+    def _pad(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def _autocast(self):
+        return torch.autocast(self.world.device.type, dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
+
+    # --- one update ------------------------------------------------------------------------------
+
+    def step(self, batch: BatchInfo) -> dict[str, float]:
+        """One update on `batch` (every rank gets the whole batch); returns the step's statistics."""
+        t, world, device = self.cfg.trainer, self.world, self.world.device
+        prompts, completions, behaviour, rewards = [], [], [], []
+        for g in batch.groups:
+            prompts += [g.prompt_ids] * len(g.completions)
+            completions += g.completions
+            behaviour += g.behaviour_logprobs
+            rewards.append(g.rewards)
+        reward_t = torch.tensor(rewards, dtype=torch.float32)
+        advantages = group_advantages(reward_t, t.adv_eps).flatten().tolist()
+        total_tokens = sum(map(len, completions))
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+
+        # The same seeded order and split on every rank, so each knows its share without talking.
+        order = list(range(len(completions)))
+        random.Random(self.cfg.run.seed * 1_000_003 + self.version).shuffle(order)
+        size = math.ceil(len(order) / t.minibatches)
+        shares = []
+        for start in range(0, len(order), size):
+            part = order[start : start + size]
+            shares.append([part[i] for i in split_by_tokens([lengths[i] for i in part], world.size)[world.rank]])
+        mine = [i for share in shares for i in share]
+
+        def micro_batches(indices: list[int]) -> list[list[int]]:
+            packed = [[indices[j] for j in mb] for mb in pack([lengths[i] for i in indices], t.micro_batch_tokens)]
+            count = torch.tensor([len(packed)], device=device)
+            world.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            return packed + [[] for _ in range(int(count) - len(packed))]  # [] = an empty micro-batch
+
+        def token_batch(indices: list[int]) -> TokenBatch:
+            if not indices:  # one pad token scoring one pad token: the collectives run, nothing is learned
+                return TokenBatch.build([[self._pad]], [[self._pad]], self._pad, device)
+            return TokenBatch.build([prompts[i] for i in indices], [completions[i] for i in indices], self._pad, device)
+
+        old = self._score(self.policy, mine, micro_batches, token_batch) if t.minibatches > 1 else None
+        # Fresh groups (generated by the weights held now) let π be compared with the claimed μ:
+        # Σ|log π − log μ| and the token count per sample, from π_old or the first pass.
+        owner = [gi for gi, g in enumerate(batch.groups) for _ in g.completions]
+        fresh = {i for i in mine if batch.groups[owner[i]].version == self.version}
+        gaps = torch.zeros(len(batch.groups), 2, dtype=torch.float64, device=device)
+
+        def measure_gaps(values: dict[int, torch.Tensor]) -> None:
+            for i, lp in values.items():
+                if i in fresh:
+                    lp = lp.detach().double()
+                    mu = torch.tensor(behaviour[i], dtype=torch.float64, device=device)
+                    inside = torch.isfinite(lp)  # outside π's nucleus: counted apart, not a gap
+                    gaps[owner[i], 0] += (lp[inside] - mu[inside]).abs().sum()
+                    gaps[owner[i], 1] += inside.sum()
+
+        if old:
+            measure_gaps(old)
+        ref = self._score(self.reference, mine, micro_batches, token_batch) if self.reference is not None else None
+
+        sums = torch.zeros(9, dtype=torch.float64, device=device)
+        grad_norm = torch.zeros(())
+        for share in shares:
+            self.optimizer.zero_grad(set_to_none=True)
+            for indices in micro_batches(share):
+                tb = token_batch(indices)
+                with self._autocast():
+                    logp = self.policy(tb)
+                if not indices:
+                    (logp.sum() * 0.0).backward()
+                    continue
+                if not old:  # one pass over the batch: its log-probs are π of the weights held now
+                    measure_gaps(dict(zip(indices, logp.split(tb.lengths))))
+                flat = lambda values: torch.cat([values[i] for i in indices])  # noqa: E731
+                behaviour_t = torch.tensor([x for i in indices for x in behaviour[i]], device=device)
+                adv_t = torch.tensor([advantages[i] for i in indices for _ in completions[i]], device=device)
+                loss, stats = grpo_loss(logp, flat(old) if old else logp.detach(), behaviour_t, adv_t,
+                                        clip_eps=t.clip_eps, is_cap=t.is_cap, total_tokens=total_tokens,
+                                        ref_logp=flat(ref) if ref else None, kl_coef=t.kl_coef)
+                loss_sum = loss * world.size  # FSDP averages over ranks; the batch gradient is the sum
+                (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
+                sums += stats
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.max_grad_norm)
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.version += 1
+        stats = LossStats.from_vector(world.all_reduce(sums))
+        gaps = world.all_reduce(gaps).tolist()
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        return {
+            "loss": stats.loss,
+            "reward_mean": float(reward_t.mean()),
+            "reward_std": float(reward_t.std(unbiased=False)),
+            "grad_norm": float(grad_norm),
+            "mean_ratio": stats.mean_ratio,
+            "clip_fraction": stats.clip_fraction,
+            "is_weight_mean": stats.mean_is_weight,
+            "is_truncated_fraction": stats.is_truncated_fraction,
+            "mismatch_kl": stats.mismatch_kl,
+            "outside_nucleus_fraction": stats.outside_nucleus_fraction,
+            "kl_ref": stats.kl_ref,
+            "tokens": total_tokens,
+            "lr": self.scheduler.get_last_lr()[0],
+            "group_gaps": gaps,  # per group: [Σ|log π − log μ|, tokens] over fresh samples (learner.verify)
+        }
+
+    def skip_to(self, version: int) -> None:
+        """Continue version numbers from `version` (a resumed run whose crash lost published
+        versions: no number may name two different snapshots)."""
+        self.version = max(self.version, version)
+
+    @torch.no_grad()
+    def _score(self, policy, indices, micro_batches, token_batch) -> dict[int, torch.Tensor]:
+        """log π of every completion token of `indices` under `policy` (π_old or the reference),
+        micro-batched like the update itself; per sample, on the device."""
+        out = {}
+        for mb in micro_batches(indices):
+            tb = token_batch(mb)
+            with self._autocast():
+                flat = policy(tb).float()
+            if mb:
+                out.update(zip(mb, flat.split(tb.lengths)))
+        return out
+
+    # --- snapshots, checkpoints, export ----------------------------------------------------------
+
+    def snapshot(self) -> bytearray | None:
+        """The current weights as a safetensors blob in `[publish] dtype` (what workers install);
+        gathered tensor by tensor, returned on rank 0 (None elsewhere).
+
+        Every state-dict name is written, a tied head under both names, so an engine can never
+        keep a stale head. No per-version metadata: consecutive snapshots keep one byte layout,
+        so deltas apply.
+        """
+        state = self.hf.state_dict()
+        return write_safetensors(state.items(), {k: tuple(v.shape) for k, v in state.items()}, self.publish_dtype,
+                                 keep=self.world.is_main)
+
+    def save_checkpoint(self, directory: Path, extra: dict) -> Path:
+        """A resumable checkpoint: model and optimizer in torch.distributed.checkpoint format
+        (loadable on any number of ranks), with the config, tokenizer and learner state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(directory) / f"step-{self.version:06d}"
+        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path / "state")
+        if self.world.is_main:
+            self._copy_model_files(path)
+            torch.save({"scheduler": self.scheduler.state_dict(),
+                        "scaler": self.scaler.state_dict() if self.scaler else None}, path / "schedule.pt")
+            (path / "learner_state.json").write_text(json.dumps(
+                {"version": self.version, "ranks": self.world.size, **extra}, indent=2))
+            # Point `latest` at it atomically: a learner killed here still has a checkpoint to resume.
+            staging = Path(directory) / f".latest-{os.getpid()}"
+            staging.unlink(missing_ok=True)
+            staging.symlink_to(path.name)
+            os.replace(staging, Path(directory) / "latest")
+        self.world.barrier()
+        return path
+
+    def load_checkpoint(self, path: Path) -> dict:
+        """Resume from `save_checkpoint`'s directory, written by any number of ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = Path(path)
+        if not (path / "state").is_dir():
+            raise FileNotFoundError(f"{path} is not an echo checkpoint (no state/ directory)")
+        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path / "state")
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        saved = torch.load(path / "schedule.pt", weights_only=True)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        if self.scaler and saved.get("scaler"):
+            self.scaler.load_state_dict(saved["scaler"])
+        learner_state = json.loads((path / "learner_state.json").read_text())
+        self.version = int(learner_state["version"])
+        return learner_state
+
+    def export(self, directory: Path) -> Path | None:
+        """The trained model as a Hugging Face directory (`[publish] dtype` weights)."""
+        blob = self.snapshot()
+        if blob is None:
+            return None
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._copy_model_files(directory)
+        (directory / "model.safetensors").write_bytes(blob)
+        return directory
+
+    def _copy_model_files(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_AND_CONFIG:
+            if (self.model_dir / name).exists():
+                shutil.copy2(self.model_dir / name, directory / name)
+
+    # --- learner-side eval (tiny models, one rank) ------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, task: Task, prompts: list[Prompt]) -> float:
+        """Greedy accuracy on `prompts`, generated here ([eval] where = 'learner')."""
+        r = self.cfg.rollout
+        correct = 0.0
+        for start in range(0, len(prompts), 256):
+            chunk = prompts[start : start + 256]
+            with self._autocast():
+                outs = sample(self.hf, [self.encode(p.text) for p in chunk], max_new_tokens=r.max_new_tokens,
+                              eos_id=self.tokenizer.eos_token_id, pad_id=self._pad, temperature=0.0)
+            texts = self.tokenizer.batch_decode([o.tokens for o in outs], skip_special_tokens=True)
+            correct += sum(task.reward(p, text) for p, text in zip(chunk, texts))
+        return correct / max(1, len(prompts))

@@ -1,0 +1,26 @@
+"""`echo-rl bench control-plane` in a seconds-long smoke run: real learner side, real clients,
+churn; the ledger must balance and every route must have been exercised."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_control_plane_bench_smoke_run_balances_its_ledger():
+    out = subprocess.run([sys.executable, "-m", "learner.bench.control_plane", "--workers", "30", "--seconds", "8",
+                          "--churn", "0.3", "--churn-every", "3", "--ramp-s", "1", "--step-rate", "2", "--batch-prompts", "8",
+                          "--gen-s", "0.5", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert {"join", "heartbeat", "lease", "trajectories"} <= set(r["routes"]), r["routes"]
+    assert r["killed_and_replaced"] >= 15 and r["client_errors"] == 0
+    ledger = r["ledger"]
+    assert ledger["lost"] == 0 and ledger["trained"] > 0
+    # What workers saw acknowledged, the learner accepted (it may have accepted a little more:
+    # each killed worker's last upload can be accepted after its connection is gone).
+    assert 0 <= ledger["accepted_by_learner"] - ledger["acknowledged_to_workers"] <= r["killed_and_replaced"]
+    assert ledger["accepted_by_learner"] == ledger["trained"] + ledger["dropped"] + ledger["queued"]
+    assert r["learner"]["quarantined"] == 0  # honest simulated workers: rewards recomputed and agreeing

@@ -1,0 +1,485 @@
+"""Workers are untrusted: each category of abuse is refused with a status and a reason, or
+neutralised and counted. The control API runs for real (aiohttp on loopback) around a real
+lease book, buffer, tokenizer and task; only the trainer is absent (these are control-plane
+tests; `test_loop_integration` has the learner process end to end)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from echo.config import load_config
+from echo.tasks import load_task
+from learner.tinymodel import build_tokenizer
+from echo.wire import CONTENT_TYPE, GroupMsg, SampleMsg, Submission, encode_submission
+from learner.buffer import AsyncBuffer, StalenessBuffer
+from learner.config import LearnerConfig
+from learner.leases import LeaseBook
+from learner.server import LearnerState, build_app
+from learner.verify import Rescorer
+
+TOKEN = "run-token"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+class Api:
+    """A learner's control API on loopback, and raw HTTP calls to it."""
+
+    def __init__(self, state: LearnerState, url: str, session: aiohttp.ClientSession):
+        self.state, self.url, self.session = state, url, session
+
+    async def call(self, path: str, body=None, token: str | None = TOKEN, raw: bytes | None = None,
+                   content_type: str = "application/json") -> tuple[int, dict, dict]:
+        headers = {"Content-Type": content_type}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        data = raw if raw is not None else json.dumps(body if body is not None else {}).encode()
+        async with self.session.post(self.url + path, data=data, headers=headers) as resp:
+            try:
+                payload = await resp.json()
+            except (aiohttp.ContentTypeError, ValueError):
+                payload = {"text": await resp.text()}
+            return resp.status, payload, dict(resp.headers)
+
+    async def join(self, name: str, **report) -> tuple[str, str]:
+        status, body, _ = await self.call("/v1/join", {"name": name, **report})
+        assert status == 200, body
+        return body["worker_id"], body["credential"]
+
+    async def upload(self, cred: str, sub: Submission) -> tuple[int, dict]:
+        status, body, _ = await self.call("/v1/trajectories", token=cred, raw=encode_submission(sub),
+                                          content_type=CONTENT_TYPE)
+        return status, body
+
+    def metric(self, line: str) -> float:
+        text = self.state.metrics.exposition().decode()
+        return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
+def run_api(tokenizer, test, tmp_path, **overrides):
+    """Serve the control API with `overrides` ({"section.key": value}) and run `test(api)`."""
+    args = [a for k, v in overrides.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
+    cfg = load_config(LearnerConfig, None, ["--server.token", TOKEN, "--rollout.group_size", "4",
+                                            "--rollout.max_new_tokens", "8", *args])
+    task = load_task("arith", {})
+
+    async def main():
+        leases = LeaseBook(task.train_prompts(0), cfg.server.lease_ttl, cfg.server.max_inflight_prompts or 64)
+        buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, cfg.trainer.batch_prompts,
+                                                          on_drop=lambda g, why: leases.recycle(g.prompt)))
+        (tmp_path / "config.json").write_text("{}")
+        state = LearnerState(cfg, TOKEN, buffer, leases, lambda text: tokenizer(text)["input_ids"],
+                             len(tokenizer), tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance))
+        state.blobs.add(0, b"weights")
+        state.announcement = {"version": 0}
+        runner = web.AppRunner(build_app(state))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                await test(Api(state, url, session))
+        finally:
+            await runner.cleanup()
+            state.offload.shutdown()
+
+    asyncio.run(main())
+
+
+def group(tokenizer, prompt_id: str, texts: list[str], reward: float, logprob: float = -0.5, version: int = 0):
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return GroupMsg(prompt_id, version, [SampleMsg(i, [logprob] * len(i), reward) for i in ids])
+
+
+def test_a_worker_cannot_upload_into_another_workers_lease_or_as_another_worker(tokenizer, tmp_path):
+    async def test(api: Api):
+        a, cred_a = await api.join("a")
+        b, cred_b = await api.join("b")
+        assert a != b and cred_a != cred_b
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2}, token=cred_a)
+        assert status == 200 and lease["lease_id"]
+        ids = [p["id"] for p in lease["prompts"]]
+        honest = [group(tokenizer, i, ["9"] * 4, 0.0) for i in ids]
+        # b, with its own credential, into a's lease: the lease is not b's.
+        status, body = await api.upload(cred_b, Submission(b, lease["lease_id"], honest))
+        assert (status, body["error"]) == (409, "unknown-lease") and "another worker's" in body["message"]
+        # b naming a in the upload: the credential decides who is speaking.
+        status, body = await api.upload(cred_b, Submission(a, lease["lease_id"], honest))
+        assert (status, body["error"]) == (403, "impersonation")
+        # b handing a's lease back: refused, a's lease is intact.
+        status, body, _ = await api.call("/v1/release", {"lease_id": lease["lease_id"]}, token=cred_b)
+        assert status == 409
+        assert api.state.leases.outstanding_by_worker() == {a: 2}
+        assert api.state.buffer.buffer.stats.accepted == 0
+        # a itself: accepted.
+        status, body = await api.upload(cred_a, Submission(a, lease["lease_id"], honest))
+        assert (status, body["accepted"]) == (200, 2)
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_heartbeats_need_the_workers_own_credential(tokenizer, tmp_path):
+    async def test(api: Api):
+        a, cred_a = await api.join("a")
+        forged = f"{a}.not-the-secret"
+        for token in (forged, TOKEN, None, a):  # a guessed secret, the shared run token, nothing, the bare id
+            status, body, _ = await api.call("/v1/heartbeat", {"capacity_per_s": 1e6}, token=token)
+            assert status == 401, (token, body)
+        status, body, _ = await api.call("/v1/heartbeat", {"capacity_per_s": 1e6}, token=forged)
+        assert body["error"] == "unknown-credential" and "join again" in body["message"]
+        assert api.state.workers[a].claimed_capacity_per_s == 0.0  # nothing of the forgeries was stored
+        assert api.metric('echo_auth_refused_total{credential="credential"}') >= 3
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_forged_measurements_are_capped_at_what_the_learner_measured(tokenizer, tmp_path):
+    async def test(api: Api):
+        a, cred = await api.join("a")
+        status, body, _ = await api.call("/v1/heartbeat", {"upload_mbit": 1e6}, token=cred)
+        assert status == 400 and "upload_mbit" in body["message"]  # beyond any rented link
+        status, body, _ = await api.call("/v1/heartbeat", {"capacity_per_s": 1e9}, token=cred)
+        assert status == 400 and "capacity_per_s" in body["message"]
+        # A plausible-looking claim before any work came back is not believed at all.
+        status, _, _ = await api.call("/v1/heartbeat", {"capacity_per_s": 1e6}, token=cred)
+        w = api.state.workers[a]
+        assert status == 200 and w.claimed_capacity_per_s == 1e6 and w.capacity_per_s == 0.0
+        # One lease of 2 prompts × 4 samples came back: the claim is capped at 2× that rate.
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2}, token=cred)
+        await asyncio.sleep(0.2)
+        status, _ = await api.upload(cred, Submission(a, lease["lease_id"],
+                                                      [group(tokenizer, p["id"], ["9"] * 4, 0.0) for p in lease["prompts"]]))
+        assert status == 200
+        await api.call("/v1/heartbeat", {"capacity_per_s": 1e6}, token=cred)
+        measured = api.state.verifier.evidence[a].lease_rate
+        assert 0 < measured <= 8 / 0.2 and w.capacity_per_s == pytest.approx(2 * measured)
+        # An honest claim below the cap stands.
+        await api.call("/v1/heartbeat", {"capacity_per_s": measured}, token=cred)
+        assert w.capacity_per_s == measured
+        # A relay's own upload measurement is capped by what its children saw from it.
+        b, cred_b = await api.join("b")
+        await api.call("/v1/heartbeat", {"links": [{"key": "v1", "down": 1e6, "parent": a}]}, token=cred_b)
+        await api.call("/v1/heartbeat", {"links": [{"key": "v1", "up": 1e12}]}, token=cred)
+        assert api.metric('echo_verify_claims_clamped_total{what="upload"}') == 1
+        assert api.metric('echo_verify_claims_clamped_total{what="capacity"}') >= 2
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_fabricated_rewards_are_recomputed_and_the_worker_quarantined(tokenizer, tmp_path):
+    async def test(api: Api):
+        honest, cred_h = await api.join("honest")
+        cheat, cred_c = await api.join("cheat")
+        state = api.state
+        # The honest worker: wrong answers scored 0, right ones 1, as the task says.
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred_h)
+        prompt = lease["prompts"][0]
+        right = prompt["answer"]  # a real worker would have to work it out
+        g = group(tokenizer, prompt["id"], [right, right, "x", "x"], 0.0)
+        g.samples[0].reward = g.samples[1].reward = 1.0
+        status, body = await api.upload(cred_h, Submission(honest, lease["lease_id"], [g]))
+        assert status == 200 and body["accepted"] == 1, body
+        # The cheat claims reward 1 for nonsense, four groups of four samples (min_checked 16).
+        accepted = 0
+        for _ in range(4):
+            status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred_c)
+            if status != 200 or not lease["lease_id"]:
+                break
+            status, body = await api.upload(cred_c, Submission(cheat, lease["lease_id"],
+                                                               [group(tokenizer, lease["prompts"][0]["id"], ["zz"] * 4, 1.0)]))
+            accepted += body.get("accepted", 0)
+        assert (status, body["error"]) == (403, "quarantined") and "rewards differ" in body["message"]
+        queued = list(state.buffer.buffer._queue)
+        assert [g.worker_id for g in queued] == [honest] and queued[0].rewards == [1.0, 1.0, 0.0, 0.0]
+        assert state.buffer.buffer.stats.dropped_untrusted == accepted  # its earlier groups left the buffer
+        assert state.leases.stats.dropped_reissued == accepted + 1  # and every prompt of it goes out again
+        # Told why, on every call; listed in status; counted.
+        status, hb, _ = await api.call("/v1/heartbeat", {}, token=cred_c)
+        assert hb["state"] == "quarantined" and "rewards differ" in hb["message"]
+        status, body, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred_c)
+        assert (status, body["error"]) == (403, "quarantined")
+        assert api.metric('echo_workers_quarantined_total{reason="rewards"}') == 1
+        assert api.metric("echo_verify_rewards_mismatched_total") == 16
+        async with api.session.get(api.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            listed = (await resp.json())["quarantined"]
+        assert [q["id"] for q in listed] == [cheat] and "rewards differ" in listed[0]["why"]
+        # Nor does it come back under a new identity from the same address.
+        status, body, _ = await api.call("/v1/join", {"name": "cheat-again"})
+        assert (status, body["error"]) == (403, "banned") and "rewards differ" in body["message"]
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
+    from learner.evals import EvalBook
+
+    async def test(api: Api):
+        state = api.state
+        results = []
+        state.evals = EvalBook(load_task("arith", {}).eval_prompts()[:8], 30.0, 4)
+        state.on_eval = results.append
+        state.evals.open(0, time.monotonic())
+        liar, cred = await api.join("liar")
+        honest, cred_h = await api.join("honest")
+
+        async def answer(token, right: bool, claim: float):
+            status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 0}, token=token)
+            assert lease["eval_version"] == 0
+            ids = {p["id"]: tokenizer(p["answer"] if right else "+", add_special_tokens=False)["input_ids"]
+                   for p in lease["prompts"]}
+            return await api.call("/v1/eval", {"lease_id": lease["lease_id"], "version": 0, "completions": ids,
+                                               "rewards": {k: claim for k in ids}}, token=token)
+
+        status, body, _ = await answer(cred, right=False, claim=1.0)  # wrong answers, claimed right
+        assert status == 200
+        status, body, _ = await answer(cred_h, right=True, claim=1.0)
+        assert status == 200
+        # The round counts what the learner scored: half the answers were wrong.
+        assert [r.accuracy for r in results] == [0.5]
+        assert state.verifier.evidence[liar].mismatch_share == 1.0
+        assert state.verifier.evidence[honest].mismatch_share == 0.0
+        # Without completions there is nothing to score: refused.
+        state.evals.open(1, time.monotonic())
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred_h)
+        status, body, _ = await api.call("/v1/eval", {"lease_id": lease["lease_id"], "version": 1,
+                                                      "rewards": {p["id"]: 1.0 for p in lease["prompts"]}}, token=cred_h)
+        assert (status, body["error"]) == (422, "wrong-prompts")
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_oversized_and_unknown_fields_are_refused_and_not_stored(tokenizer, tmp_path):
+    async def test(api: Api):
+        a, cred = await api.join("a")
+        status, body, _ = await api.call("/v1/heartbeat", raw=json.dumps({"gpu": "x" * (5 << 20)}).encode(), token=cred)
+        assert status == 413 and body["error"] == "oversized"
+        status, body, _ = await api.call("/v1/heartbeat", {"gpu": "x" * 65}, token=cred)
+        assert status == 400 and "gpu" in body["message"] and "64 characters" in body["message"]
+        status, body, _ = await api.call("/v1/heartbeat", {"worker_id": "w9", "extra": 1}, token=cred)
+        assert status == 400 and "Extra inputs are not permitted" in body["message"]
+        status, body, _ = await api.call("/v1/heartbeat", {"installs": [{"version": 1, "installed_ago": 0,
+                                                                          "received_ago": 0, "install_s": 0}] * 65},
+                                         token=cred)
+        assert status == 400 and "installs" in body["message"]
+        status, body, _ = await api.call("/v1/join", {"name": "n" * 65})
+        assert status == 400
+        status, body, _ = await api.call("/v1/lease", {"max_prompts": 10**9}, token=cred)
+        assert status == 400 and "max_prompts" in body["message"]
+        assert api.state.workers[a].gpu == "" and len(api.state.workers) == 1
+        status, body, _ = await api.call("/v1/heartbeat", raw=b"not json", token=cred)
+        assert status == 400 and body["error"] == "bad-request"
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_join_floods_are_rate_limited_and_the_fleet_is_bounded(tokenizer, tmp_path):
+    async def test(api: Api):
+        replies = [await api.call("/v1/join", {"name": f"j{i}"}) for i in range(40)]
+        statuses = [r[0] for r in replies]
+        assert statuses[:10] == [200] * 10  # the burst
+        limited = [r for r in replies if r[0] == 429]
+        assert limited and all(int(r[2]["Retry-After"]) >= 1 and r[1]["error"] == "join-rate" for r in limited)
+        assert len(api.state.workers) == statuses.count(200) <= 12
+        await asyncio.sleep(1.2)  # the bucket refills; the fleet cap still holds
+        while len(api.state.workers) < 12:
+            if (await api.call("/v1/join", {"name": "more"}))[0] != 200:
+                await asyncio.sleep(0.2)
+        status, body, headers = await api.call("/v1/join", {"name": "one-too-many"})
+        assert (status, body["error"]) == (503, "fleet-full") and "Retry-After" in headers
+        assert api.metric('echo_joins_refused_total{reason="rate"}') == len(limited)
+
+    run_api(tokenizer, test, tmp_path, **{"server.join_rate": 5.0, "server.join_burst": 10, "server.max_workers": 12})
+
+
+def test_joins_from_outside_the_allowed_networks_are_refused(tokenizer, tmp_path):
+    async def test(api: Api):
+        status, body, _ = await api.call("/v1/join", {"name": "far"})
+        assert (status, body["error"]) == (403, "network") and "127.0.0.1" in body["message"]
+        assert not api.state.workers
+
+    run_api(tokenizer, test, tmp_path, **{"server.allow_networks": ["10.0.0.0/8"]})
+
+
+def test_a_long_polled_lease_is_served_the_moment_room_frees_up(tokenizer, tmp_path):
+    async def test(api: Api):
+        a, cred_a = await api.join("a")
+        b, cred_b = await api.join("b")
+        status, held, _ = await api.call("/v1/lease", {"max_prompts": 4}, token=cred_a)  # all the room there is
+        assert len(held["prompts"]) == 4
+        t0 = time.monotonic()
+        waiting = asyncio.create_task(api.call("/v1/lease", {"max_prompts": 2, "wait_s": 30}, token=cred_b))
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and len(api.state.waiters) == 1  # held, not answered "nothing"
+        await api.call("/v1/release", {"lease_id": held["lease_id"]}, token=cred_a)
+        status, got, _ = await asyncio.wait_for(waiting, 10)
+        assert status == 200 and len(got["prompts"]) == 2 and time.monotonic() - t0 < 10
+        # With nothing freed, the poll ends empty-handed at its own deadline.
+        status, empty, _ = await api.call("/v1/lease", {"max_prompts": 4, "wait_s": 0.3}, token=cred_a)
+        status, empty, _ = await api.call("/v1/lease", {"max_prompts": 4, "wait_s": 0.3}, token=cred_a)
+        assert status == 200 and empty["lease_id"] is None and empty["empty"] == "wait"
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_inflight_prompts": 4})
+
+
+def test_ledger_replay_reissues_in_flight_and_rolled_back_prompts(tmp_path):
+    from echo.tasks import Prompt
+    from learner.ledger import Ledger
+
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    ps = [Prompt(f"p{i}", f"{i}+1=", str(i + 1)) for i in range(6)]
+    ledger.published(0)
+    ledger.leased(ps[:4])
+    ledger.trained(1, ["p0"])
+    ledger.published(1)
+    ledger.trained(2, ["p1"])  # after the checkpoint of update 1: rolled back by the crash
+    ledger.published(2)
+    ledger.leased(ps[4:])
+    ledger.close()
+    with path.open("a") as f:
+        f.write('{"e":"T","s":3,"p":["p2"')  # the line a kill -9 cut short
+    rec = Ledger.replay(path, checkpoint_step=1)
+    assert [p.id for p in rec.pending] == ["p1", "p2", "p3", "p4", "p5"]
+    assert (rec.newest_published, rec.starts, rec.trained_rolled_back) == (2, 1, 1)
+    # A second crash: the first resume rolled back update 2, so p1 counts only if trained again.
+    ledger = Ledger(path)
+    ledger.resumed(1)
+    ledger.trained(3, ["p2", "p3"])
+    ledger.close()
+    rec = Ledger.replay(path, checkpoint_step=3)
+    assert [p.id for p in rec.pending] == ["p1", "p4", "p5"] and rec.starts == 2
+    with contextlib.suppress(FileNotFoundError):
+        assert Ledger.replay(tmp_path / "none.jsonl", 0).pending == []
+
+
+# --- end to end, real learner and worker processes ---------------------------------------------
+
+
+def _ledger(run_dir):
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line.endswith("}")]
+
+
+def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(learner_factory):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, WATCHED
+
+    lp = learner_factory(run={"steps": 24, "checkpoint_every": 4}, buffer={"max_staleness": 2})
+    for name in ("a", "b"):
+        lp.worker(name, "--worker.max_rollouts_per_s", "150")
+    lp.wait_until(lambda: lp.status()["learner_version"] >= 10, 120, "ten updates")
+    lp.proc.send_signal(signal.SIGKILL)
+    lp.proc.wait(10)
+    before = _ledger(lp.run_dir)
+    newest_before = max(e["v"] for e in before if e["e"] == "P")
+    leased_before = {p[0] for e in before if e["e"] == "L" for p in e["p"]}
+
+    out = open(lp.run_dir.parent / "resumed.log", "w")
+    resumed = subprocess.Popen([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--json"],
+                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=WATCHED)
+    try:
+        assert resumed.wait(240) == 0, (lp.run_dir.parent / "resumed.log").read_text()[-3000:]
+    finally:
+        resumed.kill()
+    for w in lp.workers:  # the same processes, never restarted: they found the learner again
+        assert w.wait(60) == 0
+    logs = [(lp.run_dir.parent.parent / f"{name}.log").read_text() for name in ("a", "b")]
+    assert all("joined" in log and "again as" in log for log in logs)
+
+    events = _ledger(lp.run_dir)
+    resume = next(i for i, e in enumerate(events) if e["e"] == "R")
+    checkpoint = events[resume]["from"]
+    assert checkpoint % 4 == 0 and 8 <= checkpoint <= newest_before
+    after = events[resume + 1:]
+    # Version numbers continue past everything published before the crash; the one exception is
+    # the checkpoint's own version, published again with the very same weights.
+    first_after = min(e["v"] for e in after if e["e"] == "P")
+    assert first_after > newest_before or first_after == checkpoint == newest_before
+    # What was leased before the crash and not trained by a checkpointed update went out again.
+    trained_kept = {p for e in events[:resume] if e["e"] == "T" and e["s"] <= checkpoint for p in e["p"]}
+    reissued = {p[0] for e in after if e["e"] == "L" for p in e["p"]} & leased_before
+    assert reissued and reissued.isdisjoint(trained_kept)
+    # No group is trained twice: every prompt appears in at most one surviving training event.
+    surviving = [p for e in events[:resume] if e["e"] == "T" and e["s"] <= checkpoint for p in e["p"]]
+    surviving += [p for e in after if e["e"] == "T" for p in e["p"]]
+    assert len(surviving) == len(set(surviving))
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 24
+
+
+def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_factory, tiny_model):
+    """A worker whose behaviour log-probs are made up (claimed near-certain for random tokens)
+    while its rewards are right: the trainer's π on its fresh groups gives it away."""
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    lp = learner_factory(run={"steps": 100000}, buffer={"max_staleness": 4}, verify={"min_gap_tokens": 32})
+    lp.worker("honest", "--worker.max_rollouts_per_s", "20")  # slow: most groups trained are the cheat's, fresh
+    wid, cred = lp.join("cheat")
+    lp.wait_until(lambda: lp.status()["learner_version"] >= 1, 60, "training to start")
+    told = None
+    for _ in range(40):
+        status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 1, "version": lp.status()["published_version"]},
+                                   token=cred)
+        if status == 403:
+            told = lease
+            break
+        if not lease.get("lease_id"):
+            continue
+        version = lease["snapshot"]["version"]
+        ids = tok("++", add_special_tokens=False)["input_ids"]  # never a right answer: reward 0, as claimed
+        groups = [GroupMsg(p["id"], version, [SampleMsg(ids, [-0.01] * len(ids), 0.0) for _ in range(4)])
+                  for p in lease["prompts"]]
+        status, body = lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
+                                  content_type=CONTENT_TYPE, token=cred)
+        if status == 403:
+            told = body
+            break
+        assert status == 200, body
+        lp.request("POST", "/v1/heartbeat", {}, token=cred)
+        time.sleep(0.3)
+    assert told is not None and told["error"] == "quarantined" and "log-probs differ" in told["message"], json.dumps(lp.status()["workers"])
+    status, hb = lp.request("POST", "/v1/heartbeat", {}, token=cred)
+    assert hb["state"] == "quarantined"
+    assert [q["id"] for q in lp.status()["quarantined"]] == [wid]
+    metrics = urllib.request.urlopen(lp.url + "/metrics").read().decode()
+    assert 'echo_workers_quarantined_total{reason="logprobs"} 1.0' in metrics
+    v = lp.status()["learner_version"]  # the honest worker carries the run on
+    lp.wait_until(lambda: lp.status()["learner_version"] > v + 2, 60, "training to continue")
+    assert all(not w["quarantined"] for w in lp.status()["workers"] if w["name"] == "honest")
+
+
+def test_a_worker_nobody_can_connect_to_is_told_so_and_pulls_every_version(learner_factory):
+    """The reachability ladder in the real loop: the learner's probe of a relay that advertises an
+    address nobody listens on fails, the heartbeat says so, and the worker follows the route feed
+    and pulls each version from its parent; with the fallback pull 10 minutes away, training at
+    S = 1 only keeps going if that works."""
+    lp = learner_factory(run={"steps": 8}, buffer={"max_staleness": 1}, broadcast={"fallback_s": 600.0})
+    lp.worker("open", "--worker.max_rollouts_per_s", "100")
+    lp.worker("natted", "--worker.max_rollouts_per_s", "100", "--worker.advertise_url", "http://127.0.0.1:9")
+    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    log = (lp.run_dir.parent.parent / "natted.log").read_text()
+    installs = [line for line in log.splitlines() if "natted: installed v" in line]
+    assert len(installs) >= 4, log[-3000:]
+    # Never the learner's fallback: a worker joining after a version was published pulls only that one whole.
+    pulled = [int(v) for v in re.findall(r"pulling v(\d+) from the learner", log)]
+    first = int(re.search(r"natted: installed v(\d+)", log).group(1))
+    assert pulled in ([], [first]), log[-3000:]
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and {w["name"]: w["groups"] > 0 for w in summary["workers"]}["natted"]

@@ -1,0 +1,80 @@
+"""Config loading: every shipped TOML loads, overrides apply, mistakes name the key and file."""
+
+from pathlib import Path
+
+import pytest
+
+from echo.config import ConfigError, dump_toml, load_config, parse_overrides, read_toml
+from learner.config import LearnerConfig, load_learner_config
+from worker.config import load_worker_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_overrides_parse_as_toml_literals():
+    assert parse_overrides(["--trainer.lr", "3e-4", "--task.name=arith", "--run.steps", "7",
+                            "--workers.overrides", '["--a", "b"]']) == {
+        "trainer": {"lr": 3e-4}, "task": {"name": "arith"}, "run": {"steps": 7},
+        "workers": {"overrides": ["--a", "b"]}}
+
+
+def test_learner_configs_shipped_load():
+    for path in ["configs/demo.toml", "configs/learner-gpu.toml", "configs/learner-8b.toml"]:
+        cfg = load_learner_config(ROOT / path)
+        assert cfg.batch_rollouts == cfg.trainer.batch_prompts * cfg.rollout.group_size
+    assert load_worker_config(ROOT / "configs/worker.toml").engine.type == "auto"
+
+
+def test_override_beats_file_and_dry_run_output_round_trips(tmp_path):
+    cfg = load_learner_config(ROOT / "configs/demo.toml", ["--trainer.lr", "1e-3", "--buffer.max_staleness", "5"])
+    assert cfg.trainer.lr == 1e-3 and cfg.buffer.max_staleness == 5
+    assert cfg.publish_every == 4  # S - 1 by default
+    (tmp_path / "resolved.toml").write_text(dump_toml(cfg))
+    assert load_learner_config(tmp_path / "resolved.toml") == cfg
+
+
+def test_default_publication_period_is_s_minus_one():
+    assert load_config(LearnerConfig, None, ["--buffer.max_staleness", "4"]).publish_every == 3
+
+
+def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_learner_config(bad)
+    msg = str(e.value)
+    assert "trainer.learning_rate" in msg and str(bad) in msg and "lr" in msg
+
+
+def test_bad_value_lists_allowed_values():
+    with pytest.raises(ConfigError, match="buffer.type.*'queue-drop' or 'queue-max'"):
+        load_learner_config(ROOT / "configs/demo.toml", ["--buffer.type", "fifo"])
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        load_learner_config(None, ["--trainer.lr", "-1"])
+
+
+def test_task_options_are_validated_by_the_task():
+    with pytest.raises(ConfigError, match="digits"):
+        load_learner_config(None, ["--task.digits", "99"])
+    with pytest.raises(ConfigError, match="unknown task 'nope'"):
+        load_learner_config(None, ["--task.name", "nope"])
+
+
+def test_broken_toml_and_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_toml("/nonexistent/x.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_learner_config(Path(__file__))  # a Python file is not TOML
+
+
+def test_dry_run_prints_resolved_config():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "learner.main", "--config", "configs/demo.toml", "--dry-run",
+                          "--trainer.lr", "0.002"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "lr = 0.002" in out and "[buffer]" in out
+    bad = subprocess.run([sys.executable, "-m", "worker.main", "join", "http://x", "--token", "t",
+                          "--config", "configs/worker.toml", "--engine.type", "tpu"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "engine.type" in bad.stderr and "'transformers'" in bad.stderr

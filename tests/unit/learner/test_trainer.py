@@ -1,0 +1,223 @@
+"""The trainer uses the behaviour log-probs the worker recorded: a batch where π/μ is known."""
+
+import math
+
+import pytest
+import torch
+
+from echo.hf import completion_logprobs, sample
+from learner.buffer import BatchInfo, Group
+from learner.config import load_learner_config
+from learner.train.trainer import Trainer
+
+
+@pytest.mark.parametrize("is_cap,expected_weight,truncated", [(1.5, 1.5, 1.0), (3.0, 2.0, 0.0)])
+def test_importance_weights_follow_recorded_behaviour_logprobs(tiny_model, is_cap, expected_weight, truncated):
+    cfg = load_learner_config(None, ["--model.path", str(tiny_model), "--trainer.is_cap", str(is_cap),
+                                     "--rollout.group_size", "4", "--trainer.batch_prompts", "2"])
+    trainer = Trainer(cfg)
+    tok = trainer.tokenizer
+    prompts = [trainer.encode("3+4="), trainer.encode("5+5=")]
+    torch.manual_seed(0)
+    outs = sample(trainer.hf, [p for p in prompts for _ in range(4)], max_new_tokens=4,
+                  eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        logp, mask = completion_logprobs(trainer.hf, [p for p in prompts for _ in range(4)],
+                                         [o.tokens for o in outs], pad_id=tok.pad_token_id)
+    # Behaviour μ = π / 2 on every token, as if an older snapshot had generated them.
+    behaviour = [(logp[i, : len(o.tokens)] - math.log(2)).tolist() for i, o in enumerate(outs)]
+    groups = [Group(f"p{g}", 0, prompts[g], [o.tokens for o in outs[4 * g: 4 * g + 4]],
+                    behaviour[4 * g: 4 * g + 4], [1.0, 0.0, 1.0, 0.0]) for g in range(2)]
+    stats = trainer.step(BatchInfo(groups, learner_version=0, staleness=[0, 0]))
+    assert stats["is_weight_mean"] == pytest.approx(expected_weight, rel=1e-4)
+    assert stats["is_truncated_fraction"] == pytest.approx(truncated)
+    assert stats["mismatch_kl"] == pytest.approx(-math.log(2), abs=1e-4)
+    assert trainer.version == 1
+
+
+# --- numerics: π is the workers' μ, gradients do not depend on the split, fp32 master weights ----
+
+from dist_trainer import synthetic_batch  # noqa: E402  (tests/ is on sys.path, as for test_engines)
+
+from echo.hf import head_logprobs, processed_logits  # noqa: E402
+from learner.buffer import BatchInfo as _BatchInfo  # noqa: E402
+from learner.train.microbatch import pack  # noqa: E402
+
+
+def _trainer(model, *overrides):
+    return Trainer(load_learner_config(None, ["--model.path", str(model), "--rollout.group_size", "4",
+                                               "--trainer.batch_prompts", "4", *overrides]))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_chunked_head_logprobs_equal_the_full_log_softmax_with_gradients(top_p):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (23,))
+    full = torch.log_softmax(processed_logits(head(hidden), 0.7, top_p), -1).gather(-1, targets[:, None]).squeeze(-1)
+    keep = torch.isfinite(full)
+    (full[keep].sum()).backward()
+    want_grad, hidden.grad = hidden.grad.clone(), None
+    for chunk in (1, 5, 23, 100):
+        got = head_logprobs(hidden, head, targets, temperature=0.7, top_p=top_p, chunk_tokens=chunk)
+        assert torch.equal(torch.isfinite(got), keep)
+        assert torch.allclose(got[keep], full[keep], atol=1e-6)
+        got[keep].sum().backward()
+        assert torch.allclose(hidden.grad, want_grad, atol=1e-6)
+        hidden.grad = None
+    if top_p < 1:
+        assert not keep.all()  # some targets fell outside the nucleus: the −inf path is exercised
+
+
+def test_one_two_and_four_micro_batches_give_the_same_gradient(tiny_model):
+    batch = synthetic_batch(0, 19)
+    lengths = [len(g.prompt_ids) + len(c) for g in batch.groups for c in g.completions]
+    budgets = {}
+    for budget in range(max(lengths), sum(lengths) * max(lengths) + 1):
+        budgets.setdefault(len(pack(lengths, budget)), budget)
+        if 1 in budgets:
+            break
+    grads = {}
+    for count in (1, 2, 4):
+        trainer = _trainer(tiny_model, "--trainer.micro_batch_tokens", str(budgets[count]))
+        captured = {}
+        trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs, _c=captured, _t=trainer: _c.update(
+            {n: p.grad.clone() for n, p in _t.policy.named_parameters()}))
+        trainer.step(batch)
+        grads[count] = captured
+    for count in (2, 4):
+        for name, g in grads[1].items():
+            rel = (grads[count][name] - g).norm() / g.norm().clamp(min=1e-12)
+            assert rel <= 1e-6, (count, name, float(rel))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_p_trainer_pi_equals_worker_mu_on_fresh_weights(tiny_model, temperature):
+    """The worker samples with top-p 0.9 (μ renormalised over the nucleus); the trainer's π for
+    the same weights must be that distribution, not the full softmax (the last round's bug:
+    mismatch_kl 0.047 and every importance weight ≈ 0.955)."""
+    overrides = ["--rollout.top_p", "0.9", "--rollout.temperature", str(temperature)]
+    trainer = _trainer(tiny_model, *overrides)
+    tok = trainer.tokenizer
+    prompts = [trainer.encode(f"{a}+{b}=") for a, b in ((3, 4), (5, 5), (1, 8), (9, 2))]
+    torch.manual_seed(1)
+    outs = sample(trainer.hf, [p for p in prompts for _ in range(4)], max_new_tokens=4, eos_id=tok.eos_token_id,
+                  pad_id=tok.pad_token_id, temperature=temperature, top_p=0.9)
+    groups = [Group(f"p{g}", 0, prompts[g], [o.tokens for o in outs[4 * g: 4 * g + 4]],
+                    [o.logprobs for o in outs[4 * g: 4 * g + 4]], [1.0, 0.0, 0.0, 1.0]) for g in range(4)]
+    batch = _BatchInfo(groups, learner_version=0, staleness=[0] * 4)
+    ignoring_top_p = _trainer(tiny_model, "--rollout.temperature", str(temperature)).step(batch)
+    stats = trainer.step(batch)
+    assert abs(stats["mismatch_kl"]) < 1e-6 and stats["outside_nucleus_fraction"] == 0.0
+    assert stats["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert ignoring_top_p["mismatch_kl"] > 1e-3  # the check has teeth: π without top-p is another policy
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_that_move_at_small_lr(tiny_model):
+    """bf16 forward/backward, fp32 parameters and AdamW state: at lr 1e-6 a bf16 parameter
+    would mostly not move (an update below half an ulp rounds away); fp32 masters do."""
+    trainer = _trainer(tiny_model, "--trainer.compute_dtype", "bfloat16", "--trainer.lr", "1e-6",
+                       "--publish.dtype", "bfloat16")
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    for step in range(10):
+        stats = trainer.step(synthetic_batch(step, trainer.vocab_size))
+        assert math.isfinite(stats["loss"])
+    changed = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.named_parameters())
+    total = sum(p.numel() for p in before.values())
+    assert changed / total > 0.9, changed / total
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+    assert all(v.dtype == torch.float32 for s in trainer.optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0)
+    from safetensors.torch import load
+
+    snapshot = load(bytes(trainer.snapshot()))
+    assert {t.dtype for t in snapshot.values()} == {torch.bfloat16}  # what workers install
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_step_on_cuda_keeps_every_tensor_on_the_device(tiny_model, dtype):
+    """The last round's crash: behaviour log-probs and advantages built on the CPU and mixed with
+    log-probs on the GPU. A whole step, top-p and KL included, must run on cuda."""
+    trainer = _trainer(tiny_model, "--model.device", "cuda", "--trainer.compute_dtype", dtype,
+                       "--rollout.top_p", "0.9", "--trainer.kl_coef", "0.01", "--trainer.minibatches", "2")
+    stats = trainer.step(synthetic_batch(0, trainer.vocab_size))
+    assert math.isfinite(stats["loss"]) and next(trainer.policy.parameters()).is_cuda
+    assert trainer.snapshot() is not None
+
+
+# --- fail before loading ---------------------------------------------------------------------------
+
+def test_preflight_predicts_qwen3_8b_from_its_config_and_refuses_what_cannot_fit():
+    """Qwen3-8B's published config (configs/models/Qwen3-8B, no weights): 8.19B parameters; the
+    4-rank plan fits an 80 GB A100, one rank on this machine does not and says what to change."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from learner.train.memory import ModelShape, predict
+
+    root = Path(__file__).resolve().parents[3]
+    shape = ModelShape.of(root / "configs/models/Qwen3-8B")
+    assert shape.params == pytest.approx(8.19e9, rel=1e-3) and not shape.tied and shape.layers == 36
+    plans = {n: predict(shape, ranks=n, micro_batch_tokens=16384, compute_bytes=2, checkpointing=True,
+                        reference=False, chunk_tokens=220, top_p=0.95, gpu=True) for n in (1, 4)}
+    assert plans[4].state == pytest.approx(plans[1].state / 4)
+    assert plans[4].total < 80e9 < plans[1].total
+    out = subprocess.run([sys.executable, "-m", "learner.main", "--config", "configs/learner-8b.toml", "--preflight",
+                          "--model.path", "configs/models/Qwen3-8B", "--model.device", "cpu", "--nproc", "1"],
+                         cwd=root, capture_output=True, text=True)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "8190.7M parameters" in out.stdout and "predicted to need" in out.stderr and "--nproc 2" in out.stderr
+
+
+def test_preflight_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.tinymodel import build_tokenizer
+    from learner.train.preflight import PreflightError, preflight
+
+    tok = build_tokenizer()  # 19 tokens
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = load_learner_config(None, ["--model.path", str(tmp_path)])
+    with pytest.raises(PreflightError, match="19 tokens but the model's output layer has 12 rows"):
+        preflight(cfg, 1, "cpu")
+
+
+def test_fp16_autocast_with_loss_scaling_trains(tiny_model):
+    """compute_dtype = 'float16': autocast with a gradient scaler (fp16 overflows without one);
+    the masters stay fp32 and move."""
+    trainer = _trainer(tiny_model, "--trainer.compute_dtype", "float16", "--trainer.lr", "1e-4")
+    assert trainer.scaler is not None
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    for step in range(3):
+        assert math.isfinite(trainer.step(synthetic_batch(step, trainer.vocab_size))["loss"])
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.named_parameters())
+    assert moved > 0.5 * sum(p.numel() for p in before.values())
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+
+
+def test_prompts_go_through_the_tokenizers_chat_template_with_a_system_prompt(tiny_model, tmp_path):
+    import shutil
+
+    from echo.hf import PromptEncoder
+
+    model = tmp_path / "chat"
+    shutil.copytree(tiny_model, model)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}={% else %}"
+                         "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}")
+    tok.save_pretrained(model)
+    plain = PromptEncoder(AutoTokenizer.from_pretrained(tiny_model))("1+2")
+    assert not PromptEncoder(AutoTokenizer.from_pretrained(tiny_model)).chat  # no template: plain text
+    with pytest.raises(ValueError, match="no chat template"):
+        PromptEncoder(AutoTokenizer.from_pretrained(tiny_model), "on")
+    trainer = _trainer(model, "--task.system_prompt", '"9"')
+    chat = trainer.encode("1+2")
+    assert trainer.tokenizer.decode(chat) == "9=1+2=" and chat != plain
+    assert trainer.tokenizer.decode(_trainer(model, "--task.chat_template", "off").encode("1+2"), skip_special_tokens=True) == "1+2"

@@ -1,0 +1,265 @@
+"""The engine contract, run here against the transformers engine (main venv).
+
+The `check_*` helpers are the contract itself; tests/unit/worker/test_engine_vllm.py runs the same ones
+against the vLLM engine in .venv-vllm. Every check compares an engine with the trainer: a
+transformers model holding the same version, scored with `echo.hf.completion_logprobs`.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from echo.hf import completion_logprobs
+from worker.engines.base import (
+    EngineBusy,
+    EngineError,
+    GenerationParams,
+    Reference,
+    SnapshotMismatch,
+    make_engine,
+    mismatch_kl,
+)
+
+EOS, PAD = 2, 0
+PROMPTS = [[1, 5, 6, 17, 7, 18], [1, 9, 9, 17, 8, 18], [1, 4, 15, 12, 18]]
+KL_BOUND = {"transformers": 1e-5, "vllm": 1e-3}  # |mismatch_kl| in fp32, same version and tokens
+
+
+# --- models, versions and the trainer's numbers ---------------------------------------------------
+
+def build_model_dir(out: Path, *, tied: bool, hidden: int = 64, layers: int = 1, heads: int = 2) -> Path:
+    """A tiny Qwen2 model dir, built locally. heads=2 gives head_dim 32, which vLLM's CPU
+    attention supports (it refuses 16)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.tinymodel import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
+                         max_position_embeddings=128, tie_word_embeddings=tied, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+class Trainer:
+    """What the learner holds: a transformers model of the dir, set to one version's weights."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.base = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.tied = self.model.config.tie_word_embeddings
+
+    def state(self, version: int) -> dict[str, torch.Tensor]:
+        """Version k: the base weights moved by seeded noise, large enough to change every
+        log-prob visibly. Tied models keep head == embedding, as the trainer's clone does."""
+        g = torch.Generator().manual_seed(version)
+        state = {k: v + 0.3 * v.std().nan_to_num(0.02) * torch.randn(v.shape, generator=g) if version else v.clone()
+                 for k, v in self.base.items()}
+        if self.tied:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        return state
+
+    def snapshot(self, version: int, drop: str | None = None) -> bytes:
+        """Bytes as `learner.train.trainer.Trainer.snapshot()` writes them (optionally one tensor short)."""
+        from safetensors.torch import save
+
+        return save({k: v.contiguous() for k, v in self.state(version).items() if k != drop},
+                    metadata={"version": str(version)})
+
+    @torch.no_grad()
+    def logprobs(self, version: int, prompt: list[int], completion: list[int], temperature: float = 1.0,
+                 top_p: float = 1.0) -> list[float]:
+        """π of `completion` under `version`; with top_p < 1, echo's μ (renormalised nucleus)."""
+        self.model.load_state_dict(self.state(version))
+        logp, _ = completion_logprobs(self.model, [prompt], [completion], pad_id=PAD, temperature=temperature,
+                                      top_p=top_p)
+        return logp[0, : len(completion)].tolist()
+
+
+def params(n: int = 4, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, eos: int = EOS):
+    return GenerationParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            eos_id=eos, pad_id=PAD)
+
+
+def engine_vs_trainer(engine, trainer: Trainer, version: int, p: GenerationParams) -> tuple[float, float]:
+    """Generate with `engine`; (mismatch_kl, max |Δ|) of its log-probs against `version`'s trainer."""
+    groups = engine.generate(PROMPTS, p)
+    assert [len(g) for g in groups] == [p.n] * len(PROMPTS)
+    behaviour, reference = [], []
+    for prompt, group in zip(PROMPTS, groups):
+        for s in group:
+            assert 1 <= len(s.tokens) == len(s.logprobs) <= p.max_new_tokens
+            behaviour.append(s.logprobs)
+            reference.append(trainer.logprobs(version, prompt, s.tokens, p.temperature, p.top_p))
+    worst = max(abs(b - r) for bs, rs in zip(behaviour, reference) for b, r in zip(bs, rs))
+    return mismatch_kl(behaviour, reference), worst
+
+
+# --- the contract ---------------------------------------------------------------------------------
+
+def check_follows_installs(engine, trainer: Trainer, first: int, second: int) -> None:
+    """generate → install another version → generate: log-probs follow the installed weights."""
+    bound = KL_BOUND[engine.name]
+    engine.install(first, trainer.snapshot(first))
+    assert engine.version == first
+    kl, worst = engine_vs_trainer(engine, trainer, first, params())
+    assert abs(kl) < bound and worst < 10 * bound, (kl, worst)
+    engine.install(second, trainer.snapshot(second))
+    assert engine.version == second
+    kl, worst = engine_vs_trainer(engine, trainer, second, params())
+    assert abs(kl) < bound and worst < 10 * bound, (kl, worst)
+    # ...and the two versions really differ, so the check above has teeth
+    probe = PROMPTS[0], [5, 6, 2]
+    assert max(abs(a - b) for a, b in zip(trainer.logprobs(first, *probe), trainer.logprobs(second, *probe))) > 0.05
+
+
+def check_refuses_incomplete(engine, trainer: Trainer, good: int, bad: int) -> None:
+    """A snapshot missing a tensor, with a misshapen one, or unreadable, is refused; the engine
+    keeps the version it had and still generates from it."""
+    engine.install(good, trainer.snapshot(good))
+    with pytest.raises(SnapshotMismatch, match="missing.*o_proj"):
+        engine.install(bad, trainer.snapshot(bad, drop="model.layers.0.self_attn.o_proj.weight"))
+    from safetensors.torch import save
+
+    state = trainer.state(bad)
+    state["model.norm.weight"] = state["model.norm.weight"][:-1].contiguous()
+    with pytest.raises(SnapshotMismatch, match="shape"):
+        engine.install(bad, save(state))
+    with pytest.raises(SnapshotMismatch, match="readable"):
+        engine.install(bad, b"\x00" * 64)
+    assert engine.version == good
+    kl, worst = engine_vs_trainer(engine, trainer, good, params())
+    assert abs(kl) < KL_BOUND[engine.name] and worst < 10 * KL_BOUND[engine.name]
+
+
+def check_score_matches_trainer(engine, trainer: Trainer, version: int) -> None:
+    """Teacher-forced scores equal the trainer's (after an install that moved embedding and,
+    for a tied model, the head with it), at T = 1 and T = 0.7."""
+    engine.install(version, trainer.snapshot(version))
+    prompt, completion = PROMPTS[1], [5, 13, 9, 2]
+    for t in (1.0, 0.7):
+        got, want = engine.score(prompt, completion, t), trainer.logprobs(version, prompt, completion, t)
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (t, got, want)
+
+
+def check_version_stamps(engine, trainer: Trainer, old: int, new: int) -> None:
+    """The rollout loop's pattern: stamp, generate in a thread, install after it returns. Each
+    batch is generated by exactly the version it was stamped with; an install attempted while a
+    generate runs is refused instead of mixing versions."""
+    engine.install(old, trainer.snapshot(old))
+    batches: list[tuple[int, list]] = []
+
+    def rollout():
+        stamp = engine.version
+        batches.append((stamp, engine.generate(PROMPTS, params())))
+
+    worker = threading.Thread(target=rollout)
+    worker.start()
+    worker.join()
+    engine.install(new, trainer.snapshot(new))
+    rollout()
+    assert [stamp for stamp, _ in batches] == [old, new]
+    for stamp, groups in batches:
+        other = new if stamp == old else old
+        for prompt, group in zip(PROMPTS, groups):
+            for s in group:
+                mine = trainer.logprobs(stamp, prompt, s.tokens)
+                assert max(abs(a - b) for a, b in zip(s.logprobs, mine)) < 10 * KL_BOUND[engine.name]
+                assert s.logprobs != pytest.approx(trainer.logprobs(other, prompt, s.tokens), abs=1e-3)
+    with engine._exclusive("generate"), pytest.raises(EngineBusy, match="between generation batches"):
+        engine.install(old, trainer.snapshot(old))  # as if a generate were in flight
+    assert engine.version == new
+
+
+def check_sampling_semantics(engine, trainer: Trainer, version: int) -> None:
+    """Behaviour log-probs are those of the distribution sampled from: temperature-scaled and
+    top-p renormalised (echo.hf's definition); greedy log-probs are at temperature 1; the
+    end-of-sequence token ends a completion and is kept in it."""
+    engine.install(version, trainer.snapshot(version))
+    kl, worst = engine_vs_trainer(engine, trainer, version, params(temperature=0.7, top_p=0.8, n=6))
+    assert abs(kl) < KL_BOUND[engine.name] and worst < 10 * KL_BOUND[engine.name], (kl, worst)
+    greedy = engine.generate(PROMPTS, params(temperature=0.0, n=2))
+    for prompt, (a, b) in zip(PROMPTS, greedy):
+        assert a.tokens == b.tokens  # greedy is deterministic
+        want = trainer.logprobs(version, prompt, a.tokens)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, want)) < 10 * KL_BOUND[engine.name]
+    eos = 5  # a frequent token under these weights, so that some samples stop early
+    for group in engine.generate(PROMPTS, params(n=8, max_new_tokens=12, eos=eos)):
+        for s in group:
+            assert eos not in s.tokens[:-1]
+            if s.finish == "stop":
+                assert s.tokens[-1] == eos
+            else:
+                assert len(s.tokens) == 12 and s.tokens[-1] != eos
+    assert any(s.finish == "stop" for g in engine.generate(PROMPTS, params(n=8, max_new_tokens=12, eos=eos)) for s in g)
+
+
+# --- the transformers engine ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def setup(request, tmp_path_factory):
+    torch.set_num_threads(1)
+    model_dir = build_model_dir(tmp_path_factory.mktemp(request.param), tied=request.param == "tied")
+    engine = make_engine("transformers", model_dir, "cpu", "float32", 1, 0)
+    yield engine, Trainer(model_dir)
+    engine.close()
+
+
+def test_follows_installs(setup):
+    check_follows_installs(*setup, 1, 2)
+
+
+def test_refuses_incomplete_snapshots(setup):
+    check_refuses_incomplete(*setup, 3, 4)
+
+
+def test_score_matches_trainer(setup):
+    check_score_matches_trainer(*setup, 5)
+
+
+def test_version_stamps_across_installs(setup):
+    check_version_stamps(*setup, 6, 7)
+
+
+def test_sampling_semantics(setup):
+    check_sampling_semantics(*setup, 8)
+
+
+def test_generate_before_any_install_is_refused(tmp_path):
+    engine = make_engine("transformers", build_model_dir(tmp_path, tied=False), "cpu", "float32", 1, 0)
+    with pytest.raises(EngineError, match="no snapshot installed"):
+        engine.generate(PROMPTS, params())
+
+
+def test_reference_is_the_trainers_logprobs(tmp_path):
+    """`Reference` wraps snapshot tensors without copying them and scores like the trainer;
+    its expected names are exactly what a snapshot carries (tied head included)."""
+    model_dir = build_model_dir(tmp_path, tied=True)
+    trainer, ref = Trainer(model_dir), Reference(model_dir)
+    state = trainer.state(3)
+    assert set(ref.expected) == set(state) and "lm_head.weight" in ref.expected
+    prompt, completion = ref.probe
+    assert len(prompt) == len(completion) == Reference.PROBE_LEN
+    got = ref.logprobs(state, prompt, completion, 0.7)
+    assert got == pytest.approx(trainer.logprobs(3, prompt, completion, 0.7), abs=1e-6)
+
+
+def test_vllm_engine_unavailable_says_how_to_get_it(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001  any failure to import is the case under test
+        with pytest.raises(EngineError, match="make vllm-venv"):
+            make_engine("vllm", build_model_dir(tmp_path, tied=False), "cpu", "float32", 1, 0)
+    else:
+        pytest.skip("vllm is importable here: tests/unit/worker/test_engine_vllm.py covers it")
