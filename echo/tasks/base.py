@@ -10,13 +10,12 @@ machine, so everything a reward needs travels inside the `Prompt` (its `answer`)
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 
 @dataclass(frozen=True)
@@ -68,41 +67,3 @@ def register_task(cls: type[Task]) -> type[Task]:
 
 class TaskError(ValueError):
     """A task name or its options are wrong; the message says what to do."""
-
-
-def task_names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def load_task(name: str, options: dict[str, Any] | None = None) -> Task:
-    """Instantiate a task by registered name or `module:Class` path, validating its options."""
-    _load_builtins()
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise TaskError(f"cannot import task {name!r}: {e}") from e
-        if not (isinstance(cls, type) and issubclass(cls, Task)):
-            raise TaskError(f"{name!r} is not a subclass of echo.tasks.Task")
-    elif name in _REGISTRY:
-        cls = _REGISTRY[name]
-    else:
-        raise TaskError(
-            f"unknown task {name!r}; built-in tasks: {', '.join(task_names())} "
-            "(or give 'package.module:ClassName')"
-        )
-    try:
-        opts = cls.Options(**(options or {}))
-    except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
-        )
-        raise TaskError(f"bad options for task {name!r}: {problems}") from e
-    return cls(opts)
-
-
-def _load_builtins() -> None:
-    # Importing the modules registers them; kept lazy so `echo.tasks.base` stays import-light.
-    from echo.tasks import arith, math  # noqa: F401
