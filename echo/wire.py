@@ -9,6 +9,7 @@ decoded without a Python object per token. Everything from a worker is untrusted
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import zstandard
 
 CONTENT_TYPE = "application/x-echo-trajectories"
 MAX_DECOMPRESSED = 64 << 20  # a zip bomb stops here, whatever the declared size
+MAX_GROUPS = 1024  # groups in one upload: a lease holds at most this many prompts (echo.protocol.LeaseRequest)
+MAX_ID_BYTES = 512  # worker, lease and prompt ids (echo.protocol.Id: 128 characters of UTF-8)
 
 
 class Rejected(Exception):
@@ -73,15 +76,12 @@ def encode_submission(sub: Submission) -> bytes:
 
 
 def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int) -> Submission:
-    """Decode and validate an upload; every problem raises `Rejected`."""
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_DECOMPRESSED)
-    except zstandard.ZstdError as e:
-        raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
-    try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
+    """Decode and validate an upload; every problem raises `Rejected`.
+
+    Nothing the body declares is believed: the decompressed size is capped while reading (a frame
+    that declares more is refused before anything is allocated), and msgpack is held to the
+    protocol's bounds per field, so a few KiB cannot expand into millions of objects."""
+    obj = _unpack(_decompress(body, _max_raw(max_tokens, group_size)), max_tokens, group_size)
 
     def need(cond: bool, what: str) -> None:
         if not cond:
@@ -103,6 +103,73 @@ def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_si
         parsed = [_sample(s, f"groups[{gi}].samples[{si}]", vocab_size, max_tokens) for si, s in enumerate(samples)]
         out.append(GroupMsg(g["prompt_id"], g["version"], parsed))
     return Submission(obj["worker_id"], obj["lease_id"], out)
+
+
+def _max_raw(max_tokens: int, group_size: int) -> int:
+    """The largest msgpack body an honest upload can be: every group full, every sample at the
+    token limit (4 bytes of id + 4 of log-prob each), plus the keys and ids around them."""
+    per_sample = 8 * max_tokens + 64
+    return min(MAX_DECOMPRESSED, MAX_GROUPS * (group_size * per_sample + MAX_ID_BYTES + 64) + 2 * MAX_ID_BYTES + 64)
+
+
+def _decompress(body: bytes, cap: int) -> bytes:
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as e:
+        raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
+    if declared > cap:  # -1: not declared; the read below stops at the cap either way
+        raise Rejected(413, "oversized", f"the upload declares {declared} bytes decompressed; at most {cap} "
+                                         "fit this run's group_size and max_new_tokens")
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            raw = reader.read(cap + 1)
+    except zstandard.ZstdError as e:
+        raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
+    if len(raw) > cap:
+        raise Rejected(413, "oversized", f"the upload decompresses past {cap} bytes, more than this run's "
+                                         "group_size and max_new_tokens allow")
+    return raw
+
+
+class _TooMany(ValueError):
+    pass
+
+
+def _counter(limit: int, what: str):
+    """A msgpack hook that refuses the (limit+1)-th container: per-field length limits alone let
+    nested empty arrays turn a few MiB into tens of millions of objects."""
+    seen = 0
+
+    def hook(value):
+        nonlocal seen
+        seen += 1
+        if seen > limit:
+            raise _TooMany(f"more than {limit} {what}")
+        return value
+
+    return hook
+
+
+def _unpack(raw: bytes, max_tokens: int, group_size: int) -> object:
+    # The shape of an honest upload: one map, one list of groups, a map and a list per group,
+    # a map per sample. Anything beyond that many containers is not an upload.
+    lists, maps = MAX_GROUPS + 1, 1 + MAX_GROUPS * (1 + group_size)
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_ID_BYTES,
+                               max_bin_len=4 * max_tokens, max_array_len=max(MAX_GROUPS, group_size),
+                               max_map_len=8, max_ext_len=0, list_hook=_counter(lists, "lists"),
+                               object_hook=_counter(maps, "maps"))
+    except _TooMany as e:
+        raise Rejected(400, "malformed", f"body exceeds the protocol's bounds: {e}") from None
+    except ValueError as e:
+        if "max_bin_len" in str(e):  # token or log-prob bytes beyond max_new_tokens
+            raise Rejected(413, "oversized", f"a sample holds more than {max_tokens} completion tokens "
+                                             "(rollout.max_new_tokens)") from None
+        if "exceeds" in str(e):  # msgpack's own words for a length beyond the limits given
+            raise Rejected(400, "malformed", f"body exceeds the protocol's bounds: {e}") from None
+        raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
+    except Exception as e:  # msgpack raises several unrelated types on garbage (and on deep nesting)
+        raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
 
 
 def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMsg:

@@ -65,8 +65,46 @@ def test_token_and_logprob_counts_must_match():
         decode_submission(body, **LIMITS)
 
 
-def test_decompression_bomb_is_refused():
+def test_decompression_bomb_is_refused():  # 80 MiB of zeros, its size declared in the frame
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (80 << 20))
     with pytest.raises(Rejected) as e:
         decode_submission(bomb, **LIMITS)
-    assert e.value.reason == "malformed"
+    assert (e.value.reason, e.value.status) == ("oversized", 413)
+
+
+def test_a_frame_declaring_a_huge_size_is_refused_before_decompressing():
+    # A few KiB whose frame header declares 1 GiB: believed, it is allocated before anything is checked.
+    bomb = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * (1 << 30))
+    assert len(bomb) < 64 << 10 and zstandard.frame_content_size(bomb) == 1 << 30
+    with pytest.raises(Rejected) as e:
+        decode_submission(bomb, **LIMITS)
+    assert (e.value.reason, e.value.status) == ("oversized", 413)
+    assert "declares" in e.value.message
+
+
+def test_a_frame_without_a_declared_size_stops_at_the_cap():
+    stream = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    bomb = stream.compress(b"\0" * (80 << 20)) + stream.flush()
+    assert zstandard.frame_content_size(bomb) == -1
+    with pytest.raises(Rejected) as e:
+        decode_submission(bomb, **LIMITS)
+    assert (e.value.reason, e.value.status) == ("oversized", 413)
+
+
+@pytest.mark.parametrize("obj", [
+    {"worker_id": "w", "lease_id": "L", "groups": [[]] * 200_000},  # 200k empty lists in ~200 KiB
+    {"worker_id": "w", "lease_id": "L", "groups": [[[]] * 1000] * 100},  # the same, nested under the length limit
+    {"worker_id": "w", "lease_id": "L", "groups": [{}] * 1000 * 3},
+    {"worker_id": "x" * 10_000, "lease_id": "L", "groups": []},  # an id far beyond any the learner issues
+])
+def test_msgpack_is_held_to_the_protocols_bounds(obj):
+    with pytest.raises(Rejected) as e:
+        decode_submission(raw(obj), **LIMITS)
+    assert e.value.reason == "malformed" and "bounds" in e.value.message
+
+
+def test_deep_nesting_is_a_400():
+    body = zstandard.ZstdCompressor().compress(b"\x91" * 100_000 + b"\x90")
+    with pytest.raises(Rejected) as e:
+        decode_submission(body, **LIMITS)
+    assert (e.value.reason, e.value.status) == ("malformed", 400)
