@@ -146,6 +146,8 @@ class ServerSection(Section):
     heartbeat_interval: float = Field(2.0, gt=0.0, description="[server] heartbeat_interval: seconds between worker heartbeats")
     max_body_mb: float = Field(8.0, gt=0.0, description="[server] max_body_mb: largest accepted trajectory upload (MiB)")
     max_inflight_prompts: int = Field(0, ge=0, description="[server] max_inflight_prompts: leased-but-unfinished prompt cap (0: (S + 1)·G)")
+    lease_first_prompts: int = Field(8, ge=1, le=1024, description="[server] lease_first_prompts: prompts a worker may hold before it delivered any; then twice what its measured rate finishes in one lease turnaround (at least lease_ttl)")
+    lease_max_s: float = Field(600.0, gt=0.0, description="[server] lease_max_s: a lease expires this many seconds after its issue, however often heartbeats renew it")
     refuse_stale_leases: bool = Field(True, description="[server] refuse_stale_leases: give no prompts to a worker whose installed version is already staler than S (its groups would be refused); it gets them once it installs a newer one")
     long_poll_s: float = Field(10.0, ge=0.0, le=60.0, description="[server] long_poll_s: a lease request with nothing to hand out waits up to this long for work instead of the worker polling")
     max_workers: int = Field(1024, ge=1, le=100_000, description="[server] max_workers: joined workers the learner holds at once; a join beyond it gets 503 (silent workers are forgotten after forget_after_s)")

@@ -11,6 +11,12 @@ A lease belongs to the worker it was issued to: only that worker may submit into
 it back (`UnknownLease` otherwise, whatever the lease id). Every operation costs O(its own
 prompts), not O(all leases): a thousand workers heartbeat and lease concurrently.
 
+A worker cannot hoard (`WorkerCap`): until it has delivered it holds a few prompts at most; then
+twice what its measured delivery rate finishes in one lease turnaround (at least `ttl`), so an
+honest worker's share grows as it proves itself, like a TCP window. A lease also has an
+absolute deadline from its issue that heartbeats cannot extend, and a lease that expires
+unanswered is held against its worker (`expired_unanswered`; its window starts over).
+
 Plain logic with an injectable clock; the server calls `expire()` periodically.
 Invariant: issued = completed + reissued + outstanding (prompt-issues).
 """
@@ -18,6 +24,7 @@ Invariant: issued = completed + reissued + outstanding (prompt-issues).
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,6 +45,7 @@ class Lease:
     prompts: dict[str, Prompt] = field(default_factory=dict)  # still outstanding
     issued_at: float = 0.0
     size: int = 0  # prompts at issue
+    latest: float = math.inf  # heartbeats renew the deadline up to this, never past it
 
 
 @dataclass
@@ -50,9 +58,34 @@ class LeaseStats:
     dropped_reissued: int = 0  # completed prompts queued again because the buffer dropped their group
 
 
+@dataclass(frozen=True)
+class WorkerCap:
+    """How much one worker may hold. `first`: prompts outstanding before it delivered anything;
+    `lifetime`: seconds from issue after which a lease expires whatever its heartbeats say."""
+
+    first: int = 8
+    lifetime: float = 600.0
+
+
+@dataclass
+class _Delivery:
+    """What the book measured of one worker: when its prompts came back, and how long its leases took."""
+
+    done: deque = field(default_factory=lambda: deque(maxlen=256))  # completion times
+    turnaround: deque = field(default_factory=lambda: deque(maxlen=16))  # issue -> last prompt back, per lease
+    expired_unanswered: int = 0  # leases that ran out with nothing delivered
+
+    def window(self, cap: WorkerCap, ttl: float, limit: int) -> int:
+        if len(self.done) < 2 or self.done[-1] <= self.done[0]:
+            return min(cap.first, limit) if not self.done else min(max(cap.first, 2 * len(self.done)), limit)
+        rate = (len(self.done) - 1) / (self.done[-1] - self.done[0])
+        horizon = max(ttl, sum(self.turnaround) / len(self.turnaround) if self.turnaround else 0.0)
+        return min(max(cap.first, math.ceil(2 * rate * horizon)), limit)
+
+
 class LeaseBook:
     def __init__(self, prompts: Iterator[Prompt], ttl: float, max_outstanding: int, retry: list[Prompt] = (),
-                 on_lease: Callable[[list[Prompt]], None] | None = None):
+                 on_lease: Callable[[list[Prompt]], None] | None = None, per_worker: WorkerCap | None = None):
         self._fresh = prompts
         # Re-issued first: oldest work is finished first (a restarted learner passes what was in flight).
         self._retry: deque[Prompt] = deque(retry)
@@ -63,6 +96,8 @@ class LeaseBook:
         self._ids = itertools.count()
         self.ttl = ttl
         self.max_outstanding = max_outstanding
+        self.per_worker = per_worker  # None: a worker may hold everything (unit tests of the plain book)
+        self._delivery: dict[str, _Delivery] = {}
         self.stats = LeaseStats()
 
     @property
@@ -79,11 +114,25 @@ class LeaseBook:
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
+    def worker_room(self, worker_id: str) -> int:
+        """Prompts `worker_id` may still take: its window less what it holds."""
+        if self.per_worker is None:
+            return self.max_outstanding
+        held = sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
+        record = self._delivery.get(worker_id) or _Delivery()
+        return max(0, record.window(self.per_worker, self.ttl, self.max_outstanding) - held)
+
+    def expired_unanswered(self, worker_id: str) -> int:
+        record = self._delivery.get(worker_id)
+        return record.expired_unanswered if record else 0
+
     def lease(self, worker_id: str, max_prompts: int, now: float) -> Lease | None:
-        room = min(max_prompts, self.max_outstanding - self._outstanding)
+        room = min(max_prompts, self.max_outstanding - self._outstanding, self.worker_room(worker_id))
         if room <= 0:
             return None
-        lease = Lease(f"L{next(self._ids)}-{secrets.token_hex(8)}", worker_id, now + self.ttl, issued_at=now)
+        lifetime = self.per_worker.lifetime if self.per_worker else math.inf
+        lease = Lease(f"L{next(self._ids)}-{secrets.token_hex(8)}", worker_id, now + self.ttl, issued_at=now,
+                      latest=now + lifetime)
         for _ in range(room):
             prompt = self._retry.popleft() if self._retry else next(self._fresh)
             lease.prompts[prompt.id] = prompt
@@ -103,19 +152,32 @@ class LeaseBook:
                                "(expired, already submitted, or another worker's)")
         return lease.prompts[prompt_id]
 
-    def _take(self, lease_id: str, prompt_id: str, worker_id: str | None) -> Prompt:
+    def _take(self, lease_id: str, prompt_id: str, worker_id: str | None, now: float | None = None) -> Prompt:
         prompt = self.prompt_of(lease_id, prompt_id, worker_id)
         lease = self._leases[lease_id]
         del lease.prompts[prompt_id]
         self._outstanding -= 1
         if not lease.prompts:
             self._forget(lease)
+            if now is not None:
+                self._record(lease.worker_id).turnaround.append(now - lease.issued_at)
         return prompt
 
-    def complete(self, lease_id: str, prompt_id: str, worker_id: str | None = None) -> Prompt:
-        prompt = self._take(lease_id, prompt_id, worker_id)
+    def complete(self, lease_id: str, prompt_id: str, worker_id: str | None = None, now: float | None = None) -> Prompt:
+        """The prompt's group was accepted. With `now`, it counts towards its worker's measured rate."""
+        owner = self._owner(lease_id, worker_id)
+        prompt = self._take(lease_id, prompt_id, worker_id, now)
+        if now is not None:
+            self._record(owner).done.append(now)
         self.stats.completed += 1
         return prompt
+
+    def _owner(self, lease_id: str, worker_id: str | None) -> str:
+        lease = self._leases.get(lease_id)
+        return worker_id or (lease.worker_id if lease else "")
+
+    def _record(self, worker_id: str) -> _Delivery:
+        return self._delivery.setdefault(worker_id, _Delivery())
 
     def give_back(self, lease_id: str, prompt_id: str, worker_id: str | None = None) -> None:
         """The prompt's group was refused (too stale): queue the prompt for re-issue now."""
@@ -140,14 +202,23 @@ class LeaseBook:
 
     def renew(self, worker_id: str, now: float) -> None:
         for lease_id in self._by_worker.get(worker_id, ()):
-            self._leases[lease_id].deadline = now + self.ttl
+            lease = self._leases[lease_id]
+            lease.deadline = min(now + self.ttl, lease.latest)
 
     def expire(self, now: float) -> list[Lease]:
-        """Drop leases past their deadline and queue their prompts for re-issue."""
+        """Drop leases past their deadline and queue their prompts for re-issue. One that ran out
+        with nothing delivered counts against its worker, whose window starts over."""
         dead = [lease for lease in self._leases.values() if lease.deadline < now]
         for lease in dead:
             self._drop(lease)
+            if len(lease.prompts) == lease.size:
+                record = self._record(lease.worker_id)
+                record.expired_unanswered += 1
+                record.done.clear()
         return dead
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._delivery.pop(worker_id, None)
 
     def release_worker(self, worker_id: str) -> list[Lease]:
         """A worker left or was declared dead: re-issue everything it held."""

@@ -50,3 +50,51 @@ def test_release_hands_a_whole_lease_back():
     assert list(book.lease("w2", 3, now=0).prompts) == ["p0", "p1", "p2"]
     s = book.stats
     assert s.issued == s.completed + s.reissued + book.outstanding
+
+
+def capped(first=2, lifetime=100.0, ttl=5, max_outstanding=40):
+    from learner.leases import WorkerCap
+    return LeaseBook(prompts(), ttl=ttl, max_outstanding=max_outstanding, per_worker=WorkerCap(first, lifetime))
+
+
+def test_a_new_worker_cannot_take_every_prompt():
+    book = capped(first=2)
+    hoard = book.lease("hoarder", 40, now=0)
+    assert len(hoard.prompts) == 2 and book.lease("hoarder", 40, now=0) is None  # it holds its whole window
+    honest = book.lease("honest", 4, now=0)
+    assert len(honest.prompts) == 2  # the rest is still there for others
+
+
+def test_the_window_grows_with_measured_delivery_and_never_past_the_book():
+    book = capped(first=2, ttl=5)
+    t = 0.0
+    for _ in range(6):  # the worker keeps coming back with everything, 1 s per lease
+        lease = book.lease("w", 40, now=t)
+        t += 1.0
+        for pid in list(lease.prompts):
+            book.complete(lease.id, pid, "w", now=t)
+    # It delivers its whole window every second: 2x its rate over the 5 s ttl is past the book's 40.
+    assert book.worker_room("w") == 40
+    assert book.worker_room("newcomer") == 2
+
+
+def test_heartbeats_cannot_keep_a_lease_past_its_lifetime():
+    book = capped(first=2, lifetime=30.0, ttl=5)
+    lease = book.lease("w", 2, now=0)
+    for t in range(0, 40, 2):
+        book.renew("w", now=t)  # a worker that heartbeats and never answers
+    assert [d.id for d in book.expire(now=31)] == [lease.id]
+    assert book.expired_unanswered("w") == 1
+
+
+def test_an_unanswered_expiry_starts_the_window_over():
+    book = capped(first=2, ttl=5)
+    for t in (0.0, 1.0, 2.0):
+        lease = book.lease("w", 40, now=t)
+        for pid in list(lease.prompts):
+            book.complete(lease.id, pid, "w", now=t + 0.5)
+    assert book.worker_room("w") > 2
+    held = book.lease("w", 40, now=3.0)
+    assert held is not None
+    book.expire(now=100.0)
+    assert book.expired_unanswered("w") == 1 and book.worker_room("w") == 2
