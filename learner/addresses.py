@@ -1,0 +1,136 @@
+"""What the learner holds against a network address: how many workers joined from it, how many
+wrong tokens and credentials it sent, and whether it is banned, and for how long.
+
+A rented worker can open as many identities as it likes, but not as many addresses: an IPv4
+address, or an IPv6 /64 (what one customer line gets), is the unit every limit counts in.
+Behind a reverse proxy every request arrives from the proxy; `client_address` takes the
+forwarded address only from proxies the operator named, so a worker cannot choose whose
+address it is counted as, and a ban of one worker does not ban the proxy's whole fleet.
+
+A ban expires (`ban_s`, doubled for each repeat): an address is a lease from an ISP, and the
+next customer behind it is not the one who cheated.
+
+Plain logic with an injectable clock; the workers room calls it on every join and every
+refused credential.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+UNKNOWN = "unknown"  # a request whose address cannot be parsed counts under one shared key
+
+
+def address_key(address: str) -> str:
+    """The unit limits count in: the IPv4 address itself, or the /64 an IPv6 address lies in."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return UNKNOWN
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is the IPv4 address a.b.c.d
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def client_address(remote: str, forwarded_for: str, trusted_proxies: list) -> str:
+    """The worker's own address: the connection's, unless that is a trusted proxy, in which case
+    the right-most address of X-Forwarded-For that is not itself a trusted proxy."""
+    def trusted(addr: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(addr)
+        except ValueError:
+            return False
+        return any(ip in net for net in trusted_proxies)
+
+    if not trusted_proxies or not trusted(remote):
+        return remote
+    for hop in reversed([h.strip() for h in forwarded_for.split(",") if h.strip()]):
+        if not trusted(hop):
+            return hop
+    return remote
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass
+class _Ban:
+    why: str
+    until: float
+    count: int
+
+
+@dataclass
+class AddressBook:
+    """Per-address limits. `max_workers`: joined workers from one address at once;
+    `failures_per_min`/`failure_burst`: wrong tokens and credentials before the address must
+    wait; `ban_s`: the first ban's length (each repeat doubles it)."""
+
+    max_workers: int = 16
+    failures_per_min: float = 10.0
+    failure_burst: int = 20
+    ban_s: float = 3600.0
+    _workers: dict[str, int] = field(default_factory=dict)
+    _failures: dict[str, _Bucket] = field(default_factory=dict)
+    _bans: dict[str, _Ban] = field(default_factory=dict)
+
+    # --- workers per address -----------------------------------------------------------------
+
+    def room(self, address: str) -> bool:
+        return self._workers.get(address_key(address), 0) < self.max_workers
+
+    def joined(self, address: str) -> None:
+        key = address_key(address)
+        self._workers[key] = self._workers.get(key, 0) + 1
+
+    def left(self, address: str) -> None:
+        key = address_key(address)
+        n = self._workers.get(key, 0) - 1
+        if n > 0:
+            self._workers[key] = n
+        else:
+            self._workers.pop(key, None)
+
+    # --- failed authentication ---------------------------------------------------------------
+
+    def failed(self, address: str, now: float) -> None:
+        """A wrong run token or credential from `address`."""
+        bucket = self._refill(address_key(address), now)
+        bucket.tokens -= 1
+
+    def throttled(self, address: str, now: float) -> float:
+        """0 if `address` may try to authenticate now, else the seconds until it may."""
+        bucket = self._refill(address_key(address), now)
+        return 0.0 if bucket.tokens >= 1 else (1 - bucket.tokens) * 60.0 / self.failures_per_min
+
+    def _refill(self, key: str, now: float) -> _Bucket:
+        bucket = self._failures.get(key)
+        if bucket is None:
+            bucket = self._failures[key] = _Bucket(float(self.failure_burst), now)
+        bucket.tokens = min(self.failure_burst, bucket.tokens + (now - bucket.at) * self.failures_per_min / 60.0)
+        bucket.at = now
+        if bucket.tokens >= self.failure_burst and len(self._failures) > 4096:
+            del self._failures[key]  # a full bucket is the default: keep the table small under scans
+        return bucket
+
+    # --- bans ----------------------------------------------------------------------------------
+
+    def ban(self, address: str, why: str, now: float) -> float:
+        """Ban `address` (its /64 for IPv6); returns the ban's length in seconds."""
+        key = address_key(address)
+        previous = self._bans.get(key)
+        count = previous.count + 1 if previous else 1
+        length = self.ban_s * 2 ** (count - 1)
+        self._bans[key] = _Ban(why, now + length, count)
+        return length
+
+    def banned(self, address: str, now: float) -> str:
+        """Why `address` is banned now, or '' if it is not."""
+        ban = self._bans.get(address_key(address))
+        return ban.why if ban is not None and ban.until > now else ""

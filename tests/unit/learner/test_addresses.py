@@ -1,0 +1,51 @@
+"""Per-address limits: workers per address (per /64 on IPv6), failed-auth throttling, bans that
+expire and grow, and the client address behind a trusted proxy only."""
+
+import ipaddress
+
+from learner.addresses import AddressBook, address_key, client_address
+
+
+def test_ipv6_counts_per_64_and_ipv4_per_address():
+    assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
+    assert address_key("::ffff:192.0.2.7") == address_key("192.0.2.7") == "192.0.2.7"
+    assert address_key("not an address") == "unknown"
+
+
+def test_one_address_holds_at_most_max_workers():
+    book = AddressBook(max_workers=2)
+    for _ in range(2):
+        assert book.room("2001:db8::1")
+        book.joined("2001:db8::1")
+    assert not book.room("2001:db8::ffff")  # the same /64
+    assert book.room("2001:db8:0:1::1")
+    book.left("2001:db8::1")
+    assert book.room("2001:db8::1")
+
+
+def test_wrong_tokens_are_throttled_per_address_and_recover():
+    book = AddressBook(failures_per_min=60.0, failure_burst=3)
+    for _ in range(3):
+        assert book.throttled("192.0.2.1", now=0.0) == 0.0
+        book.failed("192.0.2.1", now=0.0)
+    assert book.throttled("192.0.2.1", now=0.0) > 0  # a guesser waits...
+    assert book.throttled("192.0.2.2", now=0.0) == 0.0  # ...nobody else does
+    assert book.throttled("192.0.2.1", now=1.5) == 0.0  # one guess a second refills
+
+
+def test_a_ban_expires_and_a_repeat_lasts_longer():
+    book = AddressBook(ban_s=10.0)
+    assert book.ban("192.0.2.1", "fabricated log-probs", now=0.0) == 10.0
+    assert book.banned("192.0.2.1", now=5.0) == "fabricated log-probs"
+    assert book.banned("192.0.2.1", now=10.5) == ""
+    assert book.ban("192.0.2.1", "again", now=11.0) == 20.0
+    assert book.banned("192.0.2.1", now=30.0) == "again" and book.banned("192.0.2.1", now=31.5) == ""
+
+
+def test_the_forwarded_address_is_believed_only_from_a_trusted_proxy():
+    proxies = [ipaddress.ip_network("10.0.0.0/8")]
+    assert client_address("10.0.0.5", "198.51.100.7", proxies) == "198.51.100.7"
+    assert client_address("10.0.0.5", "203.0.113.9, 198.51.100.7, 10.0.0.4", proxies) == "198.51.100.7"
+    assert client_address("198.51.100.7", "203.0.113.9", proxies) == "198.51.100.7"  # not a proxy: its own
+    assert client_address("10.0.0.5", "203.0.113.9", []) == "10.0.0.5"  # no proxies configured
