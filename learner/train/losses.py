@@ -16,6 +16,11 @@ gradient does not depend on how the batch was split. With one optimizer step per
 A token outside π_old's top-p nucleus has log π_old = −inf: π gives it no mass, so its
 weight is 0 and it carries no gradient; it is counted (`outside_nucleus`) and left out of
 the ratio and `mismatch_kl` statistics, where it would be infinite.
+
+The KL term needs a finite log π_θ as well: after the first optimizer step of a batch a sampled
+token can leave π_θ's own nucleus (log π_θ = −inf), and k3 = exp(ref − log π_θ) − … would be
+inf − inf = NaN, poisoning every weight. Such tokens are left out of the KL and counted
+(`kl_excluded`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class LossStats:
     truncated: float = 0.0
     mismatch: float = 0.0  # Σ log μ − log π_old: engine mismatch + staleness drift
     kl_ref: float = 0.0  # already divided by the batch's token count
+    kl_excluded: float = 0.0  # response tokens left out of the KL: outside π_θ's or the reference's nucleus
 
     @classmethod
     def from_vector(cls, values) -> LossStats:
@@ -115,11 +121,14 @@ def grpo_loss(
     loss = -(objective * valid).sum() / total_tokens
 
     kl_ref = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    kl_excluded = torch.zeros((), dtype=logp.dtype, device=logp.device)
     if ref_logp is not None and kl_coef > 0:
-        ref_valid = valid * torch.isfinite(ref_logp).to(valid.dtype)
-        delta = torch.where(ref_valid > 0, ref_logp.detach() - safe_logp, torch.zeros_like(safe_logp))
+        ref_valid = valid * (torch.isfinite(ref_logp) & torch.isfinite(logp)).to(valid.dtype)
+        kl_logp = torch.where(ref_valid > 0, logp, torch.zeros_like(logp))
+        delta = torch.where(ref_valid > 0, ref_logp.detach() - kl_logp, torch.zeros_like(kl_logp))
         kl = torch.exp(delta) - delta - 1.0  # k3 estimator: unbiased, non-negative
         kl_ref = (kl * ref_valid).sum() / total_tokens
+        kl_excluded = (valid - ref_valid).sum()
         loss = loss + kl_coef * kl_ref
 
     with torch.no_grad():
@@ -127,6 +136,6 @@ def grpo_loss(
             valid.sum(), (mask - valid).sum(), loss.detach(), (ratio * valid).sum(),
             (((ratio - 1).abs() > clip_eps).to(valid.dtype) * valid).sum(), (is_weight * valid).sum(),
             ((raw_w > is_cap).to(valid.dtype) * valid).sum(), ((behaviour_logp - safe_old) * valid).sum(),
-            kl_ref.detach(),
+            kl_ref.detach(), kl_excluded.detach(),
         ])
     return loss, sums
