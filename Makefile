@@ -29,7 +29,7 @@ test: install            ## the default suite, then the vLLM engine tests in .ve
 test-slow: install       ## long scenarios and benchmark-style tests
 	$(BIN)/python -m pytest -m slow
 
-bench: install           ## every benchmark whose table is in the README
+bench: install           ## every benchmark whose table is in docs/benchmarks.md
 	$(BIN)/echo-rl bench activation
 	$(BIN)/echo-rl bench staleness
 	$(BIN)/echo-rl bench simspeed

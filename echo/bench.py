@@ -1,4 +1,4 @@
-"""`echo-rl bench NAME`: the benchmarks whose tables are in the README.
+"""`echo-rl bench NAME`: the benchmarks whose tables are in docs/benchmarks.md.
 
 Each prints a table that compares against a bound or a baseline measured in the same run.
 """
