@@ -462,6 +462,46 @@ def _stripes(M: float, U: float, peers: Sequence[PeerLink], groups: list[list[Pe
                       parents=tuple(parents), pull=pull, chunk=chunk)
 
 
+def _predict_designs(M: float, U: float, peers: list[PeerLink], chunk: int | None, designs: set[str],
+                     ks: Iterable[int] | None, group_size: int) -> tuple[Prediction, list[Prediction]]:
+    """The predictions of `designs` (the star, K chains for every sensible K or `ks`, stripes)
+    and, apart, the star's: the caller asks whether it won."""
+    pull = tuple(p.id for p in peers if not p.reachable)
+    star = replace(predict_star(M, U, peers), pull=pull, chunk=chunk or choose_chunk(M, M, 0))
+    reach = [p for p in peers if p.reachable]
+    leaves = [p for p in peers if not p.reachable]
+    candidates = [star] if "star" in designs else []
+    if reach and "chains" in designs:
+        for k in ks if ks is not None else candidate_ks(len(reach)):
+            if not 1 <= k <= len(reach):
+                continue
+            chains = form_chains(reach, k)
+            depth = max(len(c) for c in chains) - 1 + (1 if leaves else 0)
+            c = chunk or choose_chunk(M, M, depth)
+            candidates.append(predict_chains_with_leaves(M, U, chains, leaves, c))
+    if "stripes" in designs:
+        pred = predict_stripes(M, U, peers, chunk, group_size)
+        if pred is not None:
+            candidates.append(pred)
+    if not candidates:
+        raise PlanError(f"none of {sorted(designs)} applies to these workers (chains and stripes need an uploader)")
+    return star, candidates
+
+
+def _fastest(candidates: list[Prediction], fraction: float) -> tuple[Prediction, float, dict[str, float]]:
+    """The candidate first to reach `fraction` of the workers, its time, and every candidate's
+    time by name. Earlier candidates win ties; stripes must win by `STRIPES_MARGIN`."""
+    best, best_t, alternatives = None, math.inf, {}
+    for pred in candidates:
+        t = pred.time_to_fraction(fraction)
+        alternatives[pred.name] = t
+        striped = pred.name.startswith("stripes") and best is not None
+        if best is None or t < best_t * (1 - (STRIPES_MARGIN if striped else 1e-9)):
+            best, best_t = pred, t
+    assert best is not None
+    return best, best_t, alternatives
+
+
 def plan_broadcast(
     M: int,
     U: float,
@@ -501,33 +541,8 @@ def plan_broadcast(
     designs = set(designs)
     if not designs or designs - set(DESIGNS):
         raise PlanError(f"designs must be a non-empty subset of {DESIGNS}, got {sorted(designs)}")
-    pull = tuple(p.id for p in peers if not p.reachable)
-    star = replace(predict_star(M, U, peers), pull=pull, chunk=chunk or choose_chunk(M, M, 0))
-    reach = [p for p in peers if p.reachable]
-    leaves = [p for p in peers if not p.reachable]
-    candidates = [star] if "star" in designs else []
-    if reach and "chains" in designs:
-        for k in ks if ks is not None else candidate_ks(len(reach)):
-            if not 1 <= k <= len(reach):
-                continue
-            chains = form_chains(reach, k)
-            depth = max(len(c) for c in chains) - 1 + (1 if leaves else 0)
-            c = chunk or choose_chunk(M, M, depth)
-            candidates.append(predict_chains_with_leaves(M, U, chains, leaves, c))
-    if "stripes" in designs:
-        pred = predict_stripes(M, U, peers, chunk, group_size)
-        if pred is not None:
-            candidates.append(pred)
-    if not candidates:
-        raise PlanError(f"none of {sorted(designs)} applies to these workers (chains and stripes need an uploader)")
-    best, best_t, alternatives = None, math.inf, {}
-    for pred in candidates:
-        t = pred.time_to_fraction(fraction)
-        alternatives[pred.name] = t
-        striped = pred.name.startswith("stripes") and best is not None
-        if best is None or t < best_t * (1 - (STRIPES_MARGIN if striped else 1e-9)):
-            best, best_t = pred, t
-    assert best is not None
+    star, candidates = _predict_designs(M, U, peers, chunk, designs, ks, group_size)
+    best, best_t, alternatives = _fastest(candidates, fraction)
     kind = "star" if best is star else "stripes" if best.name.startswith("stripes") else "chains"
     return Plan(
         kind=kind,

@@ -9,8 +9,10 @@ or the network; the learner adapts it.
 - `cost`       $/step, cumulative $, bubble ratio, $ per unit of eval improvement
 - `staleness`  closed-form mean staleness (PQS, IQS), frontier helpers, the length model
 - `simulator`  event-driven staleness simulator (blog's fully-async mode and ECHO-2's pipeline)
-- `planner`    everything `echo-rl plan` predicts, as data
-- `config`     the `[scheduler]` table of the learner config
+- `planner`    everything `echo-rl plan` predicts, as data; `plan` is the command itself
+- `config`     the `[scheduler]` table of the learner config, its provider a tagged union
+- `providers`  machines brought up and down (static, local, command) and `make_provider`
+- `fleet`      the learner-side adapter: pool candidates, heartbeats, provider actions
 - `bench`      benchmarks (`python -m scheduler.bench activation|staleness|speed`)
 """
 

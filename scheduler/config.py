@@ -1,16 +1,62 @@
 """`[scheduler]`: the scheduler's table in the learner config (and what `echo-rl plan
 --config` reads). The learner embeds `SchedulerSection` as `scheduler`; everything else the
-plan needs comes from tables the learner already has (see `echo/plan.py`)."""
+plan needs comes from tables the learner already has (see `scheduler/plan.py`).
+
+The provider is a tagged union picked by `type`:
+
+    [scheduler.provider]
+    type = "command"
+    launch_command = "mycloud up --name {id} -- echo-worker join {url} --token {token}"
+
+The old flat spelling (`provider = "local"`, `launch_command = ...` beside it in
+`[scheduler]`) still loads: a before-validator maps it onto the table."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from echo.config import Section
 from scheduler.controller import ControllerParams
+
+
+class _ProviderConfig(Section):
+    """Base of the provider variants: `type` names the variant."""
+
+    type: str
+
+    def __eq__(self, other: object) -> bool:
+        # `provider == "static"` keeps reading as it did when the provider was its name alone.
+        if isinstance(other, str):
+            return self.type == other
+        return super().__eq__(other)
+
+
+class StaticProviderConfig(_ProviderConfig):
+    """Machines are never brought up or down: only workers that joined by themselves are used."""
+
+    type: Literal["static"] = Field("static", description="[scheduler.provider] type = 'static': use only workers that joined by themselves")
+
+
+class LocalProviderConfig(_ProviderConfig):
+    """A worker process on this machine per candidate ([workers] says how to start it)."""
+
+    type: Literal["local"] = Field("local", description="[scheduler.provider] type = 'local': spawn worker processes here, throttled to the pool's rates")
+
+
+class CommandProviderConfig(_ProviderConfig):
+    """User-given shell commands bring machines up and down (e.g. a cloud CLI)."""
+
+    type: Literal["command"] = Field("command", description="[scheduler.provider] type = 'command': run launch/release commands")
+    launch_command: str = Field("", description="[scheduler.provider] launch_command: shell command that brings up machine {id} (placeholders {id} {gpu} {price} {rate} {url} {token})")
+    release_command: str = Field("", description="[scheduler.provider] release_command: shell command that tears machine {id} down (same placeholders); empty = never torn down")
+
+
+ProviderConfig = Annotated[Union[StaticProviderConfig, LocalProviderConfig, CommandProviderConfig],
+                           Field(discriminator="type")]
+_COMMAND_KEYS = ("launch_command", "release_command")  # the command provider's keys, once flat in [scheduler]
 
 
 class SchedulerSection(Section):
@@ -29,11 +75,28 @@ class SchedulerSection(Section):
     ewma: float = Field(0.2, gt=0.0, le=1.0, description="[scheduler] ewma: weight of each throughput report in the smoothed rate r̂")
     warmup_s: float = Field(30.0, ge=0.0, description="[scheduler] warmup_s: a freshly activated worker counts at its declared rate this long")
 
-    provider: Literal["local", "command", "static"] = Field("static", description="[scheduler] provider: how machines come and go: 'local' spawns worker processes here, 'command' runs launch/release commands, 'static' only uses workers that joined by themselves")
-    launch_command: str = Field("", description="[scheduler] launch_command: shell command that brings up machine {id} (placeholders {id} {gpu} {price} {rate} {url} {token}); provider 'command'")
-    release_command: str = Field("", description="[scheduler] release_command: shell command that tears machine {id} down; provider 'command'")
+    provider: ProviderConfig = Field(default_factory=StaticProviderConfig, description="[scheduler] provider: how machines come and go, a table picked by `type`: 'local' spawns worker processes here, 'command' runs launch/release commands, 'static' only uses workers that joined by themselves (`provider = \"local\"` is short for `type = \"local\"`)")
     launch_timeout_s: float = Field(180.0, gt=0.0, description="[scheduler] launch_timeout_s: a launched machine that has not joined by then counts as unavailable")
     tick_s: float = Field(1.0, gt=0.0, le=3600.0, description="[scheduler] tick_s: seconds between controller evaluations")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_provider_spelling(cls, data: Any) -> Any:
+        """`provider = "command"` with `launch_command`/`release_command` flat in [scheduler]
+        (and `--scheduler.provider local`) -> the `[scheduler.provider]` table."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        flat = {k: data.pop(k) for k in _COMMAND_KEYS if k in data}
+        provider = data.get("provider")
+        if isinstance(provider, str):
+            provider = {"type": provider}
+        if flat and isinstance(provider, dict) and provider.get("type") == "command":
+            provider = {**flat, **provider}  # a key given in the table wins over its flat spelling
+        # Flat command keys beside another provider were accepted and unused; they still are.
+        if provider is not None:
+            data["provider"] = provider
+        return data
 
     @field_validator("pool", mode="before")
     @classmethod

@@ -138,7 +138,7 @@ class Fleet:
                 if cand.launched_at is None or now - cand.launched_at > self.launch_timeout_s:
                     cand.launched_at = now
                     self.provider.launch(cand.machine)
-            elif d.action == "release" and self.provider.kind == "command":
+            elif d.action == "release" and self.provider.releases_machines:
                 self.provider.release(cand.machine)
                 cand.joined, cand.launched_at = False, None
         st = self.controller.status()

@@ -34,7 +34,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from pydantic import ValidationError
+
 from echo.config import ConfigError, read_toml
+from scheduler import capacity as cap
+from scheduler import staleness as st
+from scheduler.activation import unit_cost_order
+from scheduler.config import SchedulerSection
+from scheduler.cost import dollars_per_step
+from scheduler.errors import InfeasibleOverlap, SchedulerError
+from scheduler.planner import PlanInputs, bubble_by_pool_size, frontier, make_plan
+from scheduler.pool import Pool, load_pool
+from scheduler.simulator import blog_config, pipeline_config, simulate
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POOL = Path("configs/pools/consumer-gpus.toml")
@@ -81,11 +93,6 @@ def _int_key(data: dict, table: str, key: str, source: str) -> int | None:
 
 def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
     """Plan inputs from a learner-style TOML (see the module docstring for the keys)."""
-    from pydantic import ValidationError
-
-    from scheduler.config import SchedulerSection
-    from scheduler.planner import PlanInputs
-
     data = read_toml(path)
     values: dict[str, Any] = {}
     prompts = _int_key(data, "trainer", "batch_prompts", path)
@@ -181,10 +188,6 @@ def _parse_active(text: str) -> tuple[tuple[str, int], ...]:
 
 
 def _plan_cli(argv: list[str]) -> int:
-    from scheduler.errors import InfeasibleOverlap, SchedulerError
-    from scheduler.planner import PlanInputs, make_plan
-    from scheduler.pool import load_pool
-
     args = _plan_parser().parse_args(argv)
     values: dict[str, Any] = {}
     pool_path: Path | None = None
@@ -287,11 +290,7 @@ def _capacity_line(capd: dict, inp: dict) -> str:
 
 # --- echo-rl plan staleness -------------------------------------------------------------------
 
-def _staleness_cli(argv: list[str]) -> int:
-    from scheduler import staleness as st
-    from scheduler.errors import SchedulerError
-    from scheduler.simulator import blog_config, simulate
-
+def _staleness_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="echo-rl plan staleness",
         description="Mean staleness of fully async RL with a queue-drop buffer (closed form: "
@@ -309,7 +308,11 @@ def _staleness_cli(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=2000, help="simulated updates (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="simulator seed")
     p.add_argument("--json", action="store_true", help="print JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def _staleness_cli(argv: list[str]) -> int:
+    args = _staleness_parser().parse_args(argv)
     try:
         if args.tailness_multiplier is not None:
             m_tail = args.tailness_multiplier
@@ -343,10 +346,6 @@ def _staleness_cli(argv: list[str]) -> int:
 # --- echo-rl plan sweep -----------------------------------------------------------------------
 
 def _sweep_cli(argv: list[str]) -> int:
-    from scheduler import staleness as st
-    from scheduler.errors import SchedulerError
-    from scheduler.pool import load_pool
-
     p = argparse.ArgumentParser(
         prog="echo-rl plan sweep",
         description="Write PNGs: the staleness vs step-time frontier under a fixed GPU budget "
@@ -385,17 +384,19 @@ def _sweep_cli(argv: list[str]) -> int:
     return 0
 
 
-def _plot_frontier(path: Path, rs: list[float], args: argparse.Namespace, m_tail: float) -> dict:
+def _pyplot():
+    """matplotlib, drawing to files; imported here because only `plan sweep` draws (it costs
+    about half a second to import)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    from scheduler.planner import frontier
-    from scheduler.simulator import blog_config, simulate
-    from scheduler.staleness import length_mean
+    return plt
 
+
+def _plot_frontier(path: Path, rs: list[float], args: argparse.Namespace, m_tail: float) -> dict:
+    plt = _pyplot()
     rhos = [float(x) for x in np.geomspace(0.3, 3.0, 121)]
     data: dict[str, Any] = {"m_tail": m_tail, "c_over_b": args.c_over_b, "curves": {}, "simulated": []}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -416,7 +417,7 @@ def _plot_frontier(path: Path, rs: list[float], args: argparse.Namespace, m_tail
                 c = max(1, round(c1 * rho * 2 / (1 + rho)))
                 sim = simulate(blog_config(rho, c, B, n, q, args.sigma, mu0=1000.0, speed=50.0,
                                            steps=600, warmup_steps=60))
-                x = sim.t_eff / (B * length_mean(1000.0, args.sigma) / (c1 * 50.0))  # ÷ T_eff at ρ = 1
+                x = sim.t_eff / (B * st.length_mean(1000.0, args.sigma) / (c1 * 50.0))  # ÷ T_eff at ρ = 1
                 data["simulated"].append({"q": q, "rho": rho, "t_eff_ratio": x, "total": sim.total})
                 ax.plot([x], [sim.total], "ko", ms=4, label="simulator (r = 1)" if rho == 0.4 else None)
         ax.set_title(f"queue factor q = {q:g}")
@@ -432,18 +433,8 @@ def _plot_frontier(path: Path, rs: list[float], args: argparse.Namespace, m_tail
     return data
 
 
-def _plot_pool(path: Path, pool, args: argparse.Namespace) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from scheduler import capacity as cap
-    from scheduler.activation import unit_cost_order
-    from scheduler.cost import dollars_per_step
-    from scheduler.planner import bubble_by_pool_size
-    from scheduler.simulator import pipeline_config, simulate
-
+def _plot_pool(path: Path, pool: Pool, args: argparse.Namespace) -> dict:
+    plt = _pyplot()
     B, T, Tb = args.batch, args.t_train, args.t_bcast
     data: dict[str, Any] = {"series": {}, "simulated": []}
     fig, (ax_b, ax_c) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -20,7 +20,7 @@ from scheduler import staleness as st
 from scheduler.cost import dollars_per_step
 from scheduler.errors import SchedulerError
 from scheduler.pool import Pool
-from scheduler.simulator import pipeline_config, simulate
+from scheduler.simulator import SimResult, pipeline_config, simulate
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,57 +84,37 @@ def make_plan(inp: PlanInputs, pool: Pool) -> dict:
     `InsufficientCapacity` (typed, with what to do) when there is nothing to plan."""
     I = inp.period
     B, T, Tb = inp.batch, inp.t_train, inp.t_bcast
-    try:
-        req = cap.requirement(inp.rule, batch=B, t_train=T, t_bcast=Tb, publish_every=I,
-                              max_staleness=inp.max_staleness, install_s=inp.install_s)
-    except cap.InfeasibleOverlap as e:
-        if not inp.active:
-            raise
-        req, infeasible = None, str(e)  # a given fleet is still predicted: how bad is it?
-    else:
-        infeasible = ""
-    cands = pool.candidates()
-    cmp = act.compare(cands, inp.alpha * req.r_req) if req is not None else None
+    req, infeasible = _requirement(inp)
+    cmp = act.compare(pool.candidates(), inp.alpha * req.r_req) if req is not None else None
     if inp.active:
         used = given_fleet(pool, inp.active)
     else:
         used = cmp.exact if inp.activation == "exact" else cmp.greedy
     R = used.capacity
-    kinds = {c.id: pool.kind_of(c.id) for c in used.chosen}
-    concurrency = sum(kinds[c.id].slots for c in used.chosen)
+    slots = [pool.kind_of(c.id).slots for c in used.chosen]
+    concurrency = sum(slots)
     rho = R * T / B
     if inp.rule == "paper":
         wait, bub = cap.bubble(B, T, Tb, I, R)
     else:  # training goes on during the broadcast: only installs and generation can leave it waiting
         wait, bub = cap.bubble(B, T, inp.install_s, I, R)
-    bound = cap.staleness_bound(B, T, Tb, I, R)
-    bound_overlap = cap.staleness_bound_under_overlap(T, Tb, I)
     m_tail = st.tail_multiplier(inp.length_sigma, inp.group_size)
     closed = st.predict(rho, concurrency / B, inp.queue_factor, m_tail)
     t_eff = T + wait / I
     snapshot_lag = (I - 1) / 2 + Tb / t_eff
-    worker_prices = [c.price for c in used.chosen]
     out: dict = {
         "inputs": {**asdict(inp), "publish_every": I, "pool": pool.name, "pool_size": pool.size,
                    "active": dict(inp.active)},
-        "capacity": {"rule": inp.rule, "r_req": req.r_req if req else None,
-                     "target": inp.alpha * req.r_req if req else None, "alpha": inp.alpha,
-                     "conditions": req.conditions if req else {}, "binding": req.binding if req else None,
-                     "infeasible": infeasible},
-        "activation": {
-            "greedy": _activation_dict(cmp.greedy, pool) if cmp else None,
-            "exact": _activation_dict(cmp.exact, pool) if cmp else None,
-            "gap_per_hour": cmp.gap if cmp else None, "gap_rel": cmp.gap_rel if cmp else None,
-            "used": "given" if inp.active else inp.activation,
-            "given": _activation_dict(used, pool) if inp.active else None,
-        },
+        "capacity": _capacity_section(inp, req, infeasible),
+        "activation": _activation_section(inp, cmp, used, pool),
         "pipeline": {
             "rate": R, "rho": rho, "regime": closed.regime, "concurrency": concurrency,
             "c_over_b": concurrency / B, "overlap_holds": cap.overlap_holds(B, T, Tb, I, R),
             "wait_per_period_s": wait, "bubble": bub, "t_eff_s": t_eff,
         },
         "staleness": {
-            "bound": bound, "bound_under_overlap": bound_overlap, "budget": inp.max_staleness,
+            "bound": cap.staleness_bound(B, T, Tb, I, R),
+            "bound_under_overlap": cap.staleness_bound_under_overlap(T, Tb, I), "budget": inp.max_staleness,
             "closed_form": {**closed.as_dict(), "note": "blog closed form: publication every step, instant sync"},
             "snapshot_lag": snapshot_lag,
             "closed_form_with_lag": closed.total + snapshot_lag,
@@ -142,23 +122,58 @@ def make_plan(inp: PlanInputs, pool: Pool) -> dict:
         "cost": {
             "learner_per_hour": inp.learner_price, "workers_per_hour": used.cost,
             "dollars_per_hour": inp.learner_price + used.cost,
-            "dollars_per_step": dollars_per_step(T, wait, I, inp.learner_price, worker_prices),
+            "dollars_per_step": dollars_per_step(T, wait, I, inp.learner_price, [c.price for c in used.chosen]),
         },
     }
-    sim = None
-    if inp.simulate:
-        sim = simulate(pipeline_config(
-            [c.rate for c in used.chosen], [kinds[c.id].slots for c in used.chosen], B, inp.group_size, T,
-            publish_every=I, t_bcast=Tb,
-            queue_factor=inp.queue_factor if inp.buffer == "queue-drop" else None,
-            max_staleness=inp.max_staleness, sigma=inp.length_sigma,
-            steps=inp.sim_steps, warmup_steps=max(10, inp.sim_steps // 10), seed=inp.seed,
-            blocking_groups=max(B // inp.group_size, round(inp.queue_factor * B / inp.group_size))
-            if inp.blocking else None,
-        ))
+    sim = _simulate_fleet(inp, [c.rate for c in used.chosen], slots) if inp.simulate else None
+    if sim is not None:
         out["staleness"]["simulator"] = sim.as_dict()
     out["warnings"] = warnings(inp, out, sim)
     return out
+
+
+def _requirement(inp: PlanInputs) -> tuple[cap.Requirement | None, str]:
+    """R_req by the chosen rule, or (None, why) when it is infeasible but a given fleet is
+    still predicted (how bad is it?); infeasible with nothing given raises."""
+    try:
+        return cap.requirement(inp.rule, batch=inp.batch, t_train=inp.t_train, t_bcast=inp.t_bcast,
+                               publish_every=inp.period, max_staleness=inp.max_staleness,
+                               install_s=inp.install_s), ""
+    except cap.InfeasibleOverlap as e:
+        if not inp.active:
+            raise
+        return None, str(e)
+
+
+def _capacity_section(inp: PlanInputs, req: cap.Requirement | None, infeasible: str) -> dict:
+    return {"rule": inp.rule, "r_req": req.r_req if req else None,
+            "target": inp.alpha * req.r_req if req else None, "alpha": inp.alpha,
+            "conditions": req.conditions if req else {}, "binding": req.binding if req else None,
+            "infeasible": infeasible}
+
+
+def _activation_section(inp: PlanInputs, cmp: act.Comparison | None, used: act.Activation, pool: Pool) -> dict:
+    return {
+        "greedy": _activation_dict(cmp.greedy, pool) if cmp else None,
+        "exact": _activation_dict(cmp.exact, pool) if cmp else None,
+        "gap_per_hour": cmp.gap if cmp else None, "gap_rel": cmp.gap_rel if cmp else None,
+        "used": "given" if inp.active else inp.activation,
+        "given": _activation_dict(used, pool) if inp.active else None,
+    }
+
+
+def _simulate_fleet(inp: PlanInputs, rates: list[float], slots: list[int]) -> SimResult:
+    """The simulator on this fleet: ECHO-2's pipeline with the plan's I, T_bcast, buffer and,
+    unless `blocking` is off, the learner's back-pressure."""
+    groups = inp.batch // inp.group_size
+    return simulate(pipeline_config(
+        rates, slots, inp.batch, inp.group_size, inp.t_train,
+        publish_every=inp.period, t_bcast=inp.t_bcast,
+        queue_factor=inp.queue_factor if inp.buffer == "queue-drop" else None,
+        max_staleness=inp.max_staleness, sigma=inp.length_sigma,
+        steps=inp.sim_steps, warmup_steps=max(10, inp.sim_steps // 10), seed=inp.seed,
+        blocking_groups=max(groups, round(inp.queue_factor * inp.batch / inp.group_size)) if inp.blocking else None,
+    ))
 
 
 def given_fleet(pool: Pool, counts: tuple[tuple[str, int], ...]) -> act.Activation:

@@ -6,7 +6,10 @@
 - `command`: user-given shell commands, e.g. a cloud CLI (`launch_command = "mycloud up
   --name {id} --gpu '{gpu}' -- echo-worker join {url} --token {token}"`).
 
-A provider never blocks the learner: commands run as background processes.
+The `[scheduler.provider]` table picks one (`make_provider` is the one place a kind becomes
+a provider); the fleet asks only what a provider can do (`launches_machines`,
+`releases_machines`), never which kind it is. A provider never blocks the learner: commands
+run as background processes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from scheduler.config import CommandProviderConfig, LocalProviderConfig, ProviderConfig, StaticProviderConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,8 @@ class Machine:
 
 class Provider:
     kind = "static"
-    launches_machines = False
+    launches_machines = False  # launch() brings a machine up (else only self-joined workers are used)
+    releases_machines = False  # release() tears a machine down (so it must join again before it counts)
 
     def launch(self, machine: Machine) -> None:
         """Bring `machine` up; it joins the learner under its id as name."""
@@ -78,6 +84,7 @@ class LocalProvider(Provider):
 class CommandProvider(Provider):
     kind = "command"
     launches_machines = True
+    releases_machines = True
 
     def __init__(self, launch_command: str, release_command: str, url: str, token: str, log_dir: Path):
         if not launch_command:
@@ -100,3 +107,17 @@ class CommandProvider(Provider):
     def release(self, machine: Machine) -> None:
         if self.release_command:
             self._run(self.release_command, machine, "release")
+
+
+def make_provider(spec: ProviderConfig, *, url: str, token: str, log_dir: Path, worker_config: Path,
+                  worker_overrides: list[str], python: str = sys.executable) -> Provider:
+    """The provider `[scheduler.provider]` names, wired to the learner at `url`; each machine's
+    output goes to `log_dir`. `worker_config`, `worker_overrides` and `python` start a local worker."""
+    match spec:
+        case LocalProviderConfig():
+            return LocalProvider(url, token, worker_config, log_dir, worker_overrides, python=python)
+        case CommandProviderConfig():
+            return CommandProvider(spec.launch_command, spec.release_command, url, token, log_dir)
+        case StaticProviderConfig():
+            return Provider()
+    raise TypeError(f"unknown provider config {spec!r}")

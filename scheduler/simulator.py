@@ -42,7 +42,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -175,8 +175,91 @@ def _length_chunks(seed: int, mu0: float, sigma: float, cap: float, chunk: int =
         yield lengths.tolist()
 
 
+class _Slots:
+    """Every generation slot of every worker, and the group each one is filling.
+
+    A group is `[remaining, stamp, length_sum, max_length, enqueue_version, id]`. `simulate`'s
+    hot path reads these lists through locals and inlines `start` (see there why)."""
+
+    def __init__(self, cfg: SimConfig, draw) -> None:
+        self.n, self.draw = cfg.group_size, draw
+        self.inv_speed = [1.0 / w.speed for w in cfg.workers]
+        nw = len(cfg.workers)
+        self.wver = [0] * nw  # snapshot version each worker generates with
+        self.left = [0] * nw  # samples of the worker's open group not yet started
+        self.open_group: list[list] = [[0, 0, 0.0, 0.0, 0, -1]] * nw
+        self.slot_w = [w for w, spec in enumerate(cfg.workers) for _ in range(spec.slots)]
+        self.slot_group: list[list] = [[]] * len(self.slot_w)
+        self.started = 0  # groups opened
+        self.heap = [self.start(s, 0.0) for s in range(len(self.slot_w))]  # (finish time, slot)
+        self.heap.append((math.inf, -1))  # sentinel: when every slot idles, the next event is the trainer's
+        heapq.heapify(self.heap)
+
+    def start(self, s: int, t: float) -> tuple[float, int]:
+        """Slot `s` starts a sample at `t`: of its worker's open group, else of a new one.
+        Returns the sample's finish event for the heap."""
+        w = self.slot_w[s]
+        if self.left[w]:
+            self.left[w] -= 1
+            g = self.open_group[w]
+        else:
+            g = [self.n, self.wver[w], 0.0, 0.0, 0, self.started]
+            self.open_group[w] = g
+            self.left[w] = self.n - 1
+            self.started += 1
+        self.slot_group[s] = g
+        length = self.draw()
+        g[2] += length
+        g[3] = max(g[3], length)
+        return t + length * self.inv_speed[w], s
+
+
+@dataclass
+class _Window:
+    """What the measured window (after warm-up) tallies about the groups it trains on."""
+
+    groups: int = 0
+    pqs_sum: int = 0
+    iqs_sum: int = 0
+    length_sum: float = 0.0
+    max_length: float = 0.0
+    hist: list[int] = field(default_factory=list)  # trained groups by staleness
+
+    def trained(self, batch: list[list], version: int) -> None:
+        self.groups += len(batch)
+        for g in batch:
+            p = g[4] - g[1]
+            st = version - g[1]
+            self.pqs_sum += p
+            self.iqs_sum += st - p
+            while len(self.hist) <= st:
+                self.hist.append(0)
+            self.hist[st] += 1
+            self.length_sum += g[2]
+            self.max_length = max(self.max_length, g[3])
+
+
+def _evict_stale(queue: deque[list], version: int, smax: int, t: float,
+                 events: list[tuple] | None) -> tuple[deque[list], int]:
+    """queue-max at `t`: the queue without its groups staler than `smax`, and how many were dropped."""
+    if events is not None:
+        events.append(("evict", t, version))
+    kept: deque[list] = deque()
+    for g in queue:
+        if version - g[1] > smax:
+            if events is not None:
+                events.append(("drop", "stale", g[5]))
+        else:
+            kept.append(g)
+    return kept, len(queue) - len(kept)
+
+
 def simulate(cfg: SimConfig) -> SimResult:
     """Run until `warmup_steps + steps` trainer versions; see the module docstring."""
+    # Long on purpose: one event loop over locals. The hot path (a sample finishes) runs
+    # millions of times per run, and a call or attribute lookup per event costs a large share
+    # of `echo-rl bench simspeed`; the rare events (a step ends, a snapshot installs, the
+    # trainer starts) share its locals.
     t_start = time.perf_counter()
     n = cfg.group_size
     G = cfg.groups_per_batch
@@ -191,36 +274,15 @@ def simulate(cfg: SimConfig) -> SimResult:
     draw = chain.from_iterable(_length_chunks(cfg.seed, cfg.mu0, cfg.sigma, cfg.cap)).__next__
     heapreplace = heapq.heapreplace
 
-    # Workers and slots. A group is [remaining, stamp, length_sum, max_length, enqueue_version, id].
+    slots = _Slots(cfg, draw)
     nw = len(cfg.workers)
-    inv_speed = [1.0 / w.speed for w in cfg.workers]
-    wver = [0] * nw  # snapshot version each worker generates with
-    left = [0] * nw  # samples of the worker's open group not yet started
-    open_group: list[list] = [[0, 0, 0.0, 0.0, 0, -1]] * nw
+    inv_speed, wver, left, open_group = slots.inv_speed, slots.wver, slots.left, slots.open_group
+    slot_w, slot_group, heap = slots.slot_w, slots.slot_group, slots.heap
+    started = slots.started  # the hot path counts here; handed back to `slots` around `slots.start`
     block = cfg.blocking_groups if cfg.blocking_groups is not None else 1 << 62
     idle: list[int] = []  # slots waiting for back-pressure to lift
     record = cfg.record
     events: list[tuple] = []
-    slot_w: list[int] = []
-    slot_group: list[list] = []
-    heap: list[tuple[float, int]] = []
-    started = 0
-    for w, spec in enumerate(cfg.workers):
-        for _ in range(spec.slots):
-            if not left[w]:
-                open_group[w] = [n, 0, 0.0, 0.0, 0, started]
-                left[w] = n
-                started += 1
-            left[w] -= 1
-            g = open_group[w]
-            length = draw()
-            g[2] += length
-            g[3] = max(g[3], length)
-            heap.append((length * inv_speed[w], len(slot_w)))
-            slot_w.append(w)
-            slot_group.append(g)
-    heap.append((inf, -1))  # sentinel: when every slot idles, the next event is the trainer's
-    heapq.heapify(heap)
 
     queue: deque[list] = deque()
     version = 0
@@ -231,13 +293,8 @@ def simulate(cfg: SimConfig) -> SimResult:
     rollouts = 0
     completed = 0
     trained = dropped_overflow = dropped_stale = 0
-    # measured-window tallies
+    window = _Window()  # measured-window tallies of trained groups; of sampled ones:
     t_warm = 0.0
-    pqs_sum = iqs_sum = 0
-    hist: list[int] = []
-    measured_groups = 0
-    trained_len = 0.0
-    trained_max = 0.0
     sampled_len = 0.0
     sampled_groups = 0
     sampled_max = 0.0
@@ -268,17 +325,8 @@ def simulate(cfg: SimConfig) -> SimResult:
             if not busy and len(queue) >= G:
                 # every group staler than the bound is discarded, then the oldest G are taken
                 if smax < 1 << 62 and any(version - g[1] > smax for g in queue):
-                    if record:
-                        events.append(("evict", t, version))
-                    kept = deque()
-                    for g in queue:
-                        if version - g[1] > smax:
-                            dropped_stale += 1
-                            if record:
-                                events.append(("drop", "stale", g[5]))
-                        else:
-                            kept.append(g)
-                    queue = kept
+                    queue, dropped = _evict_stale(queue, version, smax, t, events if record else None)
+                    dropped_stale += dropped
                 if len(queue) >= G:
                     batch = [queue.popleft() for _ in range(G)]
                     if record:
@@ -287,34 +335,12 @@ def simulate(cfg: SimConfig) -> SimResult:
                     t_train_end = t + T
                     trained += G
                     if version >= warm:
-                        measured_groups += G
-                        for g in batch:
-                            p = g[4] - g[1]
-                            st = version - g[1]
-                            pqs_sum += p
-                            iqs_sum += st - p
-                            while len(hist) <= st:
-                                hist.append(0)
-                            hist[st] += 1
-                            trained_len += g[2]
-                            if g[3] > trained_max:  # noqa: PLR1730
-                                trained_max = g[3]
-            if idle and len(queue) < block:  # back-pressure lifted: idle slots start again (as the hot path below, inlined there for speed)
+                        window.trained(batch, version)
+            if idle and len(queue) < block:  # back-pressure lifted: idle slots start again
+                slots.started = started
                 for s in idle:
-                    w = slot_w[s]
-                    if left[w]:
-                        left[w] -= 1
-                        g = open_group[w]
-                    else:
-                        g = [n, wver[w], 0.0, 0.0, 0, started]
-                        open_group[w] = g
-                        left[w] = n - 1
-                        started += 1
-                    slot_group[s] = g
-                    length = draw()
-                    g[2] += length
-                    g[3] = max(g[3], length)
-                    heapq.heappush(heap, (t + length * inv_speed[w], s))
+                    heapq.heappush(heap, slots.start(s, t))
+                started = slots.started
                 idle.clear()
             t_other = min(t_train_end, installs[0][0] if installs else inf)
             if t_other == inf and heap[0][1] == -1:
@@ -344,7 +370,7 @@ def simulate(cfg: SimConfig) -> SimResult:
             if not busy and len(queue) >= G:
                 t_other = t  # the trainer can start now: handled as a rare event
         w = slot_w[s]
-        if left[w]:
+        if left[w]:  # from here on, `_Slots.start` inlined
             left[w] -= 1
             g = open_group[w]
         elif len(queue) >= block:  # back-pressure: this slot waits for the trainer
@@ -363,26 +389,25 @@ def simulate(cfg: SimConfig) -> SimResult:
             g[3] = length
         heapreplace(heap, (t + length * inv_speed[w], s))
 
-    t_end = t
     in_flight = started - completed
     queued = len(queue)
     assert completed == trained + dropped_overflow + dropped_stale + queued, "conservation of completed groups"
     assert started == trained + dropped_overflow + dropped_stale + queued + in_flight
-    assert measured_groups == G * cfg.steps
-    assert cfg.max_staleness is None or len(hist) <= cfg.max_staleness + 1, "queue-max let a stale group through"
-    window = t_end - t_warm
+    assert window.groups == G * cfg.steps
+    assert cfg.max_staleness is None or len(window.hist) <= cfg.max_staleness + 1, "queue-max let a stale group through"
+    span = t - t_warm
     return SimResult(
         steps=cfg.steps,
-        pqs=pqs_sum / measured_groups,
-        iqs=iqs_sum / measured_groups,
-        max_staleness=len(hist) - 1,
-        histogram=tuple(hist),
-        trainer_busy=cfg.steps * T / window if window > 0 else 1.0,
-        t_eff=window / cfg.steps,
+        pqs=window.pqs_sum / window.groups,
+        iqs=window.iqs_sum / window.groups,
+        max_staleness=len(window.hist) - 1,
+        histogram=tuple(window.hist),
+        trainer_busy=cfg.steps * T / span if span > 0 else 1.0,
+        t_eff=span / cfg.steps,
         sampled_mean_length=sampled_len / (sampled_groups * n) if sampled_groups else math.nan,
-        trained_mean_length=trained_len / (measured_groups * n),
+        trained_mean_length=window.length_sum / (window.groups * n),
         sampled_max_length=sampled_max,
-        trained_max_length=trained_max,
+        trained_max_length=window.max_length,
         started=started,
         trained=trained,
         dropped_overflow=dropped_overflow,

@@ -17,6 +17,7 @@ class RecordingProvider(Provider):
 
     kind = "command"
     launches_machines = True
+    releases_machines = True
 
     def __init__(self):
         self.launched, self.released = [], []
