@@ -243,14 +243,14 @@ def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
 
     from broadcast.links import MBIT, LinkTable
     from broadcast.star import BlobStore
-    from learner.publisher import Publisher
+    from learner.publisher import ChainPublisher
 
     blob = random_blob(3 * MIB, seed=8)
 
     async def run():
         links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
-        pub = Publisher(BlobStore(), "chain", chunk_bytes=1 * MIB, deltas=False, links=links,
-                        key_file=tmp_path / "learner.key", host="127.0.0.1")
+        pub = ChainPublisher(BlobStore(), chunk_bytes=1 * MIB, deltas=False, links=links,
+                             key_file=tmp_path / "learner.key", host="127.0.0.1")
         source_url = await pub.start()
         key = SigningKey.load(tmp_path / "learner.key")
         relays = {w: Relay(w, key.public_key(), stall_timeout=3,
@@ -275,7 +275,7 @@ def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
     assert plan["pull"] == ["w3"] and all(tree[0] != "w3" for tree in plan["chains"])
     assert wire["chunk"] <= 1 * MIB
     assert all(bytes(g.data) == blob for g in got.values())
-    assert announced["key"] == "v1"
+    assert announced.key == "v1"
 
 
 def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
@@ -287,7 +287,7 @@ def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
 
     from broadcast.links import MBIT, LinkTable
     from broadcast.star import BlobStore
-    from learner.publisher import Publisher
+    from learner.publisher import ChainPublisher
 
     rng = np.random.default_rng(9)
     base = rng.standard_normal(768 * 1024, dtype=np.float32)
@@ -299,8 +299,8 @@ def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
 
     async def run():
         links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
-        pub = Publisher(BlobStore(), "chain", chunk_bytes=1 * MIB, deltas=True, links=links,
-                        key_file=tmp_path / "learner.key", host="127.0.0.1")
+        pub = ChainPublisher(BlobStore(), chunk_bytes=1 * MIB, deltas=True, links=links,
+                             key_file=tmp_path / "learner.key", host="127.0.0.1")
         await pub.start()
         workers = [SimpleNamespace(id=f"w{i}", relay_url=closed_port_url(), version=-1, reachable=None)
                    for i in range(8)]
