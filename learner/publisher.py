@@ -17,9 +17,9 @@ the learner's own uplink (`broadcast.links.LinkTable`). Workers that miss a push
 joiners, a version they lack the base for) pull the full version from the source.
 
 The star store is kept in both designs: it serves the `/v1/snapshots` fallback and the tests.
-`make_publisher` picks the design once from `[broadcast]` (a tagged union on `mode`); both
-answer `start() -> BroadcastInfo` and `publish() -> Announcement`, the typed messages workers
-read (`echo.protocol`).
+`make_publisher` picks the design once from `[broadcast]` (a tagged union on `mode`). Both
+designs speak the typed messages workers read (`echo.protocol`): `info`, the `BroadcastInfo`
+told at join (final once `start()` returned), and `publish() -> Announcement`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from broadcast.source import Source
 from broadcast.star import BlobStore
 from broadcast.transport import Hop
 from echo.protocol import Announcement, BroadcastInfo, PlanBrief, PushAnnouncement
+from learner.config import ChainBroadcast, StarBroadcast
 
 log = logging.getLogger("echo.learner.publisher")
 #: Plan every upload at this share of its rate: a relay uploading at full rate slows its own
@@ -46,7 +47,8 @@ log = logging.getLogger("echo.learner.publisher")
 HEADROOM = 0.95
 
 
-def make_publisher(section: Any, blobs: BlobStore, links: LinkTable, *, key_file: Path, host: str) -> "StarPublisher":
+def make_publisher(section: ChainBroadcast | StarBroadcast, blobs: BlobStore, links: LinkTable, *,
+                   key_file: Path, host: str) -> "StarPublisher":
     """The publisher of the `[broadcast]` design (`learner.config.BroadcastSection`): `key_file`
     is the signing key used when the section names none, `host` where the learner's relay binds."""
     if section.mode == "star":
