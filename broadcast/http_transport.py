@@ -4,15 +4,21 @@ GETs. Endpoints of every node (prefix `/bcast/v1`), each a thin adapter over the
 - `POST /push` — the push stream (manifest, route, sender, then chunk frames);
 - `GET /chunks/{key}?from=k&to=e` — chunks k..e-1 as they become verified (repair, pulls);
 - `GET /manifest/{key}` — the signed manifest (late joiners).
+
+Every node serves these on its aiohttp server, whatever it advertises; `GET /health` answers
+the learner's join probe (`probe`), and the learner's `GET /routes` is its route feed
+(`broadcast.source`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
+import msgpack
 from aiohttp import web
 
 from broadcast.manifest import BroadcastError
@@ -23,6 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("echo.broadcast")
 PREFIX = "/bcast/v1"
+#: One long poll of the route feed: the learner answers within `broadcast.source.FEED_WAIT_S`.
+FEED_TIMEOUT = aiohttp.ClientTimeout(total=90, sock_connect=10)
 
 
 class HttpTransport(Transport):
@@ -32,6 +40,23 @@ class HttpTransport(Transport):
         self.node = node
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), auto_decompress=False)
+
+    @classmethod
+    def for_node(cls, node: "Node", advertised: bool) -> "HttpTransport":
+        return cls(node, node.connect_timeout)
+
+    @classmethod
+    async def probe(cls, url: str, timeout_s: float) -> bool:
+        async def health() -> bool:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{url.rstrip('/')}{PREFIX}/health") as resp:
+                    return resp.status == 200
+
+        return await asyncio.wait_for(health(), timeout_s)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.node.host}:{self.node.port}"
 
     async def stop(self) -> None:
         await self._session.close()
@@ -54,6 +79,13 @@ class HttpTransport(Transport):
     async def manifest(self, url: str, key: str) -> bytes | None:
         async with self._session.get(f"{url}{PREFIX}/manifest/{key}") as resp:
             return await resp.read() if resp.status == 200 else None
+
+    async def route_feed(self, url: str, after: int, node_id: str) -> dict:
+        async with self._session.get(f"{url.rstrip('/')}{PREFIX}/routes", params={"after": after, "id": node_id},
+                                     timeout=FEED_TIMEOUT) as resp:
+            if resp.status != 200:
+                raise Refused(resp.status, (await resp.text())[:200])
+            return msgpack.unpackb(await resp.read(), raw=False)
 
     # -- server half (routes of the node's aiohttp app) -------------------------------------------
     def routes(self) -> list[web.RouteDef]:

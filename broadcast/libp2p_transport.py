@@ -85,6 +85,7 @@ from broadcast.manifest import BroadcastError, Buffer
 from broadcast.signing import SigningKey, VerifyKey
 from broadcast.transport import (
     PIECE,
+    PeerError,
     ProtocolError,
     Refused,
     Transport,
@@ -123,7 +124,7 @@ def listen_addr(host: str, port: int = 0) -> str:
     return f"/ip{ip.version}/{ip}/tcp/{port}"
 
 
-class Libp2pError(BroadcastError):
+class Libp2pError(PeerError):
     """A libp2p host or stream failed (dial, negotiation, reset); the message says which."""
 
 
@@ -639,19 +640,44 @@ class Libp2pTransport(Transport):
 
     Its host is started with the node when the node advertises `p2p:` (`listen` on its address),
     else on the first stream to a `p2p:` peer (then on loopback only: it is not advertised).
+    `for_node` takes the node's `p2p_key`, `p2p_port`, `host` and `connect_timeout`.
     Inbound pushes are authenticated: noise proves the remote peer ID, and it must be the one
     the signed route binds to the sender the stream names (`Node.accept_push`).
     """
 
     schemes = ("p2p",)
 
-    def __init__(self, node: Any, key: SigningKey, listen: str, connect_timeout: float) -> None:
-        if available() is None:
-            raise Libp2pUnavailable("p2p: peers need py-libp2p: pip install 'echo-rl[p2p]'")
+    def __init__(self, node: Any, key: SigningKey, listen: str, connect_timeout: float,
+                 advertised: bool = False) -> None:
+        self.check_available()
         self.node, self.key, self.listen, self.connect_timeout = node, key, listen, connect_timeout
+        self.advertised = advertised
         self.host: Libp2pHost | None = None
         self._lock = asyncio.Lock()
         self._serving: set[asyncio.Task] = set()  # inbound streams being served (cancelled by stop)
+
+    @classmethod
+    def check_available(cls) -> None:
+        if available() is None:
+            raise Libp2pUnavailable("p2p: peers and transport='libp2p' need py-libp2p: pip install 'echo-rl[p2p]'")
+
+    @classmethod
+    def for_node(cls, node: Any, advertised: bool) -> "Libp2pTransport":
+        # The node's identity (a fresh key if it has none). Advertised: listen where the node
+        # serves; only dialling out: on loopback, not advertised.
+        listen = listen_addr(node.host, node.p2p_port) if advertised else listen_addr("127.0.0.1")
+        return cls(node, node.p2p_key or SigningKey.generate(), listen, node.connect_timeout, advertised)
+
+    @classmethod
+    async def probe(cls, url: str, timeout_s: float) -> bool:
+        # On a thread with its own event loop: importing py-libp2p and setting up a host hold
+        # a loop for most of a second, and the caller's is the learner's.
+        return await asyncio.wait_for(asyncio.to_thread(lambda: asyncio.run(_probe(url, timeout_s))),
+                                      timeout_s + 10.0)
+
+    @property
+    def url(self) -> str | None:
+        return p2p_url(self.host.addrs[0]) if self.advertised and self.host is not None else None
 
     async def start(self) -> None:
         await self._host()
@@ -792,6 +818,25 @@ class Libp2pTransport(Transport):
         wire = self.node.manifest_wire(str(request.get("key")))
         await _reply(stream, {"manifest": wire} if wire is not None
                      else {"error": f"404 {self.node.id} does not hold {request.get('key')}"})
+
+
+async def _probe(url: str, timeout_s: float) -> bool:
+    """Dial with a throwaway identity and ask for a manifest that does not exist: any answer
+    proves the relay accepted the connection and speaks the protocol."""
+    host = Libp2pHost(SigningKey.generate())
+    await host.start()
+    try:
+        stream = await host.open_stream(p2p_addr(url), MANIFEST_PROTOCOL, timeout=timeout_s)
+        try:
+            await stream.write(frame_header({"key": "probe"}))
+            await stream.close()
+            reply = await asyncio.wait_for(read_header(stream), timeout_s)
+        finally:
+            with contextlib.suppress(Exception):
+                stream.abort()
+        return isinstance(reply, dict)
+    finally:
+        await host.stop()
 
 
 async def _reply(stream: Libp2pStream, reply: dict) -> None:

@@ -3,9 +3,10 @@ send them down the trees of a route.
 
 A `Node` is an aiohttp server (status, health, and the HTTP transport's endpoints) holding
 versions as `broadcast.store.VersionStore`s. Streams to a peer go through the transport its URL's
-scheme picks (`http(s)://`: `broadcast.http_transport`; `p2p:`: `broadcast.libp2p_transport`);
-inbound streams of every transport reach the same transport-free core: `accept_push` (relays),
-`open_pull`/`serve_pull` and `manifest_wire`.
+scheme picks (`broadcast.transport.SCHEMES`: `http(s)://` is `broadcast.http_transport`, `p2p:`
+`broadcast.libp2p_transport`), made and started on first use; inbound streams of every
+transport reach the same transport-free core: `accept_push` (relays), `open_pull`/`serve_pull`
+and `manifest_wire`.
 
 Sending follows the version's signed route (`broadcast.route`): a node pushes each tree it is in
 to its children in that tree, the span of the tree only, each chunk as soon as it is verified
@@ -25,14 +26,16 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from broadcast.http_transport import PREFIX, HttpTransport
+from broadcast.http_transport import PREFIX
 from broadcast.manifest import BroadcastError, Buffer
 from broadcast.route import SignedRoute
 from broadcast.signing import SigningKey
 from broadcast.store import VersionGone, VersionStore
 from broadcast.transport import (
+    ADVERTISED,
     PACED_PIECE,
     PIECE,
+    TRANSPORTS,
     Hop,
     Refused,
     StallGuard,
@@ -40,11 +43,13 @@ from broadcast.transport import (
     Transport,
     frame_header,
     pieces,
+    scheme_of,
+    transport_class,
 )
 
 log = logging.getLogger("echo.broadcast")
 MIB = float(1 << 20)
-TRANSPORTS = ("aiohttp", "libp2p")  # what a node may advertise
+SERVER_SCHEME = "http"  # a node's own server: status, health, the route feed (and HTTP streams)
 
 
 def key_version(key: str) -> int | None:
@@ -58,10 +63,10 @@ def key_version(key: str) -> int | None:
 class Node:
     """Shared server side: version stores, pull and status endpoints, outbound streams.
 
-    `transport="libp2p"` also runs a py-libp2p host (identity `p2p_key`, a fresh key if None;
-    TCP `p2p_port` on `host`, any if 0) and advertises its `p2p:` address as this node's `url`
-    (or `public_url`). The HTTP server keeps running (status, and pushes from aiohttp peers).
-    Either kind of node reaches both kinds of peers.
+    `transport` names what it advertises (`broadcast.transport.ADVERTISED`): "libp2p" also runs
+    a py-libp2p host (identity `p2p_key`, a fresh key if None; TCP `p2p_port` on `host`, any if
+    0) and advertises its `p2p:` address as this node's `url` (or `public_url`). The HTTP server
+    keeps running (status, and pushes from aiohttp peers). Every node reaches every kind of peer.
     """
 
     def __init__(
@@ -82,11 +87,8 @@ class Node:
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if transport == "libp2p":
-            from broadcast.libp2p_transport import Libp2pUnavailable, available
-
-            if available() is None:
-                raise Libp2pUnavailable("transport='libp2p' needs py-libp2p: pip install 'echo-rl[p2p]'")
+        self._advertised = transport_class(ADVERTISED[transport])
+        self._advertised.check_available()
         self.id = node_id
         self.transport = transport
         self.host, self.port = host, port
@@ -98,8 +100,8 @@ class Node:
         self.on_event = on_event
         self.stores: dict[str, VersionStore] = {}
         self._runner: web.AppRunner | None = None
-        self._p2p_key, self._p2p_port = p2p_key, p2p_port
-        self._transports: dict[str, Transport] = {}
+        self.p2p_key, self.p2p_port = p2p_key, p2p_port
+        self._transports: dict[type[Transport], Transport] = {}  # by class: http and https share one
         self._store_added: asyncio.Condition | None = None  # created in start() (needs a loop)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -107,40 +109,33 @@ class Node:
         return [web.get(PREFIX + "/status", self._handle_status), web.get(PREFIX + "/health", self._handle_health)]
 
     async def start(self) -> str:
-        """Start serving; returns the node's URL."""
+        """Start serving (the HTTP server, and the advertised transport); returns the node's URL."""
         self._store_added = asyncio.Condition()
-        http = HttpTransport(self, self.connect_timeout)
-        for scheme in http.schemes:
-            self._transports[scheme] = http
+        own = [self._make(cls) for cls in dict.fromkeys((transport_class(SERVER_SCHEME), self._advertised))]
         app = web.Application()
-        app.add_routes(self._routes() + http.routes())
+        app.add_routes(self._routes() + [r for t in own for r in t.routes()])
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        if self.transport == "libp2p":
-            await (await self._libp2p()).start()
+        for transport in own:
+            await transport.start()
         return self.url
 
-    async def _libp2p(self) -> Transport:
-        if "p2p" not in self._transports:
-            from broadcast.libp2p_transport import Libp2pTransport, listen_addr
-
-            # Advertised: listen where the node serves; only dialling out: loopback, not advertised.
-            listen = listen_addr(self.host, self._p2p_port) if self.transport == "libp2p" else listen_addr("127.0.0.1")
-            self._transports["p2p"] = Libp2pTransport(self, self._p2p_key or SigningKey.generate(), listen,
-                                                      self.connect_timeout)
-        return self._transports["p2p"]
+    def _make(self, cls: type[Transport]) -> Transport:
+        if cls not in self._transports:
+            self._transports[cls] = cls.for_node(self, advertised=cls is self._advertised)
+        return self._transports[cls]
 
     async def transport_for(self, url: str) -> Transport:
-        """The transport of a peer URL, by its scheme."""
-        scheme = url.split(":", 1)[0]
-        if scheme == "p2p":
-            return await self._libp2p()
-        if scheme not in self._transports:
-            raise BroadcastError(f"no transport for {url!r}: use http(s):// or p2p:<multiaddr>")
-        return self._transports[scheme]
+        """The transport of a peer URL, by its scheme; made and started on first use."""
+        cls = transport_class(scheme_of(url))
+        if cls in self._transports:
+            return self._transports[cls]
+        transport = self._make(cls)
+        await transport.start()
+        return transport
 
     async def stop(self) -> None:
         for store in list(self.stores.values()):
@@ -153,14 +148,9 @@ class Node:
 
     @property
     def url(self) -> str:
-        if self._public_url:
-            return self._public_url
-        p2p = self._transports.get("p2p")
-        if self.transport == "libp2p" and p2p is not None and p2p.host is not None:  # type: ignore[attr-defined]
-            from broadcast.libp2p_transport import p2p_url
-
-            return p2p_url(p2p.host.addrs[0])  # type: ignore[attr-defined]
-        return f"http://{self.host}:{self.port}"
+        advertised = self._transports.get(self._advertised)
+        return self._public_url or (advertised.url if advertised is not None else None) or \
+            f"{SERVER_SCHEME}://{self.host}:{self.port}"
 
     @property
     def hop(self) -> Hop:

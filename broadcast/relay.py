@@ -41,23 +41,32 @@ import time
 from typing import Any, Callable, Sequence
 
 import aiohttp
-import msgpack
 
 from broadcast.http_transport import PREFIX
-from broadcast.libp2p_transport import Libp2pError
 from broadcast.manifest import BroadcastError
-from broadcast.node import MIB, TRANSPORTS, Node
+from broadcast.node import MIB, Node
 from broadcast.route import Place, RouteError, SignedRoute
 from broadcast.signing import ChunkCorrupt, SignatureError, SignedManifest, VerifyKey, verify_chunk
 from broadcast.source import Source
 from broadcast.store import BroadcastFailed, Received, TransferStats, VersionGone, VersionStore
-from broadcast.transport import Hop, ProtocolError, Refused, Stalled, StallGuard, TokenBucket, read_header, read_into
+from broadcast.transport import (
+    TRANSPORTS,
+    Hop,
+    PeerError,
+    ProtocolError,
+    Refused,
+    Stalled,
+    StallGuard,
+    TokenBucket,
+    read_header,
+    read_into,
+)
 
 log = logging.getLogger("echo.broadcast")
 #: Chunks below this size are hashed on the event loop (~30 us per 64 KiB), bigger ones in a thread.
 INLINE_VERIFY_BYTES = 1 << 20
 #: Errors of a stream to or from one peer: the peer is bad or gone, the relay carries on.
-PEER_ERRORS = (ProtocolError, Stalled, Refused, Libp2pError, aiohttp.ClientError, OSError, asyncio.TimeoutError)
+PEER_ERRORS = (ProtocolError, Stalled, Refused, PeerError, aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 __all__ = ["PREFIX", "BroadcastError", "BroadcastFailed", "Hop", "Received", "Relay", "Source", "TransferStats",
            "VersionGone", "VersionStore", "main"]
@@ -178,28 +187,29 @@ class Relay(Node):
         return self._follower
 
     async def _follow(self, url: str) -> None:
-        if not url.startswith(("http://", "https://")):
-            log.warning("%s: cannot follow the route feed of %s (needs the learner's http URL)", self.id, url)
+        try:
+            transport = await self.transport_for(url)
+        except BroadcastError as e:
+            log.warning("%s: cannot follow the route feed of %s: %s", self.id, url, e)
             return
         after = 0
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90, sock_connect=10)) as session:
-            while True:
-                try:
-                    async with session.get(f"{url}{PREFIX}/routes", params={"after": after, "id": self.id}) as resp:
-                        if resp.status != 200:
-                            raise Refused(resp.status, (await resp.text())[:200])
-                        feed = msgpack.unpackb(await resp.read(), raw=False)
-                    if feed["seq"] < after:  # the learner restarted: its sequence began again
-                        after = 0
-                        continue
-                    for item in feed["items"]:
-                        after = max(after, int(item["seq"]))
-                        await self._take_route(item["manifest"], item["route"])
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the learner restarting, a bad item: retry
-                    log.info("%s: route feed of %s: %s: %s", self.id, url, type(e).__name__, e)
-                    await asyncio.sleep(1.0)
+        while True:
+            try:
+                feed = await transport.route_feed(url, after, self.id)
+                if feed["seq"] < after:  # the learner restarted: its sequence began again
+                    after = 0
+                    continue
+                for item in feed["items"]:
+                    after = max(after, int(item["seq"]))
+                    await self._take_route(item["manifest"], item["route"])
+            except asyncio.CancelledError:
+                raise
+            except NotImplementedError as e:
+                log.warning("%s: cannot follow the route feed of %s: %s", self.id, url, e)
+                return
+            except Exception as e:  # noqa: BLE001 - the learner restarting, a bad item: retry
+                log.info("%s: route feed of %s: %s: %s", self.id, url, type(e).__name__, e)
+                await asyncio.sleep(1.0)
 
     async def _take_route(self, manifest_wire: Any, route_wire: Any) -> None:
         try:
@@ -299,7 +309,7 @@ class Relay(Node):
         except (SignatureError, RouteError) as e:
             self.emit(f"{step}_rejected", peer=peer, error=str(e))
             return 403 if isinstance(e, SignatureError) else 400, str(e)
-        except (ProtocolError, Libp2pError, KeyError, TypeError, ValueError, asyncio.TimeoutError) as e:
+        except (ProtocolError, PeerError, KeyError, TypeError, ValueError, asyncio.TimeoutError) as e:
             return 400, f"bad stream header: {type(e).__name__}: {e}"
         key = signed.manifest.key
         store = self.stores.get(key)
@@ -338,7 +348,7 @@ class Relay(Node):
             self.emit("chunk_corrupt", key=store.key, index=e.index, sender=parent.id, reason=e.reason)
             store.last_failure = f"corrupt chunk {e.index} from {parent.id}"
             return False
-        except (ProtocolError, Stalled, Libp2pError, aiohttp.ClientError, OSError) as e:
+        except (ProtocolError, Stalled, PeerError, aiohttp.ClientError, OSError) as e:
             store.last_failure = f"{type(e).__name__}: {e}"
             self.emit("inbound_failed", key=store.key, sender=parent.id, have=store.have, error=store.last_failure)
             return False

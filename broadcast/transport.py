@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Iterator, Protocol, TypeVar
@@ -187,16 +188,46 @@ class Refused(BroadcastError):
         self.status, self.text = status, text
 
 
-class Transport:
-    """One way of carrying broadcast streams, client and server half.
+class PeerError(BroadcastError):
+    """A transport failed to carry a stream to or from one peer (dial, negotiation, reset): the
+    peer is unreachable or gone, and the node carries on without it."""
 
-    A node holds one instance per transport it speaks and picks it by the scheme of the peer's
-    URL (`Node.transport_for`). The frames are the same on every transport (module docstring);
-    a transport only opens streams and hands inbound ones to the node's transport-free core
-    (`Node.accept_push`, `Node.serve_pull`, `Node.manifest_wire`).
+
+class Transport:
+    """One way of carrying broadcast streams, client and server half, and its whole lifecycle.
+
+    A node makes one instance per scheme it meets (`Node.transport_for`: `for_node`, then
+    `start`), plus, at its own start, the one it advertises (`advertised=True`: it listens
+    where the node serves and its `url` is the node's). `stop` ends them with the node. The
+    frames are the same on every transport (module docstring); a transport only opens streams
+    and hands inbound ones to the node's transport-free core (`Node.accept_push`,
+    `Node.serve_pull`, `Node.manifest_wire`).
     """
 
     schemes: tuple[str, ...] = ()
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise, saying what to install, if this transport cannot run here."""
+
+    @classmethod
+    def for_node(cls, node: Any, advertised: bool) -> "Transport":
+        """This transport for `node` (not started yet)."""
+        raise NotImplementedError
+
+    @classmethod
+    async def probe(cls, url: str, timeout_s: float) -> bool:
+        """Does a node at `url` accept a connection and answer within `timeout_s` seconds?"""
+        raise NotImplementedError
+
+    def routes(self) -> list[Any]:
+        """aiohttp routes this transport serves on the node's HTTP server (if any)."""
+        return []
+
+    @property
+    def url(self) -> str | None:
+        """The node's URL on this transport, once started and if it listens; else None."""
+        return None
 
     async def start(self) -> None:
         """Start serving inbound streams (if this transport listens)."""
@@ -216,6 +247,33 @@ class Transport:
     async def manifest(self, url: str, key: str) -> bytes | None:
         """The signed manifest wire of `key` held by `url`; None if it does not hold it."""
         raise NotImplementedError
+
+    async def route_feed(self, url: str, after: int, node_id: str) -> dict:
+        """One long poll of the learner's route feed at `url` (`broadcast.source`): `{"seq", "items"}`."""
+        raise NotImplementedError(f"{type(self).__name__} carries no route feed (it is the learner's HTTP API)")
+
+
+#: The transport of each URL scheme, imported on first use (py-libp2p stays optional).
+SCHEMES = {
+    "http": "broadcast.http_transport:HttpTransport",
+    "https": "broadcast.http_transport:HttpTransport",
+    "p2p": "broadcast.libp2p_transport:Libp2pTransport",
+}
+#: What a node may advertise (`[worker] relay_transport`, `relay --transport`): the scheme of each.
+ADVERTISED = {"aiohttp": "http", "libp2p": "p2p"}
+TRANSPORTS = tuple(ADVERTISED)
+
+
+def scheme_of(url: str) -> str:
+    return url.split(":", 1)[0].lower()
+
+
+def transport_class(scheme: str) -> type[Transport]:
+    """The transport registered for `scheme`; `BroadcastError` if none is."""
+    if scheme not in SCHEMES:
+        raise BroadcastError(f"no transport for {scheme!r} URLs: use http(s):// or p2p:<multiaddr>")
+    module, name = SCHEMES[scheme].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def check_pull_header(head: dict, key: str, start: int) -> None:

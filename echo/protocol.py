@@ -2,8 +2,15 @@
 
 What a worker sends is untrusted. Every request model refuses unknown keys and bounds every
 string, number and list, so a malformed or oversized field is a 400/422 naming the field,
-never stored. Replies come from the learner, which the worker trusts (the snapshot
-announcement stays an open map: its keys belong to `broadcast`).
+never stored. Replies come from the learner, which the worker trusts; they are typed too, with
+bounds a correct learner never reaches, so both ends read attributes, never string keys.
+
+The snapshot announcement names what `broadcast` moves but is defined here: the ground floor
+imports no plane, and what it carries is names and numbers only (the digest of a star download,
+the stream keys of a chain push, the learner's relay URL, a summary of the plan). Everything a
+relay must trust arrives signed in the manifest and route (`broadcast.signing`,
+`broadcast.route`), which `broadcast` parses itself; the worker builds `broadcast.star.BlobInfo`
+from an `Announcement`.
 
 Trajectory uploads are not JSON: see `echo.wire` (msgpack + zstd, token ids as raw bytes).
 
@@ -107,21 +114,75 @@ class TaskInfo(Message):
     options: dict[str, Any] = {}
 
 
+Sha256 = Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{64})?$")]
+
+
+class Announcement(Message):
+    """A published version as a star download (`broadcast.star`): fetched whole from the learner,
+    checked by size and sha256. (A bare version, size 0, only announces; nothing verifies as it.)"""
+
+    version: Version
+    size: Annotated[int, Field(ge=0, le=1 << 42)] = 0
+    sha256: Sha256 = ""
+
+
+class PlanBrief(Message):
+    """What the workers are told of one push's plan (`broadcast.planner.Plan.summary`)."""
+
+    kind: Name
+    chains: Annotated[int, Field(ge=0, le=100_000)]
+    predicted_s: Annotated[float, Field(ge=0.0)]  # inf: no rate known
+
+
+class PushAnnouncement(Announcement):
+    """A version pushed along signed chains (`[broadcast] mode = "chain"`): the full version's
+    stream `key`, the XOR delta's (`delta_key`, for workers holding its base), and the learner's
+    relay `source`, from which a worker the push missed pulls the full version."""
+
+    key: Id
+    delta_key: Id | None = None
+    source: Url
+    plan: Annotated[dict[Id, PlanBrief], Field(max_length=4)] = {}  # by stream key
+
+
+#: Either kind; a reply carries the one the learner's broadcast design publishes.
+Snapshot = PushAnnouncement | Announcement
+
+
+class BroadcastInfo(Message):
+    """How versions travel in this run (`learner.publisher`): `star` downloads, or `chain`
+    pushes signed by `public_key`, pulled from `source` when none arrived within `fallback_s`."""
+
+    mode: Literal["chain", "star"] = "star"
+    public_key: Annotated[str, StringConstraints(max_length=256)] = ""  # "ed25519:<base64>" (chain)
+    source: Url | None = None  # the learner's relay (chain)
+    fallback_s: Annotated[float, Field(gt=0.0, le=1e7)] = 10.0
+
+
+class RolloutParams(Message):
+    """The sampling parameters every worker of a run generates with (the learner's `[rollout]`)."""
+
+    group_size: Annotated[int, Field(ge=2, le=1024)]
+    max_new_tokens: Annotated[int, Field(ge=1, le=65536)]
+    temperature: Annotated[float, Field(gt=0.0, le=10.0)]
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)]
+
+
 class JoinReply(Message):
     worker_id: str
     credential: str  # `Authorization: Bearer <credential>` on every later call
-    broadcast: dict[str, Any]
+    broadcast: BroadcastInfo
     heartbeat_interval: float
     lease_ttl: float
     long_poll_s: float
     task: TaskInfo
-    rollout: dict[str, Any]
-    snapshot: dict[str, Any] | None = None
+    rollout: RolloutParams
+    snapshot: Snapshot | None = None
 
 
 class HeartbeatReply(Message):
     state: Literal["active", "idle", "stop", "quarantined"]
-    snapshot: dict[str, Any] | None = None
+    snapshot: Snapshot | None = None
     message: str = ""
     # Could the learner connect to the worker's relay? False: nobody can push to it, so it pulls
     # each version from a parent the route names, following the learner's route feed.
@@ -144,7 +205,7 @@ class LeaseReply(Message):
     prompts: list[PromptMsg] = []
     eval_version: int | None = None
     expires_in: float = 0.0
-    snapshot: dict[str, Any] | None = None
+    snapshot: Snapshot | None = None
     empty: Literal["", "wait", "install"] = ""
     waited_s: float = 0.0  # how long the learner held this request for work (the long poll)
 

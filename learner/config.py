@@ -10,9 +10,9 @@ import ipaddress
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from echo.config import Section, load_config
 from echo.tasks import Task, TaskError, load_task
@@ -128,14 +128,45 @@ class EvalSection(Section):
     final_timeout_s: float = Field(300.0, ge=0.0, description="[eval] final_timeout_s: how long the learner waits for the workers' eval of the last version before it stops")
 
 
-class BroadcastSection(Section):
+class _BroadcastShared(Section):
     mode: Literal["chain", "star"] = Field("chain", description="[broadcast] mode: 'chain' (signed, chunked, pipelined chains planned from links) or 'star' (every worker downloads from the learner)")
+    uplink_mbit: float = Field(1000.0, gt=0.0, description="[broadcast] uplink_mbit: the learner's upload bandwidth (Mbit/s), for planning and pacing")
+    done_fraction: float = Field(0.9, gt=0.0, le=1.0, description="[broadcast] done_fraction: T_bcast is measured until this share of the active workers received a version (a straggler does not set it)")
+
+
+class StarBroadcast(_BroadcastShared):
+    """Every worker downloads each version whole from the learner (`broadcast.star`)."""
+
+    mode: Literal["star"] = "star"
+
+
+class ChainBroadcast(_BroadcastShared):
+    """Signed, chunked versions pushed along chains planned from the workers' links."""
+
+    mode: Literal["chain"] = "chain"
     chunk_mib: float = Field(1.0, ge=0.0625, le=64.0, description="[broadcast] chunk_mib: the largest chunk in MiB; each version's chunk size is chosen from its size, the rates and the hop count of its plan, 256 KiB up to this")
     deltas: bool = Field(True, description="[broadcast] deltas: send XOR+zstd deltas on the previous version when smaller")
-    uplink_mbit: float = Field(1000.0, gt=0.0, description="[broadcast] uplink_mbit: the learner's upload bandwidth (Mbit/s), for planning and pacing")
     key_file: Path | None = Field(None, description="[broadcast] key_file: ed25519 signing key (PEM; created if missing; default: in the run directory)")
     fallback_s: float = Field(10.0, gt=0.0, description="[broadcast] fallback_s: a worker not reached by the push within this many seconds pulls the version from the learner")
-    done_fraction: float = Field(0.9, gt=0.0, le=1.0, description="[broadcast] done_fraction: T_bcast is measured until this share of the active workers received a version (a straggler does not set it)")
+
+
+CHAIN_ONLY = frozenset(ChainBroadcast.model_fields) - frozenset(_BroadcastShared.model_fields) - {"mode"}
+
+
+def _broadcast_mode(data: Any) -> Any:
+    """`mode` defaults to "chain"; a star table may keep chain-only keys (a shared file with
+    `--broadcast.mode star`), which mean nothing to a star and are dropped, as before the union."""
+    if not isinstance(data, dict):
+        return data
+    data = {"mode": "chain", **data}
+    if data["mode"] == "star":
+        data = {k: v for k, v in data.items() if k not in CHAIN_ONLY}
+    return data
+
+
+#: `[broadcast]`: the broadcast design, a tagged union on `mode` (`learner.publisher.make_publisher`).
+BroadcastSection = Annotated[Annotated[ChainBroadcast | StarBroadcast, Field(discriminator="mode")],
+                             BeforeValidator(_broadcast_mode)]
 
 
 class ServerSection(Section):
@@ -199,7 +230,7 @@ class LearnerConfig(Section):
     eval: EvalSection = EvalSection()
     server: ServerSection = ServerSection()
     verify: VerifySection = VerifySection()
-    broadcast: BroadcastSection = BroadcastSection()
+    broadcast: BroadcastSection = ChainBroadcast()
     workers: WorkersSection = WorkersSection()
     scheduler: SchedulerSection = SchedulerSection()
 

@@ -16,7 +16,10 @@ worker reports its goodput per version and its heartbeat round trip, and each pu
 the learner's own uplink (`broadcast.links.LinkTable`). Workers that miss a push (late
 joiners, a version they lack the base for) pull the full version from the source.
 
-The star store is kept in both modes: it serves the `/v1/snapshots` fallback and the tests.
+The star store is kept in both designs: it serves the `/v1/snapshots` fallback and the tests.
+`make_publisher` picks the design once from `[broadcast]` (a tagged union on `mode`). Both
+designs speak the typed messages workers read (`echo.protocol`): `info`, the `BroadcastInfo`
+told at join (final once `start()` returned), and `publish() -> Announcement`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from broadcast.links import MBIT, LinkTable, uplink_sample
 from broadcast.manifest import MIN_CHUNK_SIZE, Manifest
@@ -34,6 +38,8 @@ from broadcast.signing import SigningKey
 from broadcast.source import Source
 from broadcast.star import BlobStore
 from broadcast.transport import Hop
+from echo.protocol import Announcement, BroadcastInfo, PlanBrief, PushAnnouncement
+from learner.config import ChainBroadcast, StarBroadcast
 
 log = logging.getLogger("echo.learner.publisher")
 #: Plan every upload at this share of its rate: a relay uploading at full rate slows its own
@@ -41,33 +47,69 @@ log = logging.getLogger("echo.learner.publisher")
 HEADROOM = 0.95
 
 
-class Publisher:
-    def __init__(self, blobs: BlobStore, mode: str, *, chunk_bytes: int, deltas: bool, links: LinkTable,
-                 key_file: Path, host: str):
-        self.blobs, self.mode = blobs, mode
+def make_publisher(section: ChainBroadcast | StarBroadcast, blobs: BlobStore, links: LinkTable, *,
+                   key_file: Path, host: str) -> "StarPublisher":
+    """The publisher of the `[broadcast]` design (`learner.config.BroadcastSection`): `key_file`
+    is the signing key used when the section names none, `host` where the learner's relay binds."""
+    if section.mode == "star":
+        return StarPublisher(blobs)
+    return ChainPublisher(blobs, chunk_bytes=int(section.chunk_mib * (1 << 20)), deltas=section.deltas,
+                          links=links, key_file=section.key_file or key_file, host=host,
+                          fallback_s=section.fallback_s)
+
+
+class StarPublisher:
+    """`star`: each version is kept in the blob store, and workers download it whole."""
+
+    mode = "star"
+
+    def __init__(self, blobs: BlobStore):
+        self.blobs = blobs
+        self.wire_bytes: dict[int, dict] = {}  # version -> {"raw", "full", "delta", "plans"} (chain only)
+        self.info = BroadcastInfo(mode="star")  # what workers are told at join (after start)
+
+    async def start(self) -> str | None:
+        """Start serving; returns the learner's relay URL (None: nothing pushes)."""
+        return None
+
+    async def publish(self, version: int, blob: bytes, workers: list) -> Announcement:
+        """Publish `version`; returns what to announce to workers."""
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())  # not on the event loop
+        info = self.blobs.add(version, blob, sha256=digest)
+        return Announcement(version=info.version, size=info.size, sha256=info.sha256)
+
+    async def stop(self) -> None:
+        pass
+
+
+class ChainPublisher(StarPublisher):
+    """`chain`: signed, chunked versions pushed along planned chains (module docstring); the star
+    store still serves the full-version fallback."""
+
+    mode = "chain"
+
+    def __init__(self, blobs: BlobStore, *, chunk_bytes: int, deltas: bool, links: LinkTable, key_file: Path,
+                 host: str, fallback_s: float = 10.0):
+        super().__init__(blobs)
         self.chunk_bytes, self.deltas, self.links = chunk_bytes, deltas, links
-        self.key_file, self.host = key_file, host
+        self.key_file, self.host, self.fallback_s = key_file, host, fallback_s
         self.source: Source | None = None
         self.public_key = ""
         self._previous: tuple[int, bytes, Manifest] | None = None
         self.pushes: set[asyncio.Task] = set()
-        self.wire_bytes: dict[int, dict] = {}  # version -> {"raw", "full", "delta", "plans"}
 
     async def start(self) -> str | None:
-        if self.mode != "chain":
-            return None
         key = SigningKey.load_or_generate(self.key_file)
         self.public_key = key.public_key().to_text()
         self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate)
-        return await self.source.start()
+        url = await self.source.start()
+        self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s)
+        return url
 
-    async def publish(self, version: int, blob: bytes, workers: list) -> dict:
+    async def publish(self, version: int, blob: bytes, workers: list) -> PushAnnouncement:
         """Publish `version` and start pushing it; returns what to announce to workers."""
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())  # not on the event loop
-        info = self.blobs.add(version, blob, sha256=digest)
-        announcement = info.to_json()
-        if self.source is None:
-            return announcement
+        star = await super().publish(version, blob, workers)
+        assert self.source is not None, "start() the publisher first"
         chunk = self.chunk_for(len(blob), [w for w in workers if w.relay_url])
         # A delta needs its base's chunk layout: when the plan's chunk size changed, this version
         # goes out full once and the next ones are deltas on it again.
@@ -97,11 +139,11 @@ class Publisher:
                           "uplink_mbit": round(self.links.uplink.rate / MBIT, 1)}
         self.wire_bytes[version] = {"raw": len(blob), "chunk": chunk, "full": full.manifest.wire_size,
                                     "delta": delta.manifest.wire_size if delta else None, "plans": plans}
-        announcement.update(key=full.manifest.key, delta_key=delta.manifest.key if delta else None,
-                            source=self.source.url,
-                            plan={k: {"kind": v["kind"], "chains": len(v["chains"]), "predicted_s": v["predicted_s"]}
-                                  for k, v in plans.items()})
-        return announcement
+        return PushAnnouncement(
+            **star.model_dump(), key=full.manifest.key, delta_key=delta.manifest.key if delta else None,
+            source=self.source.url,
+            plan={k: PlanBrief(kind=v["kind"], chains=len(v["chains"]), predicted_s=v["predicted_s"])
+                  for k, v in plans.items()})
 
     def peers(self, workers: list) -> list[PeerLink]:
         """The planner's view of `workers`: measured links, and whether they accept connections."""
@@ -132,3 +174,8 @@ class Publisher:
             task.cancel()
         if self.source is not None:
             await self.source.stop()
+
+
+def Publisher(blobs: BlobStore, mode: str, **chain: Any) -> StarPublisher:  # noqa: N802 - the old class name
+    """The old constructor, kept only until `learner/main.py` calls `make_publisher`; remove then."""
+    return StarPublisher(blobs) if mode == "star" else ChainPublisher(blobs, **chain)

@@ -92,6 +92,7 @@ class Worker:
         self.pending_manifest = None  # chain mode: the manifest of `pending` (the base of the next delta)
         self.base: tuple | None = None  # chain mode: (manifest, blob) of the installed version
         self.relay = None  # chain mode: broadcast.relay.Relay
+        self.broadcast = P.BroadcastInfo()  # how versions travel: the learner says at join
         self.downloading: int | None = None
         self.meter = RateMeter()  # delivered
         self.capacity = CapacityMeter()
@@ -139,8 +140,8 @@ class Worker:
             # Beat from the start: loading the engine can take long, and silence means dead.
             beats = asyncio.create_task(self._heartbeats(client))
             try:
-                self.broadcast = joined.broadcast or {"mode": "star"}
-                if self.broadcast["mode"] == "chain":
+                self.broadcast = joined.broadcast
+                if self.broadcast.mode == "chain":
                     await self._start_relay(client.worker_id)
                 self.task = await asyncio.to_thread(load_task, joined.task.name, joined.task.options)
                 model_dir = await self._fetch_model_dir(client)
@@ -150,10 +151,10 @@ class Worker:
                 self.tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
                 r = joined.rollout
                 pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-                self.params = GenerationParams(n=r["group_size"], max_new_tokens=r["max_new_tokens"],
-                                               temperature=r["temperature"], top_p=r["top_p"],
+                self.params = GenerationParams(n=r.group_size, max_new_tokens=r.max_new_tokens,
+                                               temperature=r.temperature, top_p=r.top_p,
                                                eos_id=self.tokenizer.eos_token_id, pad_id=pad)
-                if joined.snapshot:  # a late joiner pulls the newest version whole
+                if joined.snapshot is not None:  # a late joiner pulls the newest version whole
                     await self._fetch(client, joined.snapshot, wait_for_push=False)
                 gc.freeze()  # the engine's objects stay out of the cyclic collector's full passes
                 loopwatch.watch(f"echo-worker {self.name}")
@@ -187,11 +188,11 @@ class Worker:
             joined = await self._join(client)
             log.info("%s: joined %s again as %s", self.name, self.url, client.worker_id)
             self.joined = joined
-            self.broadcast = joined.broadcast or {"mode": "star"}
+            self.broadcast = joined.broadcast
             if self.relay is not None:  # the relay is named by the worker id, which changed
                 await self.relay.stop()
                 self.relay = None
-            if self.broadcast["mode"] == "chain":
+            if self.broadcast.mode == "chain":
                 await self._start_relay(client.worker_id)
             self._notice(client, joined.snapshot)
 
@@ -248,7 +249,7 @@ class Worker:
         from broadcast.signing import VerifyKey
 
         w = self.cfg.worker
-        self.relay = Relay(worker_id, VerifyKey.from_text(self.broadcast["public_key"]), host=w.relay_host,
+        self.relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=w.relay_host,
                            port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
                            transport=w.relay_transport)
         await self.relay.start()
@@ -270,21 +271,21 @@ class Worker:
             self.received_at[m.version] = time.monotonic()
             self.arrived.set()
 
-    async def _fetch(self, client: LearnerClient, snapshot: dict, wait_for_push: bool = True) -> None:
+    async def _fetch(self, client: LearnerClient, snapshot: P.Snapshot, wait_for_push: bool = True) -> None:
         """Get an announced version: by star download, or in chain mode from the push — and if the
         push does not arrive within `fallback_s`, by pulling the full version from the source."""
-        if self.relay is None:
-            return await self._download(client, BlobInfo(**{k: snapshot[k] for k in ("version", "size", "sha256")}))
+        if self.relay is None or not isinstance(snapshot, P.PushAnnouncement):  # nothing pushes it
+            return await self._download(client, BlobInfo(snapshot.version, snapshot.size, snapshot.sha256))
         from broadcast.relay import BroadcastError
         from broadcast.transport import Hop
 
-        version = snapshot["version"]
+        version = snapshot.version
         self.downloading = version
         try:
-            keys = [k for k in (snapshot.get("delta_key"), snapshot["key"]) if k]
+            keys = [k for k in (snapshot.delta_key, snapshot.key) if k]
             if wait_for_push:
                 waits = [asyncio.create_task(self.relay.wait(k)) for k in keys]
-                done, waiting = await asyncio.wait(waits, timeout=self.broadcast["fallback_s"],
+                done, waiting = await asyncio.wait(waits, timeout=self.broadcast.fallback_s,
                                                    return_when=asyncio.FIRST_COMPLETED)
                 for t in waiting:
                     t.cancel()
@@ -292,7 +293,7 @@ class Worker:
                     return  # on_complete staged it
             if self.pending is None or self.pending[0] < version:
                 log.info("%s: pulling v%d from the learner", self.name, version)
-                await self.relay.fetch(snapshot["key"], [Hop("source", snapshot["source"])])
+                await self.relay.fetch(snapshot.key, [Hop("source", snapshot.source)])
         except (BroadcastError, aiohttp.ClientError, asyncio.TimeoutError) as e:
             log.warning("%s: v%d did not arrive: %s", self.name, version, e)
         finally:
@@ -335,8 +336,8 @@ class Worker:
                 elif reply.state == "active" and not self.active.is_set():
                     log.info("%s: activated by the learner's scheduler", self.name)
                     self.active.set()
-                if reply.reachable is False and self.relay is not None and self.broadcast.get("source"):
-                    self.relay.follow(self.broadcast["source"])  # behind NAT: pull what the routes assign
+                if reply.reachable is False and self.relay is not None and self.broadcast.source:
+                    self.relay.follow(self.broadcast.source)  # behind NAT: pull what the routes assign
                 self._notice(client, reply.snapshot)
                 failing_since = None
             except Forgotten:
@@ -355,13 +356,13 @@ class Worker:
                     self.active.set()
             await asyncio.sleep(self.joined.heartbeat_interval)
 
-    def _notice(self, client: LearnerClient, snapshot: dict | None) -> None:
+    def _notice(self, client: LearnerClient, snapshot: P.Snapshot | None) -> None:
         """Start downloading an announced version newer than anything installed or on its way."""
         if self.engine is None:
             return  # still starting; the snapshot announced at join is fetched then
         newest_known = max(self.engine.version, self.pending[0] if self.pending else -1,
                            self.downloading if self.downloading is not None else -1)
-        if snapshot and snapshot["version"] > newest_known:
+        if snapshot is not None and snapshot.version > newest_known:
             self._download_task = asyncio.create_task(self._fetch(client, snapshot))
 
     async def _install_pending(self) -> None:

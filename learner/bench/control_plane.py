@@ -185,7 +185,7 @@ class Fleet:
                 if e.status not in (429, 503):
                     raise
                 await asyncio.sleep(max(1.0, e.retry_after) * random.uniform(1, 1.5))
-        version = joined.snapshot["version"] if joined.snapshot else 0
+        version = joined.snapshot.version if joined.snapshot is not None else 0
 
         async def beat() -> None:
             await asyncio.sleep(random.uniform(0, joined.heartbeat_interval))
@@ -201,8 +201,8 @@ class Fleet:
                 t = time.perf_counter()
                 lease = await client.lease(1, version, wait_s=joined.long_poll_s)
                 self.timed("lease" if lease.lease_id else "lease (empty)", time.perf_counter() - t - lease.waited_s)
-                if lease.snapshot:
-                    version = lease.snapshot["version"]
+                if lease.snapshot is not None:
+                    version = lease.snapshot.version
                 if lease.lease_id is None:
                     if lease.empty == "install":  # "download and install" the announced version
                         await asyncio.sleep(random.uniform(0.5, 1.5))
@@ -212,7 +212,7 @@ class Fleet:
                 for p in lease.prompts:
                     right = self.tokenizer(p.answer, add_special_tokens=False)["input_ids"]
                     wrong = self.tokenizer("+", add_special_tokens=False)["input_ids"]
-                    groups.append(GroupMsg(p.id, lease.snapshot["version"], [
+                    groups.append(GroupMsg(p.id, lease.snapshot.version, [
                         SampleMsg(ids, [-0.5] * len(ids), reward) for ids, reward in
                         ((right, 1.0), (wrong, 0.0), (right, 1.0), (wrong, 0.0))]))
                 t = time.perf_counter()

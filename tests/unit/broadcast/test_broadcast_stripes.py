@@ -243,14 +243,14 @@ def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
 
     from broadcast.links import MBIT, LinkTable
     from broadcast.star import BlobStore
-    from learner.publisher import Publisher
+    from learner.publisher import ChainPublisher
 
     blob = random_blob(3 * MIB, seed=8)
 
     async def run():
         links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
-        pub = Publisher(BlobStore(), "chain", chunk_bytes=1 * MIB, deltas=False, links=links,
-                        key_file=tmp_path / "learner.key", host="127.0.0.1")
+        pub = ChainPublisher(BlobStore(), chunk_bytes=1 * MIB, deltas=False, links=links,
+                             key_file=tmp_path / "learner.key", host="127.0.0.1")
         source_url = await pub.start()
         key = SigningKey.load(tmp_path / "learner.key")
         relays = {w: Relay(w, key.public_key(), stall_timeout=3,
@@ -275,7 +275,7 @@ def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
     assert plan["pull"] == ["w3"] and all(tree[0] != "w3" for tree in plan["chains"])
     assert wire["chunk"] <= 1 * MIB
     assert all(bytes(g.data) == blob for g in got.values())
-    assert announced["key"] == "v1"
+    assert announced.key == "v1"
 
 
 def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
@@ -287,7 +287,7 @@ def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
 
     from broadcast.links import MBIT, LinkTable
     from broadcast.star import BlobStore
-    from learner.publisher import Publisher
+    from learner.publisher import ChainPublisher
 
     rng = np.random.default_rng(9)
     base = rng.standard_normal(768 * 1024, dtype=np.float32)
@@ -299,8 +299,8 @@ def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
 
     async def run():
         links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
-        pub = Publisher(BlobStore(), "chain", chunk_bytes=1 * MIB, deltas=True, links=links,
-                        key_file=tmp_path / "learner.key", host="127.0.0.1")
+        pub = ChainPublisher(BlobStore(), chunk_bytes=1 * MIB, deltas=True, links=links,
+                             key_file=tmp_path / "learner.key", host="127.0.0.1")
         await pub.start()
         workers = [SimpleNamespace(id=f"w{i}", relay_url=closed_port_url(), version=-1, reachable=None)
                    for i in range(8)]
@@ -320,3 +320,33 @@ def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
     assert wire[1]["chunk"] == 1 * MIB and wire[2]["chunk"] < 1 * MIB
     assert wire[2]["delta"] is None  # new layout: full once
     assert wire[3]["chunk"] == wire[2]["chunk"] and wire[3]["delta"] is not None and wire[3]["delta"] < wire[3]["full"] / 4
+
+
+def test_make_publisher_picks_the_design_once(tmp_path):
+    """`[broadcast] mode` picks the publisher; a star one announces a download by size and
+    sha256 and tells workers at join that nothing pushes."""
+    import hashlib
+
+    from broadcast.links import MBIT, LinkTable
+    from broadcast.star import BlobStore
+    from learner.config import ChainBroadcast, StarBroadcast
+    from learner.publisher import ChainPublisher, StarPublisher, make_publisher
+
+    links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
+    chain = make_publisher(ChainBroadcast(chunk_mib=2, deltas=False), BlobStore(), links,
+                           key_file=tmp_path / "learner.key", host="127.0.0.1")
+    assert type(chain) is ChainPublisher and chain.chunk_bytes == 2 * MIB and not chain.deltas
+    assert chain.key_file == tmp_path / "learner.key"
+    star = make_publisher(StarBroadcast(), BlobStore(), links, key_file=tmp_path / "learner.key", host="127.0.0.1")
+    assert type(star) is StarPublisher
+
+    async def run():
+        await star.start()
+        try:
+            return await star.publish(1, b"weights", [])
+        finally:
+            await star.stop()
+
+    announced = asyncio.run(run())
+    assert announced.model_dump() == {"version": 1, "size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}
+    assert star.info.mode == "star" and star.wire_bytes == {}

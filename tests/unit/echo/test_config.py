@@ -78,3 +78,20 @@ def test_dry_run_prints_resolved_config():
                           "--config", "configs/worker.toml", "--engine.type", "tpu"], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "engine.type" in bad.stderr and "'transformers'" in bad.stderr
+
+
+def test_broadcast_design_is_a_tagged_union_on_mode(tmp_path):
+    """`[broadcast] mode` picks the variant; chain-only keys live on the chain variant only, and
+    old files keep loading: no `mode` means chain, and a star keeps a shared file's chain keys
+    (they mean nothing to a star). Unknown keys and modes are still errors."""
+    from learner.config import ChainBroadcast, StarBroadcast
+
+    chain = load_learner_config(None, ["--broadcast.chunk_mib", "2"]).broadcast
+    assert isinstance(chain, ChainBroadcast) and chain.mode == "chain" and chain.chunk_mib == 2
+    star = load_learner_config(ROOT / "configs/learner-gpu.toml", ["--broadcast.mode", "star"]).broadcast
+    assert isinstance(star, StarBroadcast) and star.mode == "star" and not hasattr(star, "chunk_mib")
+    (tmp_path / "resolved.toml").write_text(dump_toml(load_learner_config(None, ["--broadcast.mode", "star"])))
+    assert isinstance(load_learner_config(tmp_path / "resolved.toml").broadcast, StarBroadcast)
+    for bad in (["--broadcast.mode", "ring"], ["--broadcast.mode", "star", "--broadcast.chunk_size", "1"]):
+        with pytest.raises(ConfigError, match="broadcast"):
+            load_learner_config(None, bad)

@@ -1,0 +1,47 @@
+"""The learner→worker replies are typed (`echo.protocol`) and keep the wire JSON they had as maps."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from echo import protocol as P
+
+SHA = "ab" * 32
+STAR = {"version": 3, "size": 10, "sha256": SHA}
+CHAIN = {**STAR, "key": "v3", "delta_key": None, "source": "http://127.0.0.1:9000",
+         "plan": {"v3": {"kind": "stripes", "chains": 2, "predicted_s": 1.25}}}
+
+
+@pytest.mark.parametrize("announced, kind", [(STAR, P.Announcement), (CHAIN, P.PushAnnouncement)])
+def test_announcements_parse_to_their_kind_and_keep_their_keys(announced, kind):
+    for reply in (P.HeartbeatReply(state="active", snapshot=announced), P.LeaseReply(snapshot=announced)):
+        assert type(reply.snapshot) is kind
+        wire = json.loads(json.dumps(reply.model_dump()))
+        assert wire["snapshot"] == announced  # the same keys as when the announcement was a map
+        assert type(type(reply).model_validate(wire).snapshot) is kind
+
+
+def test_join_reply_reads_as_attributes():
+    joined = P.JoinReply.model_validate({
+        "worker_id": "w1", "credential": "w1.x", "heartbeat_interval": 2.0, "lease_ttl": 20.0, "long_poll_s": 10.0,
+        "task": {"name": "arith"}, "snapshot": CHAIN,
+        "broadcast": {"mode": "chain", "public_key": "ed25519:AAAA", "source": "http://127.0.0.1:9000",
+                      "fallback_s": 10.0},
+        "rollout": {"group_size": 8, "max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0}})
+    assert joined.broadcast.mode == "chain" and joined.broadcast.fallback_s == 10.0
+    assert joined.rollout.group_size == 8 and joined.snapshot.key == "v3"
+    assert P.JoinReply.model_validate({**joined.model_dump(), "broadcast": {}}).broadcast.mode == "star"
+
+
+@pytest.mark.parametrize("bad", [
+    {"snapshot": {**STAR, "sha256": "not hex"}},
+    {"snapshot": {**CHAIN, "source": "ftp://x"}},
+    {"snapshot": {**STAR, "unknown": 1}},
+    {"snapshot": {**STAR, "size": -1}},
+])
+def test_replies_out_of_bounds_are_refused(bad):
+    with pytest.raises(ValidationError):
+        P.HeartbeatReply.model_validate({"state": "active", **bad})
+    with pytest.raises(ValidationError):
+        P.RolloutParams(group_size=8, max_new_tokens=4, temperature=1.0, top_p=0.0)
