@@ -19,6 +19,7 @@ Blocking torch code: the learner runs it on its trainer thread, never on the eve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -134,6 +135,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.world.device.type) if t.compute_dtype == "float16" else None
         self.num_parameters = count_parameters(self.policy)
         self.version = 0  # number of updates applied
+        self.skipped_steps = 0  # optimizer steps skipped because the gradient norm was not finite
         self.resumed = self.load_checkpoint(checkpoint) if checkpoint else {}
 
     @property
@@ -166,7 +168,7 @@ class Trainer:
         if old:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
-        sums = torch.zeros(9, dtype=torch.float64, device=world.device)
+        sums = torch.zeros(len(dataclasses.fields(LossStats)), dtype=torch.float64, device=world.device)
         grad_norm = torch.zeros(())
         for share in shares:
             grad_norm = self._update(samples, share, old, ref, gaps, sums)
@@ -188,6 +190,8 @@ class Trainer:
             "mismatch_kl": stats.mismatch_kl,
             "outside_nucleus_fraction": stats.outside_nucleus_fraction,
             "kl_ref": stats.kl_ref,
+            "kl_excluded": stats.kl_excluded,  # tokens outside π_θ's or the reference's nucleus, not in the KL
+            "skipped_steps": self.skipped_steps,  # optimizer steps skipped for a non-finite gradient, so far
             "tokens": samples.total_tokens,
             "lr": self.scheduler.get_last_lr()[0],
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] over fresh samples (learner.verify)
@@ -250,11 +254,13 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.max_grad_norm)
-        if self.scaler:
+        if self.scaler:  # fp16: the scaler skips a non-finite step itself and lowers its scale
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif torch.isfinite(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm):
             self.optimizer.step()
+        else:  # NaN or inf weights would be published and refused by every worker: skip, and say so
+            self.skipped_steps += 1
         return grad_norm
 
     def skip_to(self, version: int) -> None:
