@@ -102,11 +102,9 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] | 
 def _explain(model: type[BaseModel], error: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}, with command-line overrides applied):"]
     for err in error.errors():
-        loc = [str(p) for p in err["loc"]]
-        # pydantic inserts the union tag into locations; keep only the user's key path.
-        key = ".".join(p for p in loc if not p.startswith("function-"))
+        path, allowed = _walk(model, [str(p) for p in err["loc"]])
+        key = ".".join(path)
         if err["type"] == "extra_forbidden":
-            allowed = _allowed_keys(model, loc[:-1])
             hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
             lines.append(f"  {key}: unknown key in {source}{hint}")
         else:
@@ -114,26 +112,38 @@ def _explain(model: type[BaseModel], error: ValidationError, source: str) -> str
     return "\n".join(lines)
 
 
-def _allowed_keys(model: type[BaseModel], path: list[str]) -> list[str]:
-    node: Any = model
-    for part in path:
-        field = getattr(node, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        node = _model_of(field.annotation)
-        if node is None:
-            return []
-    return sorted(getattr(node, "model_fields", {}))
+def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], list[str]]:
+    """The user's key path in a pydantic error location, and the keys allowed beside its last
+    part. pydantic inserts union tags (a tagged union's `mode = "chain"` shows as `chain`) and
+    validator names into locations: they are not keys, they pick the variant."""
+    options: list[type[BaseModel]] = [model]
+    path: list[str] = []
+    for i, part in enumerate(loc):
+        chosen = [m for m in options if part == m.__name__ or part in _tags(m)]
+        if len(options) > 1 and chosen:
+            options = chosen[:1]
+            continue
+        if part.startswith("function-"):
+            continue
+        path.append(part)
+        if i == len(loc) - 1:
+            break
+        owner = next((m for m in options if part in m.model_fields), None)
+        options = _models_of(owner.model_fields[part].annotation) if owner else []
+    allowed = sorted({k for m in options for k in m.model_fields}) if len(options) == 1 else []
+    return path, allowed
 
 
-def _model_of(annotation: Any) -> type[BaseModel] | None:
+def _tags(model: type[BaseModel]) -> set[str]:
+    """The literal values a variant's fields take: its tag among them."""
+    return {str(v) for f in model.model_fields.values() if typing.get_origin(f.annotation) is typing.Literal
+            for v in typing.get_args(f.annotation)}
+
+
+def _models_of(annotation: Any) -> list[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_of(arg)]
 
 
 def add_config_args(parser: argparse.ArgumentParser, default: str | None) -> None:
