@@ -30,6 +30,13 @@ MAX_JSON_BYTES = 256 << 10  # a JSON body larger than this is refused before it 
 Name = Annotated[str, StringConstraints(max_length=64)]
 Id = Annotated[str, StringConstraints(max_length=128)]
 Url = Annotated[str, StringConstraints(max_length=256, pattern=r"^(|https?://\S+|p2p:/\S+)$")]
+# A worker's relay: where other workers and the learner connect, so nothing but an address and a
+# port (no path, query or credentials a request could be aimed with); the learner also requires
+# the host to be the address the worker connects from (learner's workers room).
+_HOST = r"(\d{1,3}(\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,252}))"
+RelayUrl = Annotated[str, StringConstraints(max_length=256, pattern=(
+    rf"^(|https?://{_HOST}:\d{{1,5}}/?"
+    r"|p2p:/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:-]{1,253}/tcp/\d{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,128})$"))]
 Rate = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]
 Mbit = Annotated[float, Field(ge=0.0, le=1e5, allow_inf_nan=False)]  # 100 Gbit/s: beyond any rented link
 Seconds = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]
@@ -49,8 +56,22 @@ def parse(model: type[Message], data: Any) -> Message:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5])
-        raise ProtocolError(f"{model.__name__}: {problems}") from None
+        raise _protocol_error(model, e) from None
+
+
+def parse_json(model: type[Message], raw: bytes) -> Message:
+    """Parse and validate a JSON body in one pass (pydantic's parser: bounded nesting, no Python
+    object for what the model does not keep); an empty body is `{}`. Every failure, a
+    100,000-deep array included, is a ProtocolError, never a RecursionError."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        raise _protocol_error(model, e) from None
+
+
+def _protocol_error(model: type[Message], e: ValidationError) -> ProtocolError:
+    problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg'][:200]}" for err in e.errors()[:5])
+    return ProtocolError(f"{model.__name__}: {problems}")
 
 
 # --- worker → learner ----------------------------------------------------------------------------
@@ -80,7 +101,7 @@ class Report(Message):
     engine: Name = ""
     download_mbit: Mbit = 0.0
     upload_mbit: Mbit = 0.0
-    relay_url: Url = ""
+    relay_url: RelayUrl = ""
     rtt_ms: Annotated[float, Field(ge=0.0, le=600_000.0, allow_inf_nan=False)] | None = None
     installs: Annotated[list[Install], Field(max_length=64)] = []
     links: Annotated[list[dict[str, Any]], Field(max_length=16)] = []  # broadcast.links.LinkSample, checked there

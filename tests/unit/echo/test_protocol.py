@@ -45,3 +45,36 @@ def test_replies_out_of_bounds_are_refused(bad):
         P.HeartbeatReply.model_validate({"state": "active", **bad})
     with pytest.raises(ValidationError):
         P.RolloutParams(group_size=8, max_new_tokens=4, temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("url", [
+    "", "http://127.0.0.1:8700", "http://198.51.100.7:8700/", "https://relay.example.org:443",
+    "http://[2001:db8::1]:8700", "p2p:/ip4/10.0.0.2/tcp/4001/p2p/12D3KooWLRPJAA5o6kHLBNe5MAbSvA9bE6c5fhLiSNBGRxW6hVgQ",
+])
+def test_a_relay_url_is_an_address_and_a_port(url):
+    assert P.parse(P.Report, {"relay_url": url}).relay_url == url
+
+
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254/latest/meta-data/",  # a path: the cloud metadata service
+    "http://127.0.0.1:8650/v1/status?x=1",
+    "http://user:pw@10.0.0.1:80",
+    "http://10.0.0.1",  # no port
+    "file:///etc/passwd", "gopher://10.0.0.1:70",
+    "p2p:/ip4/10.0.0.2/tcp/4001/p2p/x/../../etc",
+])
+def test_a_relay_url_with_anything_else_is_refused(url):
+    with pytest.raises(P.ProtocolError, match="relay_url"):
+        P.parse(P.Report, {"relay_url": url})
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"name": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                                 b"not json", b'{"name": "x"'])
+def test_any_bad_json_body_is_a_protocol_error(raw):
+    with pytest.raises(P.ProtocolError):
+        P.parse_json(P.Report, raw)
+
+
+def test_a_json_body_parses_as_its_model():
+    assert P.parse_json(P.Report, b'{"name": "w1", "rollouts_per_s": 2.5}').name == "w1"
+    assert P.parse_json(P.LeaseRequest, b"").max_prompts == 1
