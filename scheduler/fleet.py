@@ -3,8 +3,11 @@
 The learner tells it who joined, who beat and what the trainer measured; it answers whether a
 worker should generate (`is_active`) and, on each `tick`, turns the controller's decisions
 into provider actions. Candidates come from the pool file (machines a provider can bring up,
-identified by the pool ids `name-k`) and from workers that joined by themselves (identified
-by the name they gave, priced at what they declared).
+identified by the pool ids `name-k`, which a worker proves with its machine token) and from
+workers that joined by themselves. Nothing a self-joined worker declares is believed: it is
+known by the worker id the learner gave it (not the name it chose), priced like the dearest
+machine the operator listed (not at what it declared), and counted at `UNPROVEN_RATE` until
+the learner measured its capacity.
 
 Invariant (asserted): a worker is active only if the controller lists it as active.
 """
@@ -21,6 +24,10 @@ from scheduler.controller import Controller, ControllerParams, Decision
 from scheduler.errors import InfeasibleOverlap
 from scheduler.pool import Pool
 from scheduler.providers import Machine, Provider
+
+
+UNPROVEN_RATE = 1.0  # rollouts/s a self-joined worker counts for before it was measured
+UNPRICED = 1.0  # $/h of a self-joined worker when no pool names a price
 
 
 @dataclass
@@ -71,14 +78,24 @@ class Fleet:
 
     # --- what the learner reports --------------------------------------------------------
 
-    def joined(self, now: float, name: str, price: float, declared_rate: float) -> None:
-        """A worker joined; a pool machine is known by its pool id, anyone else by its name."""
-        cand = self.candidates.get(name)
-        if cand is None:  # joined by itself: a candidate at its declared price
-            self._add(now, Machine(name, "", price, declared_rate if declared_rate > 0 else 1.0))
-            cand = self.candidates[name]
+    def joined(self, now: float, worker_id: str, machine_id: str | None = None) -> str:
+        """A worker joined: as the pool machine its machine token proved (`machine_id`), or by
+        itself. Returns the id the fleet knows it by (`is_active`, `heartbeat`)."""
+        key = machine_id if machine_id in self.candidates else worker_id
+        cand = self.candidates.get(key)
+        if cand is None:
+            self._add(now, Machine(key, "", self.unproven_price, UNPROVEN_RATE))
+            cand = self.candidates[key]
         cand.joined, cand.last_seen = True, now
-        self.controller.observe(now, name, alive=True)
+        self.controller.observe(now, key, alive=True)
+        return key
+
+    @property
+    def unproven_price(self) -> float:
+        """What a self-joined worker costs for the controller: the dearest listed machine, so a
+        claim of $0/h cannot make it the first choice."""
+        listed = [c.machine.price_per_hour for c in self.candidates.values() if c.machine.rollouts_per_s > 0]
+        return max(listed, default=UNPRICED)
 
     def heartbeat(self, now: float, name: str, capacity_per_s: float) -> None:
         """A worker beat, reporting its capacity: rollouts per engine-busy second. Not what it

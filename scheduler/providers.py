@@ -6,6 +6,11 @@
 - `command`: user-given shell commands, e.g. a cloud CLI (`launch_command = "mycloud up
   --name {id} --gpu '{gpu}' -- echo-worker join {url} --token {token}"`).
 
+A machine a provider brings up joins with its own **machine token** (`machine_token`: the run
+token's HMAC of the machine id), which binds it to its pool entry: the pool's price and rate are
+the operator's word, so a worker that merely names itself after a pool machine gets neither.
+Machines of a `static` pool (brought up by the operator) take theirs from `RUN_DIR/machine-tokens.toml`.
+
 The `[scheduler.provider]` table picks one (`make_provider` is the one place a kind becomes
 a provider); the fleet asks only what a provider can do (`launches_machines`,
 `releases_machines`), never which kind it is. A provider never blocks the learner: commands
@@ -14,6 +19,8 @@ run as background processes.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import shlex
 import subprocess
@@ -22,6 +29,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler.config import CommandProviderConfig, LocalProviderConfig, ProviderConfig, StaticProviderConfig
+
+
+MACHINE_PREFIX = "machine:"
+
+
+def machine_token(run_token: str, machine_id: str) -> str:
+    """The token machine `machine_id` joins with: it proves the learner (or its provider) handed
+    it out for that machine, and cannot be turned into another machine's."""
+    mac = hmac.new(run_token.encode(), machine_id.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{MACHINE_PREFIX}{machine_id}:{mac}"
+
+
+def machine_of(run_token: str, presented: str) -> str | None:
+    """The machine id a presented machine token is valid for, or None."""
+    if not presented.startswith(MACHINE_PREFIX):
+        return None
+    machine_id = presented[len(MACHINE_PREFIX):].rpartition(":")[0]
+    return machine_id if machine_id and hmac.compare_digest(machine_token(run_token, machine_id), presented) else None
 
 
 @dataclass(frozen=True)
@@ -61,7 +86,7 @@ class LocalProvider(Provider):
         if machine.id in self.procs and self.procs[machine.id].poll() is None:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [self.python, "-m", "worker.main", "join", self.url, f"--token={self.token}",
+        cmd = [self.python, "-m", "worker.main", "join", self.url, f"--token={machine_token(self.token, machine.id)}",
                "--config", str(self.worker_config), "--worker.name", machine.id,
                "--worker.price_per_hour", repr(machine.price_per_hour),
                "--worker.max_rollouts_per_s", repr(machine.rollouts_per_s), "--worker.gpu", machine.gpu,
@@ -95,7 +120,7 @@ class CommandProvider(Provider):
 
     def _run(self, template: str, machine: Machine, what: str) -> None:
         fields = {"id": machine.id, "gpu": machine.gpu, "price": machine.price_per_hour,
-                  "rate": machine.rollouts_per_s, "url": self.url, "token": self.token}
+                  "rate": machine.rollouts_per_s, "url": self.url, "token": machine_token(self.token, machine.id)}
         command = template.format(**{k: shlex.quote(str(v)) for k, v in fields.items()})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{machine.id}.{what}.log", "a")

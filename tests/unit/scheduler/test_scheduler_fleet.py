@@ -50,7 +50,7 @@ def test_dead_worker_is_replaced_and_capacity_recomputed():
     f = fleet(p)
     f.tick(0.0)
     for name in ("cheap-0", "cheap-1", "mid"):
-        f.joined(1.0, name, 0.0, 0.0)
+        assert f.joined(1.0, f"w-{name}", machine_id=name) == name
     for t in range(2, 6):
         for name in ("cheap-1", "mid"):  # cheap-0 died after joining: no more heartbeats
             f.heartbeat(float(t), name, 10.0 if name.startswith("cheap") else 15.0)
@@ -82,11 +82,30 @@ def test_measured_step_time_moves_the_requirement_and_infeasibility_is_reported(
     assert "S = 2, I = 1" in overlapped.tick(2.0).infeasible and "S ≥ 3" in overlapped.status.infeasible
 
 
-def test_self_joined_workers_are_candidates_at_their_declared_price():
-    f = Fleet(None, Provider(), ControllerParams(alpha=1.2, window_s=0, warmup_s=0), batch=100,
+def test_a_self_joined_worker_is_believed_only_as_far_as_it_was_measured():
+    """A joiner declaring $0/h and 1e7 rollouts/s used to become the controller's first choice,
+    and the honest paid worker was released. Now it is priced like the dearest listed machine,
+    counts for UNPROVEN_RATE until measured, and is known by its worker id, not its name."""
+    from scheduler.fleet import UNPROVEN_RATE
+    from scheduler.pool import Pool
+
+    pool = Pool.model_validate({"workers": [{"name": "box", "price_per_hour": 0.5, "rollouts_per_s": 40}]})
+    f = Fleet(pool, Provider(), ControllerParams(alpha=1.2, window_s=0, warmup_s=0), batch=100,
               publish_every=1, max_staleness=2, t_train_prior=4.0, t_bcast_prior=0.0, launch_timeout_s=20)
-    f.joined(0.0, "a", price=0.5, declared_rate=40)
-    f.joined(0.0, "b", price=0.1, declared_rate=40)
+    assert f.joined(0.0, "w1", machine_id="box") == "box"
+    assert f.joined(0.0, "w2") == "w2"  # a liar naming itself "box" is still w2 to the fleet
     f.tick(0.0)
-    assert f.is_active("b") and not f.is_active("a")  # b alone covers 30/s, and is cheaper
-    assert f.active_prices() == [0.1]
+    assert f.is_active("box") and not f.is_active("w2")  # box alone covers 30/s
+    assert f.candidates["w2"].machine.price_per_hour == 0.5  # the dearest listed, not its claim
+    assert f.candidates["w2"].machine.rollouts_per_s == UNPROVEN_RATE
+    assert f.active_prices() == [0.5]
+
+
+def test_machine_tokens_bind_a_machine_and_nothing_else():
+    from scheduler.providers import machine_of, machine_token
+
+    token = machine_token("run-token", "box-0")
+    assert machine_of("run-token", token) == "box-0"
+    assert machine_of("other-run", token) is None
+    assert machine_of("run-token", token.replace("box-0", "box-1")) is None
+    assert machine_of("run-token", "run-token") is None
