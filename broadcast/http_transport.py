@@ -22,7 +22,7 @@ import msgpack
 from aiohttp import web
 
 from broadcast.manifest import BroadcastError
-from broadcast.transport import Refused, Transport, check_pull_header, read_header
+from broadcast.transport import Refused, Transport, bearer, check_pull_header, read_header
 
 if TYPE_CHECKING:
     from broadcast.node import Node
@@ -38,8 +38,10 @@ class HttpTransport(Transport):
 
     def __init__(self, node: "Node", connect_timeout: float) -> None:
         self.node = node
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), auto_decompress=False)
+        read = {"Authorization": f"Bearer {node.read_token}"} if getattr(node, "read_token", None) else {}
+        self._session = aiohttp.ClientSession(  # every request presents the run's read capability
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), auto_decompress=False,
+            headers=read)
 
     @classmethod
     def for_node(cls, node: "Node", advertised: bool) -> "HttpTransport":
@@ -95,6 +97,10 @@ class HttpTransport(Transport):
 
     async def _handle_push(self, request: web.Request) -> web.StreamResponse:
         # Plain HTTP authenticates nobody: the sender named in the stream is not checked here.
+        try:
+            self.node.require_read(bearer(request))
+        except Refused as e:
+            raise _http_error(e) from None
         status, text = await self.node.accept_push(request.content, peer=request.remote, identity=None)
         if status == 200:
             return web.json_response(text=text)
@@ -117,6 +123,7 @@ class HttpTransport(Transport):
     async def _handle_chunks(self, request: web.Request) -> web.StreamResponse:
         q = request.query
         try:
+            self.node.require_read(bearer(request))
             store, start, end = await self.node.open_pull(request.match_info["key"], q.get("from", "0"), q.get("to"))
         except Refused as e:
             raise _http_error(e) from None
@@ -132,6 +139,10 @@ class HttpTransport(Transport):
         return resp
 
     async def _handle_manifest(self, request: web.Request) -> web.Response:
+        try:
+            self.node.require_read(bearer(request))
+        except Refused as e:
+            raise _http_error(e) from None
         wire = self.node.manifest_wire(request.match_info["key"])
         if wire is None:
             raise web.HTTPNotFound(text=f"{self.node.id} does not hold {request.match_info['key']}")
@@ -139,5 +150,5 @@ class HttpTransport(Transport):
 
 
 def _http_error(e: Refused) -> web.HTTPException:
-    cls = {404: web.HTTPNotFound, 400: web.HTTPBadRequest, 409: web.HTTPConflict}.get(e.status, web.HTTPBadRequest)
+    cls = {401: web.HTTPUnauthorized, 404: web.HTTPNotFound, 400: web.HTTPBadRequest, 409: web.HTTPConflict}.get(e.status, web.HTTPBadRequest)
     return cls(text=e.text)

@@ -752,7 +752,7 @@ class Libp2pTransport(Transport):
         stream = await self._open(url, PULL_PROTOCOL)
         finished = False
         try:
-            await stream.write(frame_header({"key": key, "from": start, "to": end}))
+            await stream.write(frame_header({"key": key, "from": start, "to": end, "cap": self.node.read_token}))
             await stream.close()
             check_pull_header(await asyncio.wait_for(read_header(stream), self.node.stall_timeout), key, start)
             yield stream
@@ -765,7 +765,7 @@ class Libp2pTransport(Transport):
         stream = await self._open(url, MANIFEST_PROTOCOL)
         reply: dict = {}
         try:
-            await stream.write(frame_header({"key": key}))
+            await stream.write(frame_header({"key": key, "cap": self.node.read_token}))
             await stream.close()
             reply = await asyncio.wait_for(read_header(stream), self.node.stall_timeout)
         finally:
@@ -796,6 +796,7 @@ class Libp2pTransport(Transport):
         """A `{"key", "from", "to"}` request, answered like `GET /chunks/{key}?from=&to=`."""
         try:
             request = await asyncio.wait_for(read_header(stream), self.node.stall_timeout)
+            self.node.require_read(request.get("cap") if isinstance(request.get("cap"), str) else None)
             store, start, end = await self.node.open_pull(str(request.get("key")), request.get("from", 0),
                                                           request.get("to"))
         except Refused as e:
@@ -815,6 +816,10 @@ class Libp2pTransport(Transport):
             request = await asyncio.wait_for(read_header(stream), self.node.stall_timeout)
         except (ProtocolError, Libp2pError, asyncio.TimeoutError) as e:
             return await _reply(stream, {"error": f"400 bad manifest request: {type(e).__name__}: {e}"})
+        try:
+            self.node.require_read(request.get("cap") if isinstance(request.get("cap"), str) else None)
+        except Refused as e:
+            return await _reply(stream, {"error": f"{e.status} {e.text}"})
         wire = self.node.manifest_wire(str(request.get("key")))
         await _reply(stream, {"manifest": wire} if wire is not None
                      else {"error": f"404 {self.node.id} does not hold {request.get('key')}"})

@@ -19,6 +19,7 @@ route marks as pulling (unreachable behind NAT) are never pushed to: they pull f
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -38,6 +39,7 @@ from broadcast.transport import (
     TRANSPORTS,
     Hop,
     Refused,
+    bearer,
     StallGuard,
     TokenBucket,
     Transport,
@@ -67,6 +69,10 @@ class Node:
     a py-libp2p host (identity `p2p_key`, a fresh key if None; TCP `p2p_port` on `host`, any if
     0) and advertises its `p2p:` address as this node's `url` (or `public_url`). The HTTP server
     keeps running (status, and pushes from aiohttp peers). Every node reaches every kind of peer.
+
+    `read_token`: the run's read capability. When set, the node serves manifests, chunks, pushes
+    and its status only to requests that present it (workers get it from the learner with their
+    credential), and presents it on its own requests: the weights reach no one without it.
     """
 
     def __init__(
@@ -84,12 +90,14 @@ class Node:
         transport: str = "aiohttp",
         p2p_key: SigningKey | None = None,
         p2p_port: int = 0,
+        read_token: str | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self._advertised = transport_class(ADVERTISED[transport])
         self._advertised.check_available()
         self.id = node_id
+        self.read_token = read_token or None
         self.transport = transport
         self.host, self.port = host, port
         self._public_url = public_url
@@ -313,7 +321,18 @@ class Node:
     async def accept_push(self, reader: Any, peer: str | None, identity: Any) -> tuple[int, str]:
         return 404, f"{self.id} does not accept pushes"
 
+    def require_read(self, presented: str | None) -> None:
+        """Refuse (401) a request for this node's versions that lacks the run's read capability."""
+        if self.read_token is not None and not (
+                presented and hmac.compare_digest(presented.encode(), self.read_token.encode())):
+            raise Refused(401, f"{self.id}: {'a wrong' if presented else 'no'} read capability: versions are "
+                               "served to the run's workers only (they get it at join)")
+
     async def _handle_status(self, request: web.Request) -> web.Response:
+        try:
+            self.require_read(bearer(request))
+        except Refused as e:
+            raise web.HTTPUnauthorized(text=e.text) from None
         return web.json_response({"id": self.id, "url": self.url,
                                   "versions": {k: s.status() for k, s in self.stores.items()}})
 

@@ -188,6 +188,12 @@ class Refused(BroadcastError):
         self.status, self.text = status, text
 
 
+def bearer(request: Any) -> str | None:
+    """The `Authorization: Bearer` value of an HTTP request, or None."""
+    header = request.headers.get("Authorization", "")
+    return header[7:] if header.startswith("Bearer ") else None
+
+
 class PeerError(BroadcastError):
     """A transport failed to carry a stream to or from one peer (dial, negotiation, reset): the
     peer is unreachable or gone, and the node carries on without it."""

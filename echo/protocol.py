@@ -178,6 +178,7 @@ class BroadcastInfo(Message):
     public_key: Annotated[str, StringConstraints(max_length=256)] = ""  # "ed25519:<base64>" (chain)
     source: Url | None = None  # the learner's relay (chain)
     fallback_s: Annotated[float, Field(gt=0.0, le=1e7)] = 10.0
+    read_token: Annotated[str, StringConstraints(max_length=128)] = ""  # presented to every relay (chain)
 
 
 class RolloutParams(Message):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -101,9 +102,11 @@ class ChainPublisher(StarPublisher):
     async def start(self) -> str | None:
         key = SigningKey.load_or_generate(self.key_file)
         self.public_key = key.public_key().to_text()
-        self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate)
+        read_token = secrets.token_urlsafe(24)  # the run's read capability: workers get it at join
+        self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate, read_token=read_token)
         url = await self.source.start()
-        self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s)
+        self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s,
+                                  read_token=read_token)
         return url
 
     async def publish(self, version: int, blob: bytes, workers: list) -> PushAnnouncement:

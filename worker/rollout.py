@@ -251,7 +251,7 @@ class Worker:
         w = self.cfg.worker
         self.relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=w.relay_host,
                            port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
-                           transport=w.relay_transport)
+                           transport=w.relay_transport, read_token=self.broadcast.read_token or None)
         await self.relay.start()
         log.info("%s: relay listening at %s", self.name, self.relay.url)
 
