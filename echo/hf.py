@@ -241,6 +241,23 @@ def policy_logprobs(model, batch: TokenBatch, *, temperature: float, top_p: floa
                          top_p=top_p, chunk_tokens=chunk_tokens)
 
 
+@torch.no_grad()
+def greedy_gaps(model, batch: TokenBatch, chunk_tokens: int = 0) -> torch.Tensor:
+    """For every completion token of `batch`: how far its logit lies below the largest (0 for the
+    argmax). A greedy completion has 0 everywhere, up to the engines' numerics."""
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              use_cache=False).last_hidden_state
+    hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
+    head = model.get_output_embeddings()
+    step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)
+    pieces = []
+    for start in range(0, hidden.shape[0], step):
+        logits = F.linear(hidden[start : start + step], head.weight, head.bias).float()
+        chosen = logits.gather(-1, batch.targets[start : start + step].unsqueeze(-1)).squeeze(-1)
+        pieces.append(logits.max(-1).values - chosen)
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def completion_logprobs(
     model,
     prompts: list[list[int]],

@@ -4,6 +4,8 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
 
     state        16·P/N            fp32 master weights 4, gradients 4, AdamW m and v 8
     reference    b·P/N             the frozen KL reference in the compute dtype (kl_coef > 0)
+    eval_copy    b·P/N             the weights of the version evaluated on workers, held to check
+                                   their greedy answers against ([eval] where = "workers")
     gathered     8·(P_root + 2·P_layer)  while computing (N > 1): the FSDP root (embeddings,
                                    norm, head) and two layers (one prefetched) unsharded in
                                    fp32, with their unsharded gradients before reduce-scatter
@@ -75,6 +77,7 @@ class MemoryPlan:
 
     state: float
     reference: float
+    eval_copy: float
     gathered: float
     activations: float
     head: float
@@ -82,7 +85,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> float:
-        return self.state + self.reference + self.gathered + self.activations + self.head + self.runtime
+        return self.state + self.reference + self.eval_copy + self.gathered + self.activations + self.head + self.runtime
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in vars(self).items() if v)
@@ -90,7 +93,7 @@ class MemoryPlan:
 
 
 def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_bytes: int, checkpointing: bool,
-            reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False) -> MemoryPlan:
+            reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False, eval_copy: bool = False) -> MemoryPlan:
     P, N, T, H = shape.params, ranks, micro_batch_tokens, shape.hidden
     b = compute_bytes
     per_token_layer = (8 + 16 * b) * H + 2 * b * shape.kv_dim + 8 * b * shape.intermediate
@@ -102,6 +105,7 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
     return MemoryPlan(
         state=16 * P / N,
         reference=b * P / N if reference else 0.0,
+        eval_copy=b * P / N if eval_copy else 0.0,
         gathered=8 * (shape.root_params + 2 * shape.layer_params) if N > 1 else 0.0,
         activations=float(activations),
         head=float(chunk_tokens * shape.vocab * (16 + (16 if top_p < 1 else 0))),

@@ -61,7 +61,7 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
     chunk = min(chunk_tokens_for(shape.vocab, t.logprob_chunk_tokens), t.micro_batch_tokens)
     plan = predict(shape, ranks=ranks, micro_batch_tokens=t.micro_batch_tokens, compute_bytes=DTYPES[compute].itemsize,
                    checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
-                   top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"))
+                   top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"), eval_copy=cfg.eval.where == "workers")
     available, where = available_bytes(device, ranks)
     lines = [
         f"model {path}: {shape.params / 1e6:.1f}M parameters ({arch}, {shape.layers} layers, hidden {shape.hidden}, "

@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from echo.hf import PromptEncoder, TokenBatch, sample
+from echo.hf import PromptEncoder, TokenBatch, greedy_gaps, sample
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo
 from learner.config import LearnerConfig
 from learner.train.dist import World
 from learner.train.losses import LossStats, group_advantages, grpo_loss
 from learner.train.microbatch import pack, split_by_tokens
-from learner.train.model import DTYPES, build_policy, count_parameters, saved_dtype, write_safetensors
+from learner.train.model import DTYPES, Policy, build_policy, count_parameters, saved_dtype, write_safetensors
 
 TOKENIZER_AND_CONFIG = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
@@ -136,6 +136,7 @@ class Trainer:
         self.num_parameters = count_parameters(self.policy)
         self.version = 0  # number of updates applied
         self.skipped_steps = 0  # optimizer steps skipped because the gradient norm was not finite
+        self._eval_copy: Policy | None = None  # the weights of the version being evaluated on workers
         self.resumed = self.load_checkpoint(checkpoint) if checkpoint else {}
 
     @property
@@ -354,6 +355,39 @@ class Trainer:
         for name in TOKENIZER_AND_CONFIG:
             if (self.model_dir / name).exists():
                 shutil.copy2(self.model_dir / name, directory / name)
+
+    # --- checking the workers' eval answers ----------------------------------------------------
+
+    @torch.no_grad()
+    def hold_for_eval(self) -> int:
+        """Keep a frozen copy of the weights held now, the version whose eval round opens, to
+        check its answers against (`greedy_gaps`) while training goes on. It costs what the KL
+        reference costs: the parameters once more in the compute dtype, sharded like the policy."""
+        if self._eval_copy is None:
+            self._eval_copy = build_policy(self.model_dir, self.world, activation_checkpointing=False,
+                                           dtype=self.autocast_dtype or torch.float32, trainable=False,
+                                           temperature=1.0, top_p=1.0, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+        for held, current in zip(self._eval_copy.parameters(), self.policy.parameters(), strict=True):
+            held.copy_(current)
+        return self.version
+
+    @torch.no_grad()
+    def greedy_gaps(self, prompts: list[list[int]], completions: list[list[int]]) -> list[float]:
+        """Per completion, the largest gap between a token's logit and the best logit at its
+        position under the held eval copy: ~0 for an honest greedy answer, large for one a worker
+        wrote itself. Every rank computes all of it (the forward passes are collectives)."""
+        if self._eval_copy is None:
+            raise RuntimeError("hold_for_eval() first: no eval copy is held")
+        out = [0.0] * len(completions)
+        budget = self.cfg.trainer.micro_batch_tokens
+        for indices in pack([len(p) + len(c) for p, c in zip(prompts, completions)], budget):
+            tb = TokenBatch.build([prompts[i] for i in indices], [completions[i] for i in indices], self._pad,
+                                  self.world.device)
+            with self._autocast():
+                gaps = greedy_gaps(self._eval_copy.hf, tb, self.cfg.trainer.logprob_chunk_tokens)
+            for i, g in zip(indices, gaps.split(tb.lengths)):
+                out[i] = float(g.max()) if len(g) else 0.0
+        return out
 
     # --- learner-side eval (tiny models, one rank) ------------------------------------------------
 

@@ -38,3 +38,25 @@ def test_a_non_finite_gradient_skips_the_step_and_is_counted(tiny_model):
     stats = trainer.step(synthetic_batch(1, trainer.vocab_size))
     assert stats["skipped_steps"] == 1 and math.isfinite(stats["grad_norm"])
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.named_parameters())
+
+
+def test_the_held_eval_copy_tells_greedy_answers_from_written_ones(tiny_model):
+    """Eval answers are checked on the learner: one teacher-forced pass under the version being
+    evaluated. The model's own greedy completions sit on the argmax (gap 0); a completion the
+    worker wrote itself (here: every answer replaced by another) does not."""
+    from echo.hf import sample
+
+    trainer = _trainer(tiny_model)
+    tok = trainer.tokenizer
+    prompts = [trainer.encode(f"{a}+{b}=") for a, b in ((3, 4), (5, 2), (1, 8), (6, 0), (2, 2), (4, 4))]
+    outs = sample(trainer.hf, prompts, max_new_tokens=4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                  temperature=0.0)
+    greedy = [o.tokens for o in outs]
+    assert trainer.hold_for_eval() == 0
+    for step in range(3):  # training goes on; the copy keeps version 0
+        trainer.step(synthetic_batch(step, trainer.vocab_size))
+    honest = trainer.greedy_gaps(prompts, greedy)
+    assert max(honest) < 1e-3, honest
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    forged = [[next(d for d in digits if d != c[0])] + c[1:] for c in greedy]  # another first digit
+    assert min(trainer.greedy_gaps(prompts, forged)) > 0.05
