@@ -169,6 +169,18 @@ BroadcastSection = Annotated[Annotated[ChainBroadcast | StarBroadcast, Field(dis
                              BeforeValidator(_broadcast_mode)]
 
 
+MIN_TOKEN_CHARS = 16  # ~80 bits from a random alphabet: out of reach of a throttled guesser
+
+
+def check_token(token: str) -> str:
+    """A run token that a guesser cannot find: long enough and not one character repeated."""
+    if token and (len(token) < MIN_TOKEN_CHARS or len(set(token)) < 6):
+        raise ValueError(f"a run token needs at least {MIN_TOKEN_CHARS} characters, not all alike (this one has "
+                         f"{len(token)}); leave it empty for a random one, or use `python -c 'import secrets; "
+                         "print(secrets.token_hex(16))'`")
+    return token
+
+
 class ServerSection(Section):
     host: str = Field("127.0.0.1", description="[server] host: address the control API binds to")
     port: int = Field(8650, ge=0, le=65535, description="[server] port: control API port (0 = pick a free one)")
@@ -186,6 +198,12 @@ class ServerSection(Section):
     join_burst: int = Field(200, ge=1, description="[server] join_burst: joins admitted at once before join_rate applies")
     allow_networks: list[str] = Field(default_factory=list, description="[server] allow_networks: CIDR blocks a join may come from, e.g. ['10.0.0.0/8'] (empty: anywhere)")
     forget_after_s: float = Field(120.0, gt=0.0, description="[server] forget_after_s: a worker silent this long is forgotten; its credential stops working and it must join again")
+
+    @field_validator("token")
+    @classmethod
+    def _token_strength(cls, value: str) -> str:
+        check_token(value)
+        return value
 
     @field_validator("allow_networks")
     @classmethod
@@ -258,7 +276,7 @@ class LearnerConfig(Section):
         return self.trainer.batch_prompts * self.rollout.group_size
 
     def resolve_token(self) -> str:
-        return self.server.token or os.environ.get("ECHO_TOKEN", "") or secrets.token_hex(16)
+        return self.server.token or check_token(os.environ.get("ECHO_TOKEN", "")) or secrets.token_hex(16)
 
 
 def load_learner_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:

@@ -49,7 +49,7 @@ def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Pa
         "buffer": {"max_staleness": 1},
         "publish": {"every": 1},
         "eval": {"limit": 16, "final_timeout_s": 30},
-        "server": {"port": 0, "token": "test-token", "lease_ttl": 3.0, "heartbeat_interval": 0.5},
+        "server": {"port": 0, "token": "test-token-0123456789", "lease_ttl": 3.0, "heartbeat_interval": 0.5},
         "workers": {"spawn": 0},
     }
     for name, values in sections.items():
@@ -63,7 +63,7 @@ def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Pa
 
 
 class LearnerProcess:
-    def __init__(self, config: Path, run_root: Path, token: str = "test-token"):
+    def __init__(self, config: Path, run_root: Path, token: str = "test-token-0123456789"):
         self.token = token
         self.run_root = run_root
         self.log = open(run_root.parent / "learner.log", "w")
