@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+BENCH_TOKEN = "control-plane-bench-token"  # a run token of the strength the learner requires
 GOALS = {"p99_ms": 250.0, "loop_lag_ms": 100.0}
 
 
@@ -78,7 +79,7 @@ async def _serve(args) -> int:
     d: Path = args.serve
     tokenizer = _tokenizer()
     cfg = load_config(LearnerConfig, None, [
-        "--server.token", "bench", "--server.heartbeat_interval", str(args.heartbeat_s),
+        "--server.token", BENCH_TOKEN, "--server.heartbeat_interval", str(args.heartbeat_s),
         "--server.join_rate", str(max(20.0, args.workers / 10)), "--server.join_burst", str(args.workers),
         "--server.max_workers", str(4 * args.workers), "--rollout.group_size", "4", "--rollout.max_new_tokens", "4",
         "--trainer.batch_prompts", str(args.batch_prompts), "--buffer.max_staleness", "2", "--publish.every", "1"])
@@ -87,7 +88,7 @@ async def _serve(args) -> int:
     S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
     leases = LeaseBook(_unique_ids(task.train_prompts(0)), cfg.server.lease_ttl, (S + 1) * G, on_lease=ledger.leased)
     buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, G, on_drop=lambda g, why: leases.recycle(g.prompt)))
-    state = LearnerState(cfg, "bench", buffer, leases, lambda text: tokenizer(text)["input_ids"], len(tokenizer), d,
+    state = LearnerState(cfg, BENCH_TOKEN, buffer, leases, lambda text: tokenizer(text)["input_ids"], len(tokenizer), d,
                          rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance))
     blob = os.urandom(1 << 16)
 
@@ -173,7 +174,7 @@ class Fleet:
 
         from echo import protocol as P
 
-        client = LearnerClient(session, self.url, "bench")
+        client = LearnerClient(session, self.url, BENCH_TOKEN)
         await asyncio.sleep(delay)
         while True:
             t = time.perf_counter()
