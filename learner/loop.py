@@ -78,7 +78,7 @@ class Loop:
                     await self.checkpoint()
             await evaluation.finish(trainer.version)
         finally:
-            record.display.stop()
+            record.stop()
             run.finished = True
             self.leases.changed()
             for task in background:

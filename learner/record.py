@@ -32,6 +32,10 @@ class RunRecord:
         self.started, self.waited = time.monotonic(), 0.0
         self.display.start(version)
 
+    def stop(self) -> None:
+        """Training is over: the progress bar goes."""
+        self.display.stop()
+
     def step(self, version: int, published_version: int, batch: BatchInfo, stats: dict, *,
              wait: float, train: float) -> dict:
         """The step's run-log record (the gauges of /metrics set alongside)."""

@@ -35,6 +35,8 @@ from scheduler.cost import CostMeter
 
 
 async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: LocalWorkers, as_json: bool) -> int:
+    """Build the parts, run the loop, stop the parts. One straight sequence of ~70 lines: each
+    line builds one part from those above it, so the order of their dependencies is the order read."""
     import torch
 
     torch.set_num_threads(cfg.run.threads)
