@@ -10,9 +10,9 @@ import ipaddress
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from echo.config import Section, load_config
 from echo.tasks import Task, TaskError, load_task
@@ -121,11 +121,41 @@ class PublishSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="[publish] dtype: dtype of the weights in snapshots ('auto': the model directory's saved dtype)")
 
 
-class EvalSection(Section):
-    where: Literal["workers", "learner"] = Field("workers", description="[eval] where: 'workers' (greedy, version-stamped eval leases; the learner never generates) or 'learner' (between steps, one rank only: tiny models)")
+class WorkersEval(Section):
+    """`[eval] where = "workers"`: greedy, version-stamped eval leases (learner.evals); the learner never generates."""
+
+    where: Literal["workers"] = Field("workers", description="[eval] where: 'workers' (greedy, version-stamped eval leases; the learner never generates) or 'learner' (between steps, one rank only: tiny models)")
     prompts_per_lease: int = Field(64, ge=1, le=4096, description="[eval] prompts_per_lease: eval prompts a worker generates together")
     limit: int = Field(0, ge=0, description="[eval] limit: evaluate on the first N eval prompts (0: all)")
     final_timeout_s: float = Field(300.0, ge=0.0, description="[eval] final_timeout_s: how long the learner waits for the workers' eval of the last version before it stops")
+
+
+class LearnerEval(Section):
+    """`[eval] where = "learner"`: the trainer evaluates between steps (one rank only: tiny models)."""
+
+    where: Literal["learner"] = Field("learner", description="[eval] where: 'learner' evaluates between steps on the trainer thread")
+    limit: int = Field(0, ge=0, description="[eval] limit: evaluate on the first N eval prompts (0: all)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workers_keys_ignored(cls, data: Any) -> Any:
+        # Keys that only mean something on workers stay accepted, so `--eval.where learner` works on any config.
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in WORKERS_ONLY_EVAL_KEYS}
+        return data
+
+
+WORKERS_ONLY_EVAL_KEYS = ("prompts_per_lease", "final_timeout_s")
+
+
+def _eval_where(data: Any) -> str:
+    """The tag of an `[eval]` table; a table that does not say is evaluated on the workers."""
+    return data.get("where", "workers") if isinstance(data, dict) else getattr(data, "where", "workers")
+
+
+#: `[eval]`: where eval rounds run, a tagged union on `where` (one factory: `learner.evaluation.make_evaluation`).
+EvalSection = Annotated[Union[Annotated[WorkersEval, Tag("workers")], Annotated[LearnerEval, Tag("learner")]],
+                        Discriminator(_eval_where)]
 
 
 class _BroadcastShared(Section):
@@ -245,7 +275,7 @@ class LearnerConfig(Section):
     trainer: TrainerSection = TrainerSection()
     buffer: BufferSection = BufferSection()
     publish: PublishSection = PublishSection()
-    eval: EvalSection = EvalSection()
+    eval: EvalSection = WorkersEval()
     server: ServerSection = ServerSection()
     verify: VerifySection = VerifySection()
     broadcast: BroadcastSection = ChainBroadcast()

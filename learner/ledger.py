@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,12 @@ class Recovery:
     newest_published: int = -1
     starts: int = 0  # how many times this run started before (names fresh prompt ids apart)
     trained_rolled_back: int = 0  # groups trained by updates after the checkpoint (to redo)
+
+    def note(self, version: int, checkpoint: Path | None) -> str:
+        """What the operator reads when a run resumes."""
+        return (f"resumed at update {version} (checkpoint {checkpoint.name if checkpoint else 'none'}): "
+                f"{len(self.pending)} prompts in flight or rolled back re-issued"
+                + (f", versions continue after v{self.newest_published}" if self.newest_published >= 0 else ""))
 
 
 class Ledger:
@@ -64,6 +71,15 @@ class Ledger:
 
     def close(self) -> None:
         os.close(self._fd)
+
+    @classmethod
+    def open_run(cls, path: Path, version: int, resumed: bool) -> tuple["Ledger", Recovery]:
+        """The run's ledger, and what a resumed run (at update `version`) owes: replayed, then marked resumed."""
+        recovery = cls.replay(path, version) if resumed else Recovery()
+        ledger = cls(path)
+        if resumed:
+            ledger.resumed(version)
+        return ledger, recovery
 
     @staticmethod
     def replay(path: Path, checkpoint_step: int) -> Recovery:
@@ -98,3 +114,11 @@ class Ledger:
                 out.trained_rolled_back += step is not None
         out.starts += 1  # the first start wrote no "R"
         return out
+
+
+def unique_ids(prompts: Iterator[Prompt], start: int = 0) -> Iterator[Prompt]:
+    """A task may repeat a prompt (epochs over a file); each issue gets its own id in this run
+    (and in each of its starts, so a resumed run's ids never meet those it re-issues)."""
+    prefix = f"r{start}." if start else ""
+    for i, p in enumerate(prompts):
+        yield Prompt(f"{prefix}{i}:{p.id}", p.text, p.answer)

@@ -30,7 +30,6 @@ import secrets
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from broadcast.links import MBIT, LinkTable, uplink_sample
 from broadcast.manifest import MIN_CHUNK_SIZE, Manifest
@@ -177,8 +176,3 @@ class ChainPublisher(StarPublisher):
             task.cancel()
         if self.source is not None:
             await self.source.stop()
-
-
-def Publisher(blobs: BlobStore, mode: str, **chain: Any) -> StarPublisher:  # noqa: N802 - the old class name
-    """The old constructor, kept only until `learner/main.py` calls `make_publisher`; remove then."""
-    return StarPublisher(blobs) if mode == "star" else ChainPublisher(blobs, **chain)

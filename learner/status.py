@@ -20,6 +20,20 @@ def status_line(r: dict, last_eval=None) -> str:
             + (f" capacity {r['capacity']:.0f} delivered {r['delivered']:.0f} rollouts/s" if "capacity" in r else ""))
 
 
+def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_prompts: int) -> str:
+    """What the learner prints at start-up: where it listens, how to join, and the run's derived quantities."""
+    G, S = cfg.trainer.batch_prompts, cfg.buffer.max_staleness
+    fsdp = f", {ranks} ranks (FSDP2)" if ranks > 1 else ""
+    return (f"echo-learner at {url}  run dir {run_dir}\n"
+            f"  join: echo-worker join {url} --token {token}\n"
+            f"  model {cfg.model.path} ({params / 1e6:.2f}M params{fsdp}), "
+            f"task {cfg.task.name}, B = {G}×{cfg.rollout.group_size} = {cfg.batch_rollouts} rollouts/step, "
+            f"S = {S}, I = {cfg.publish_every}, buffer {cfg.buffer.type}, eval on {cfg.eval.where} ({eval_prompts} prompts)\n"
+            f"  status: v = newest published snapshot, idle = share of wall time the trainer waited for data, "
+            f"recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
+            f"of what workers sampled vs what was trained")
+
+
 class StatusDisplay:
     def __init__(self, total_steps: int, enabled: bool = True):
         self.enabled = enabled

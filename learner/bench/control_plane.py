@@ -1,6 +1,6 @@
 """`echo-rl bench control-plane`: the learner's control API under a thousand workers.
 
-Two processes, one core each. The **learner** is the real control plane (`learner.server`:
+Two processes, one core each. The **learner** is the real control plane (`learner.api`:
 credentials, typed bodies, long-poll leases, uploads decoded and their rewards recomputed off
 the loop, the custody ledger, the reaper) whose trainer is replaced by a loop that consumes one
 batch every `1 / step_rate` seconds and publishes a snapshot each update: the benchmark
@@ -72,8 +72,9 @@ async def _serve(args) -> int:
     from learner.config import LearnerConfig
     from learner.leases import LeaseBook
     from learner.ledger import Ledger
-    from learner.main import _unique_ids
-    from learner.server import LearnerState, build_app, reaper
+    from broadcast.star import BlobStore
+    from learner.api import ControlApi, Run
+    from learner.ledger import unique_ids as _unique_ids
     from learner.verify import Rescorer
 
     d: Path = args.serve
@@ -88,18 +89,20 @@ async def _serve(args) -> int:
     S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
     leases = LeaseBook(_unique_ids(task.train_prompts(0)), cfg.server.lease_ttl, (S + 1) * G, on_lease=ledger.leased)
     buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, G, on_drop=lambda g, why: leases.recycle(g.prompt)))
-    state = LearnerState(cfg, BENCH_TOKEN, buffer, leases, lambda text: tokenizer(text)["input_ids"], len(tokenizer), d,
-                         rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance))
+    run = Run(BlobStore(keep=cfg.publish.keep))
+    api = ControlApi(cfg, BENCH_TOKEN, run=run, buffer=buffer, lease_book=leases,
+                     encode=lambda text: tokenizer(text)["input_ids"], vocab_size=len(tokenizer), model_dir=d,
+                     rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance))
     blob = os.urandom(1 << 16)
 
     def publish(version: int) -> None:
-        info = state.blobs.add(version, blob)
-        state.announcement = {"version": version, "size": info.size, "sha256": info.sha256}
+        info = run.blobs.add(version, blob)
+        run.announcement = {"version": version, "size": info.size, "sha256": info.sha256}
         ledger.published(version)
-        state.changed()
+        api.leases.changed()
 
     publish(0)
-    runner = web.AppRunner(build_app(state), access_log=None)
+    runner = web.AppRunner(api.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
     await site.start()
@@ -121,35 +124,36 @@ async def _serve(args) -> int:
         nonlocal steps
         while True:
             t0 = time.monotonic()
-            batch = await buffer.get_batch(state.learner_version)
+            batch = await buffer.get_batch(run.version)
             steps += 1
-            state.learner_version += 1
-            ledger.trained(state.learner_version, [g.prompt_id for g in batch.groups])
-            publish(state.learner_version)
+            run.version += 1
+            ledger.trained(run.version, [g.prompt_id for g in batch.groups])
+            publish(run.version)
             await asyncio.sleep(max(0.0, 1 / args.step_rate - (time.monotonic() - t0)))
 
     from echo import loopwatch
 
     loopwatch.watch("control-plane learner")  # with $ECHO_SLOW_CALLBACK_MS: name what holds the loop
     gc.freeze()  # as echo-learner does once serving: start-up's objects stay out of full collections
-    tasks = [asyncio.create_task(c) for c in (reaper(state, 1.0), lag_monitor(), trainer())]
+    tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), trainer())]
     cpu0, wall0 = _cpu(), time.monotonic()
     await stop.wait()
     cpu, wall = _cpu() - cpu0, time.monotonic() - wall0
     for t in tasks:
         t.cancel()
-    buf = state.buffer.buffer.metrics()
-    rejected = {s.labels["reason"]: int(s.value) for m in state.metrics.rejected.collect() for s in m.samples
+    buf = buffer.buffer.metrics()
+    workers = api.registry.workers
+    rejected = {s.labels["reason"]: int(s.value) for m in api.metrics.rejected.collect() for s in m.samples
                 if s.name.endswith("_total")}
     (d / "learner.json").write_text(json.dumps({
         "cpu_cores": cpu / wall, "loop_lag_max_ms": 1e3 * max(lags, default=0.0),
         "loop_lag_p99_ms": 1e3 * _pct(lags, 0.99), "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "steps": steps, "buffer": buf, "leases": vars(state.leases.stats), "workers_known": len(state.workers),
-        "quarantined": sum(bool(w.quarantined) for w in state.workers.values()), "rejected": rejected,
-        "joins_refused": {s.labels["reason"]: int(s.value) for m in state.metrics.joins_refused.collect()
+        "steps": steps, "buffer": buf, "leases": vars(leases.stats), "workers_known": len(workers),
+        "quarantined": sum(bool(w.quarantined) for w in workers.values()), "rejected": rejected,
+        "joins_refused": {s.labels["reason"]: int(s.value) for m in api.metrics.joins_refused.collect()
                           for s in m.samples if s.name.endswith("_total")}}))
     await runner.cleanup()
-    state.offload.shutdown()
+    api.close()
     return 0
 
 

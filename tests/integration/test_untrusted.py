@@ -11,6 +11,8 @@ import json
 import re
 import time
 
+from types import SimpleNamespace
+
 import aiohttp
 import pytest
 from aiohttp import web
@@ -19,10 +21,11 @@ from echo.config import load_config
 from echo.tasks import load_task
 from learner.tinymodel import build_tokenizer
 from echo.wire import CONTENT_TYPE, GroupMsg, SampleMsg, Submission, encode_submission
+from broadcast.star import BlobStore
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
 from learner.leases import LeaseBook
-from learner.server import LearnerState, build_app
+from learner.api import ControlApi, Run
 from learner.verify import Rescorer
 
 TOKEN = "run-token"
@@ -36,7 +39,7 @@ def tokenizer():
 class Api:
     """A learner's control API on loopback, and raw HTTP calls to it."""
 
-    def __init__(self, state: LearnerState, url: str, session: aiohttp.ClientSession):
+    def __init__(self, state: SimpleNamespace, url: str, session: aiohttp.ClientSession):
         self.state, self.url, self.session = state, url, session
 
     async def call(self, path: str, body=None, token: str | None = TOKEN, raw: bytes | None = None,
@@ -67,8 +70,9 @@ class Api:
         return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
 
 
-def run_api(tokenizer, test, tmp_path, **overrides):
-    """Serve the control API with `overrides` ({"section.key": value}) and run `test(api)`."""
+def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
+    """Serve the control API with `overrides` ({"section.key": value}) and run `test(api)`;
+    `evals`: an `EvalBook` the workers answer, each finished round appended to `api.state.results`."""
     args = [a for k, v in overrides.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
     cfg = load_config(LearnerConfig, None, ["--server.token", TOKEN, "--rollout.group_size", "4",
                                             "--rollout.max_new_tokens", "8", *args])
@@ -79,11 +83,19 @@ def run_api(tokenizer, test, tmp_path, **overrides):
         buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, cfg.trainer.batch_prompts,
                                                           on_drop=lambda g, why: leases.recycle(g.prompt)))
         (tmp_path / "config.json").write_text("{}")
-        state = LearnerState(cfg, TOKEN, buffer, leases, lambda text: tokenizer(text)["input_ids"],
-                             len(tokenizer), tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance))
-        state.blobs.add(0, b"weights")
-        state.announcement = {"version": 0}
-        runner = web.AppRunner(build_app(state))
+        run = Run(BlobStore(keep=cfg.publish.keep))
+        results = []
+        control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases,
+                             encode=lambda text: tokenizer(text)["input_ids"], vocab_size=len(tokenizer),
+                             model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
+                             evals=evals, on_eval=results.append)
+        # What the tests look at: the parts the API was built from.
+        state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
+                                verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
+                                results=results)
+        run.blobs.add(0, b"weights")
+        run.announcement = {"version": 0}
+        runner = web.AppRunner(control.app())
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -93,7 +105,7 @@ def run_api(tokenizer, test, tmp_path, **overrides):
                 await test(Api(state, url, session))
         finally:
             await runner.cleanup()
-            state.offload.shutdown()
+            control.close()
 
     asyncio.run(main())
 
@@ -227,9 +239,7 @@ def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokeni
 
     async def test(api: Api):
         state = api.state
-        results = []
-        state.evals = EvalBook(load_task("arith", {}).eval_prompts()[:8], 30.0, 4)
-        state.on_eval = results.append
+        results = state.results
         state.evals.open(0, time.monotonic())
         liar, cred = await api.join("liar")
         honest, cred_h = await api.join("honest")
@@ -257,7 +267,7 @@ def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokeni
                                                       "rewards": {p["id"]: 1.0 for p in lease["prompts"]}}, token=cred_h)
         assert (status, body["error"]) == (422, "wrong-prompts")
 
-    run_api(tokenizer, test, tmp_path)
+    run_api(tokenizer, test, tmp_path, evals=EvalBook(load_task("arith", {}).eval_prompts()[:8], 30.0, 4))
 
 
 def test_oversized_and_unknown_fields_are_refused_and_not_stored(tokenizer, tmp_path):

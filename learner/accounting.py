@@ -1,0 +1,88 @@
+"""Accounting: what each step cost, and the measured times the scheduler plans with.
+
+Each step: dollars (ECHO-2 §3, formulas.md §1: `scheduler.cost.CostMeter`), the bytes of what
+was published, T_bcast (publication until `[broadcast] done_fraction` of the active workers
+received a version), τ (the workers' install time), and the fleet's capacity. With a scheduler
+(`fleet`), T_train, T_bcast and τ also feed its capacity rule.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from learner.api.workers import WorkerRegistry
+from learner.metrics import LearnerMetrics
+from scheduler.cost import CostMeter
+
+
+class Accounting:
+    def __init__(self, cost: CostMeter, done_fraction: float, *, registry: WorkerRegistry,
+                 publisher, metrics: LearnerMetrics, fleet=None):
+        self.cost = cost
+        self.done_fraction, self.registry, self.publisher = done_fraction, registry, publisher
+        self.metrics, self.fleet = metrics, fleet
+        self.published_at: dict[int, float] = {}  # versions whose T_bcast is not measured yet
+
+    def published(self, version: int) -> None:
+        self.published_at[version] = time.monotonic()
+
+    def step(self, *, wait: float, train: float) -> dict:
+        """Cost of the step and the fleet's view of capacity (run-log fields)."""
+        fleet = self.fleet
+        if fleet is not None:
+            fleet.trained(train)
+            prices = fleet.active_prices()
+        else:
+            prices = [w.price_per_hour for w in self.registry.active(time.monotonic())]
+        cost = self.cost.step(train, wait, prices)
+        out = {"dollars_step": round(cost.dollars, 8), "dollars_total": round(cost.cumulative, 6),
+               "workers_price_per_hour": round(cost.workers_price, 4), "bubble": round(cost.bubble, 4)}
+        for version in sorted(self.publisher.wire_bytes):  # bytes on the wire of what was published
+            out["snapshot_bytes"] = {"version": version, **self.publisher.wire_bytes.pop(version)}
+        bcast = self.broadcast_times()
+        if bcast:
+            out["t_bcast"] = round(max(bcast.values()), 4)
+            self.metrics.t_bcast.set(out["t_bcast"])
+            if fleet is not None:
+                for t in bcast.values():
+                    fleet.broadcast(t)
+        install = self.install_time()
+        if install is not None:
+            out["install_s"] = round(install, 4)
+            if fleet is not None:
+                fleet.installed(install)
+        active = self.registry.active(time.monotonic())
+        out.update(capacity=round(sum(w.capacity_per_s for w in active), 3),  # rollouts per engine-busy second
+                   delivered=round(sum(w.rollouts_per_s for w in active), 3))  # accepted rollouts per wall second
+        if fleet is not None and fleet.status is not None:
+            st = fleet.status
+            out.update(r_req=round(st.r_req, 3), r_eff=round(st.r_eff, 3), active_workers=len(st.active),
+                       binding=st.binding)
+        return out
+
+    def broadcast_times(self) -> dict[int, float]:
+        """T_bcast of each version that `done_fraction` of the active workers have received
+        (whole and verified): publication until the last of that fraction had it (or a newer
+        one). Reception, not install: a worker installs between two batches, and the batch it
+        drains meanwhile is rollout time, not broadcast time. Each version is reported once."""
+        active = [w for w in self.registry.active(time.monotonic()) if w.installs]
+        done = {}
+        for version, published in list(self.published_at.items()):
+            # Workers that joined after the publication measure their start-up, not the broadcast.
+            present = [w for w in active if w.joined <= published]
+            arrivals = sorted(r - published for r in (next((r for v, _, r, _ in w.installs if v >= version), None)
+                                                      for w in present) if r is not None)
+            need = math.ceil(self.done_fraction * len(present) - 1e-9)
+            if not present and time.monotonic() - published > 60:
+                del self.published_at[version]  # nobody to measure it on
+            elif present and len(arrivals) >= need:
+                done[version] = max(0.0, arrivals[need - 1])
+                del self.published_at[version]
+        return done
+
+    def install_time(self) -> float | None:
+        """τ: the median engine install time of the active workers' recent installs (seconds)."""
+        times = [d for w in self.registry.active(time.monotonic()) for _, _, _, d in w.installs[-5:] if d > 0]
+        return statistics.median(times) if times else None

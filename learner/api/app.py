@@ -1,0 +1,110 @@
+"""The control API assembled: each room built from the parts it uses, one aiohttp app routing to them.
+
+    api = ControlApi(cfg, token, run=run, buffer=buffer, lease_book=book, encode=..., vocab_size=..., model_dir=...)
+    url = await api.start(host, port, reap_every)   # or serve api.app() yourself, and run api.reaper(period)
+
+Rooms: `leases` (LeaseRoom), `registry` (WorkerRegistry: workers and identity), `uploads`,
+`evals`, `status`. No room holds this object: each got only what it reads or writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from aiohttp import web
+
+from broadcast.links import MBIT, LinkTable
+from echo import protocol as P
+from learner.admission import Waiters
+from learner.api.evals import EvalRoom
+from learner.api.http import Auth, errors_as_json
+from learner.api.leases import LeaseRoom
+from learner.api.run import Run
+from learner.api.status import StatusRoom
+from learner.api.uploads import UploadRoom
+from learner.api.workers import WorkerRegistry, welcome
+from learner.buffer import AsyncBuffer
+from learner.config import BroadcastSection, LearnerConfig
+from learner.evals import EvalBook
+from learner.leases import LeaseBook
+from learner.metrics import LearnerMetrics
+from learner.verify import Verifier
+
+UNKNOWN_LINK_MBIT = 1000.0  # planning assumption for a link nobody declared or measured yet
+
+
+def link_table(broadcast: BroadcastSection) -> LinkTable:
+    """Every worker's links, declared at join and refreshed by heartbeats' measurements."""
+    return LinkTable(uplink=broadcast.uplink_mbit * MBIT, default=UNKNOWN_LINK_MBIT * MBIT)
+
+
+class ControlApi:
+    """`waiters`: the parked lease requests (others wake them too: an eval round opens); `evals`: the eval rounds the workers answer (`[eval] where = "workers"`), each finished one
+    passed to `on_eval`; `fleet`: a `scheduler.fleet.Fleet` when a scheduler decides who generates;
+    `broadcast`: how versions travel, told at join (`learner.publisher`); `rescore`: a
+    `learner.verify.Rescorer`, or None (rewards are taken as claimed)."""
+
+    def __init__(self, cfg: LearnerConfig, token: str, *, run: Run, buffer: AsyncBuffer, lease_book: LeaseBook,
+                 encode, vocab_size: int, model_dir: Path, links: LinkTable | None = None,
+                 metrics: LearnerMetrics | None = None, waiters: Waiters | None = None,
+                 evals: EvalBook | None = None, on_eval=lambda result: None, rescore=None, fleet=None,
+                 broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None):
+        self.cfg, self.token, self.run = cfg, token, run
+        self.metrics = metrics or LearnerMetrics()
+        self.links = links or link_table(cfg.broadcast)
+        self.verifier = Verifier(cfg.verify, seed=cfg.run.seed)
+        # Blocking work a request needs (decoding uploads, recomputing rewards, reading files) runs here.
+        self.offload = ThreadPoolExecutor(2, thread_name_prefix="offload")
+        self.broadcast = broadcast or P.BroadcastInfo()
+        self.leases = LeaseRoom(lease_book, buffer, run, cfg.server, backpressure=cfg.buffer.backpressure,
+                                encode=encode, metrics=self.metrics, evals=evals, waiters=waiters)
+        self.registry = WorkerRegistry(cfg.server, cfg.verify, run=run, leases=self.leases, buffer=buffer,
+                                       links=self.links, verifier=self.verifier, metrics=self.metrics, fleet=fleet,
+                                       on_note=on_note)
+        shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
+                      offload=self.offload, rescore=rescore)
+        self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, **shared)
+        self.evals = EvalRoom(cfg, evals, on_result=on_eval, **shared)
+        self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,
+                                 links=self.links, metrics=self.metrics, model_dir=model_dir, offload=self.offload)
+
+    def app(self) -> web.Application:
+        cfg = self.cfg
+        app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)), middlewares=[errors_as_json])
+        auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused)
+        app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, cfg.rollout, self.run, self.broadcast)))
+        app.add_routes(self.leases.routes(auth))
+        app.add_routes(self.uploads.routes(auth))
+        app.add_routes(self.evals.routes(auth))
+        self.status.add_routes(app, auth)
+        return app
+
+    async def start(self, host: str, port: int, reap_every: float) -> str:
+        """Serve on `host:port` (0: a free port) and start the reaper; returns the URL workers join."""
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.reaping = asyncio.create_task(self.reaper(reap_every))
+        return f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        self.reaping.cancel()
+        await self._runner.cleanup()
+
+    async def reaper(self, period: float) -> None:
+        """Expire silent workers' leases so their prompts are re-issued; forget long-silent workers."""
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            self.leases.reap(now)
+            self.registry.reap(now)
+            alive = self.registry.alive(now)
+            self.evals.reap(now, alive)
+            self.metrics.workers.set(len(alive))
+
+    def close(self) -> None:
+        self.offload.shutdown()

@@ -1,0 +1,158 @@
+"""The lease room: prompts out to workers, long-polled, and back when nobody answers.
+
+    POST /v1/lease     prompts to generate, or an eval lease; long-polls up to `wait_s` when
+                       there is nothing to hand out; 410: run finished
+    POST /v1/release   hand a lease back unanswered (its prompts are re-issued at once)
+
+It owns the parked requests (`learner.admission.Waiters`) and the prompts' token ids while
+they are leased; the books it serves from (`learner.leases.LeaseBook`, the optional
+`learner.evals.EvalBook`) are plain logic it drives. Eval leases come before training prompts.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from echo import protocol as P
+from echo.tasks import Prompt
+from learner.admission import Waiters
+from learner.api.http import Auth, json_error, read_body, reply
+from learner.api.run import Run
+from learner.buffer import AsyncBuffer
+from learner.config import ServerSection
+from learner.evals import EvalBook
+from learner.leases import LeaseBook, UnknownLease
+from learner.metrics import LearnerMetrics
+
+
+class LeaseRoom:
+    def __init__(self, book: LeaseBook, buffer: AsyncBuffer, run: Run, server: ServerSection, *,
+                 backpressure: bool, encode, metrics: LearnerMetrics, evals: EvalBook | None = None,
+                 waiters: Waiters | None = None):
+        self.book, self.buffer, self.run, self.server = book, buffer, run, server
+        self.backpressure, self.metrics, self.evals = backpressure, metrics, evals
+        self.encode = encode  # prompt text -> token ids (the learner's tokenizer is authoritative)
+        self.waiters = waiters or Waiters()
+        self._token_ids: dict[str, list[int]] = {}
+
+    def token_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased."""
+        ids = self._token_ids.get(prompt.id)
+        if ids is None:
+            ids = self._token_ids[prompt.id] = self.encode(prompt.text)
+        return ids
+
+    def trained(self, prompt_id: str) -> None:
+        """The prompt's group was taken: its token ids are no longer needed here."""
+        self._token_ids.pop(prompt_id, None)
+
+    def room(self) -> int:
+        """Prompts a lease could be given now."""
+        buf = self.buffer.buffer
+        if self.run.training_done or (self.backpressure and len(buf) >= buf.capacity):
+            return 0
+        room = max(0, self.book.max_outstanding - self.book.outstanding)
+        needed = buf.lease_room(self.run.version, self.book.outstanding)  # S = 0: what the batch needs
+        return room if needed is None else min(room, needed)
+
+    def changed(self) -> None:
+        """Something every waiting lease request must hear at once (training done, run finished, an eval round)."""
+        self.waiters.wake_all()
+
+    def stepped(self) -> None:
+        """The learner took a batch and moved on a version: serve the room that freed, and tell
+        the waiting workers this version made too stale to be trained on to install a newer one."""
+        buf = self.buffer.buffer
+        if self.server.refuse_stale_leases:
+            self.waiters.wake_where(lambda w: w.version >= 0 and not buf.leasable(w.version, self.run.version))
+        self.waiters.wake(self.room())
+
+    def freed(self, prompts: int) -> None:
+        """`prompts` went back or were answered: as many waiting requests may be served."""
+        self.waiters.wake(prompts)
+
+    def release_worker(self, worker_id: str) -> int:
+        """Hand back every lease of a worker (forgotten or quarantined); returns its prompts."""
+        leased = 0
+        for lease in self.book.release_worker(worker_id):
+            leased += len(lease.prompts)
+            self.waiters.wake(len(lease.prompts))
+        return leased
+
+    def renew(self, worker_id: str, now: float) -> None:
+        self.book.renew(worker_id, now)
+        if self.evals is not None:
+            self.evals.renew(worker_id, now)
+
+    def reap(self, now: float) -> None:
+        """Expire silent workers' leases so their prompts are re-issued."""
+        dead = self.book.expire(now)
+        if dead:
+            self.metrics.leases_expired.inc(len(dead))
+            self.waiters.wake(sum(len(lease.prompts) for lease in dead))
+
+    def routes(self, auth: Auth) -> list[web.RouteDef]:
+        async def lease(request: web.Request) -> web.Response:
+            worker = auth.worker(request)
+            req = await read_body(request, P.LeaseRequest, self.metrics.rejected)
+            worker.version = req.version  # what will generate this lease
+            return await self._lease(worker, req)
+
+        async def release(request: web.Request) -> web.Response:
+            worker = auth.worker(request)
+            req = await read_body(request, P.ReleaseRequest, self.metrics.rejected)
+            try:
+                count = self.book.release(req.lease_id, worker.id)
+            except UnknownLease as e:
+                return json_error(409, "unknown-lease", str(e.args[0]))
+            self.waiters.wake(count)
+            return reply(P.ReleaseReply(released=count))
+
+        return [web.post("/v1/lease", lease), web.post("/v1/release", release)]
+
+    async def _lease(self, worker, req: P.LeaseRequest) -> web.Response:
+        run, server, buf = self.run, self.server, self.buffer.buffer
+        asked = time.monotonic()
+        deadline = asked + min(req.wait_s, server.long_poll_s)
+
+        def answer(message: P.LeaseReply) -> web.Response:  # saying how long the request was held
+            return web.json_response({**message.model_dump(), "waited_s": round(time.monotonic() - asked, 4)})
+
+        while True:
+            if run.finished:
+                worker.told_finished = True
+                return json_error(410, "finished", "the run has finished; the worker can exit")
+            if worker.quarantined:
+                return json_error(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
+            if not worker.active:
+                return answer(P.LeaseReply(empty="wait", snapshot=run.announcement))
+            now = time.monotonic()
+            if self.evals is not None:
+                got_eval = self.evals.lease(worker.id, worker.version, self.evals.per_lease, now)
+                if got_eval is not None:
+                    lease_id, version, eval_prompts = got_eval
+                    return answer(P.LeaseReply(
+                        lease_id=lease_id, eval_version=version, expires_in=server.lease_ttl,
+                        prompts=[P.PromptMsg(id=p.id, text=p.text, answer=p.answer, prompt_ids=self.encode(p.text))
+                                 for p in eval_prompts], snapshot=run.announcement))
+            # A worker on a version already too old to be admitted would only generate refusals.
+            if server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(worker.version, run.version):
+                if self.room():
+                    self.waiters.wake(1)  # in case this request was woken for room it cannot use
+                return answer(P.LeaseReply(empty="install", snapshot=run.announcement))
+            room = self.room()
+            got = self.book.lease(worker.id, min(req.max_prompts, room), now) if room else None
+            if got is not None:
+                prompts = [P.PromptMsg.model_construct(id=p.id, text=p.text, answer=p.answer,
+                                                       prompt_ids=self.token_ids(p))
+                           for p in got.prompts.values()]
+                if self.room():
+                    self.waiters.wake(1)  # room for more: the next waiter may take it
+                # Workers learn of new versions here too, without waiting for a heartbeat.
+                return answer(P.LeaseReply.model_construct(lease_id=got.id, prompts=prompts, expires_in=server.lease_ttl,
+                                                           snapshot=run.announcement, eval_version=None, empty=""))
+            if now >= deadline:
+                return answer(P.LeaseReply(empty="wait", snapshot=run.announcement))
+            await self.waiters.wait(deadline - now, worker)

@@ -1,0 +1,25 @@
+"""`Run`: the few facts about the run that many rooms read.
+
+The loop writes `version`, `finished`; publishing writes `announcement` (and adds to `blobs`);
+the eval part writes `training_done`. Rooms only read them. Mutated on the event loop only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broadcast.star import BlobStore
+
+
+@dataclass
+class Run:
+    blobs: BlobStore  # published snapshots (the star store also serves /v1/snapshots)
+    version: int = 0  # updates the trainer applied: staleness is judged against it
+    announcement: dict | None = None  # the newest version as workers are told of it
+    training_done: bool = False  # only eval leases go out (the last version's round)
+    finished: bool = False  # workers are told to stop
+
+    @property
+    def published_version(self) -> int:
+        latest = self.blobs.latest
+        return latest.version if latest else -1

@@ -1,0 +1,80 @@
+"""The status room: what the learner shows and serves to read.
+
+    GET  /v1/status          JSON status (run token)
+    GET  /metrics            Prometheus
+    GET  /v1/model           the model directory minus weights (config, tokenizer)
+    GET  /v1/snapshots/...   versioned weights (broadcast.star)
+
+Reading is free of side effects; files are read on the `offload` threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from pathlib import Path
+
+import msgpack
+from aiohttp import web
+
+from broadcast.links import LinkTable
+from broadcast.star import add_star_routes
+from learner.api.http import Auth
+from learner.api.leases import LeaseRoom
+from learner.api.run import Run
+from learner.api.workers import WorkerRegistry
+from learner.buffer import AsyncBuffer
+from learner.metrics import LearnerMetrics
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+class StatusRoom:
+    def __init__(self, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom, registry: WorkerRegistry,
+                 links: LinkTable, metrics: LearnerMetrics, model_dir: Path, offload: Executor):
+        self.run, self.buffer, self.leases, self.registry = run, buffer, leases, registry
+        self.links, self.metrics, self.model_dir, self.offload = links, metrics, model_dir, offload
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        registry, book = self.registry, self.leases.book
+        alive = {w.id for w in registry.alive(now)}
+        leased = book.outstanding_by_worker()
+        workers = registry.workers.values()
+        return {
+            "learner_version": self.run.version,
+            "published_version": self.run.published_version,
+            "finished": self.run.finished,
+            "buffer": self.buffer.buffer.metrics(),
+            "leases": {**vars(book.stats), "outstanding": book.outstanding, "waiting_requests": len(self.leases.waiters)},
+            "workers": [{**w.row(now, w.id in alive, leased.get(w.id, 0)), **registry.verifier.summary(w.id)}
+                        for w in workers],
+            "quarantined": [{"id": w.id, "name": w.name, "address": w.address, "why": w.quarantined}
+                            for w in workers if w.quarantined],
+            "links": self.links.to_dict(),
+        }
+
+    def model_files(self) -> bytes:
+        files = {p.name: p.read_bytes() for p in sorted(self.model_dir.iterdir())
+                 if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size < (64 << 20)}
+        return msgpack.packb(files, use_bin_type=True)
+
+    def add_routes(self, app: web.Application, auth: Auth) -> None:
+        async def status(request: web.Request) -> web.Response:
+            auth.run_token(request)
+            return web.json_response(self.status())
+
+        async def metrics(request: web.Request) -> web.Response:
+            self.metrics.links(self.links.to_dict())
+            return web.Response(body=self.metrics.exposition(), content_type="text/plain")
+
+        async def model_files(request: web.Request) -> web.Response:
+            auth.anyone(request)
+            data = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files)
+            return web.Response(body=data, content_type="application/msgpack")
+
+        app.router.add_get("/v1/model", model_files)
+        app.router.add_get("/v1/status", status)
+        app.router.add_get("/metrics", metrics)
+        add_star_routes(app, self.run.blobs, "/v1/snapshots", auth.anyone)

@@ -1,0 +1,154 @@
+"""The upload room: trajectories in, checked, into the buffer.
+
+    POST /v1/trajectories   zstd msgpack groups (echo.wire); 4xx names the reason
+
+Peers are untrusted: the upload is decoded bounded (`echo.wire.decode_submission`, off the
+event loop), must be the credential's own work in its own leases, of a published version
+within the staleness bound; a share of its rewards is recomputed here (`learner.verify`) and a
+worker whose claims differ is quarantined. Groups that pass go into the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+
+from aiohttp import web
+
+from echo import protocol as P
+from echo.wire import CONTENT_TYPE, Rejected, decode_submission
+from learner.api.http import Auth, Refusal, json_error, refuse_quarantined, reply
+from learner.api.leases import LeaseRoom
+from learner.api.run import Run
+from learner.api.workers import WorkerInfo, WorkerRegistry
+from learner.buffer import AsyncBuffer, Group
+from learner.config import LearnerConfig
+from learner.leases import UnknownLease
+from learner.metrics import LearnerMetrics
+
+
+class UploadRoom:
+    """`rescore` (a `learner.verify.Rescorer`, or None: rewards are taken as claimed) runs on `offload`."""
+
+    def __init__(self, cfg: LearnerConfig, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom,
+                 registry: WorkerRegistry, metrics: LearnerMetrics, vocab_size: int, offload: Executor,
+                 rescore=None):
+        self.max_body_mb, self.rollout, self.max_staleness = cfg.server.max_body_mb, cfg.rollout, cfg.buffer.max_staleness
+        self.run, self.buffer, self.leases, self.registry, self.metrics = run, buffer, leases, registry, metrics
+        self.vocab_size, self.offload, self.rescore = vocab_size, offload, rescore
+
+    def routes(self, auth: Auth) -> list[web.RouteDef]:
+        async def trajectories(request: web.Request) -> web.Response:
+            try:
+                worker = auth.worker(request)
+                refuse_quarantined(worker)
+                return await self.upload(request, worker)
+            except Rejected as e:
+                self.metrics.rejected.labels(e.reason).inc()
+                return json_error(e.status, e.reason, e.message)
+            except Refusal as e:
+                return json_error(e.status, e.reason, e.message)
+
+        return [web.post("/v1/trajectories", trajectories)]
+
+    async def upload(self, request: web.Request, worker: WorkerInfo) -> web.Response:
+        if request.content_type != CONTENT_TYPE:
+            raise Rejected(415, "malformed", f"Content-Type must be {CONTENT_TYPE}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Rejected(413, "oversized", f"upload larger than [server] max_body_mb = {self.max_body_mb} MiB; "
+                                             "submit fewer groups per request") from None
+        loop = asyncio.get_running_loop()
+        sub = await loop.run_in_executor(self.offload, lambda: decode_submission(
+            raw, vocab_size=self.vocab_size, max_tokens=self.rollout.max_new_tokens, group_size=self.rollout.group_size))
+        if sub.worker_id != worker.id:
+            raise Rejected(403, "impersonation", f"the upload names worker {sub.worker_id[:64]!r} but the credential is "
+                                                 f"{worker.id!r}'s; a worker submits only its own work")
+        groups, lease_age = self.admit(sub, worker)
+        self.leases.freed(len(sub.groups))  # the lease's room is free again
+        # The leases are closed: a second upload of the same groups is refused from here on.
+        refused = await self.check_rewards(worker, groups)
+        if refused is not None:
+            return refused
+        if worker.quarantined:  # caught now, or while its rewards were being checked
+            for g in groups:
+                self.leases.book.recycle(g.prompt)
+            return json_error(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
+        n = sum(len(g.completions) for g in groups)
+        if lease_age is not None:
+            self.registry.verifier.lease_returned(worker.id, n, lease_age)
+        for g in groups:
+            self.leases.trained(g.prompt_id)
+            await self.buffer.put(g)
+            worker.groups_accepted += 1
+            self.metrics.accepted.inc()
+        self.metrics.queue.set(len(self.buffer.buffer))
+        return reply(P.UploadReply(accepted=len(groups), given_back=len(sub.groups) - len(groups)))
+
+    async def check_rewards(self, worker: WorkerInfo, groups: list[Group]) -> web.Response | None:
+        """Recompute the rewards of the verifier's pick of `groups`; quarantine a worker whose claims differ.
+        A refusal when the task's reward code itself failed (the prompts go out again)."""
+        verifier = self.registry.verifier
+        rescored = [g for g, pick in zip(groups, verifier.pick(groups)) if pick] if self.rescore else []
+        if not rescored:
+            return None
+        try:
+            mismatched = await asyncio.get_running_loop().run_in_executor(self.offload, self.rescore, rescored)
+        except Exception as e:  # the task's reward code failed: train nothing unchecked, lose no prompt
+            for g in groups:
+                self.leases.book.recycle(g.prompt)
+            self.registry.on_note(f"recomputing rewards failed ({type(e).__name__}: {e}); {len(groups)} prompts re-issued")
+            return json_error(500, "verify-failed", "the learner could not recompute this upload's rewards; "
+                                                    "its prompts were re-issued (nothing to do on the worker)")
+        flags = [m for per_group in mismatched for m in per_group]
+        self.metrics.rewards_checked.inc(len(flags))
+        self.metrics.rewards_mismatched.inc(sum(flags))
+        verdict = verifier.rewards_checked(worker.id, flags)
+        if verdict is not None:
+            self.registry.quarantine(worker, verdict)
+        return None
+
+    def admit(self, sub, worker: WorkerInfo) -> tuple[list[Group], float | None]:
+        """Check an upload group by group, and close its leases. What makes the upload itself wrong
+        refuses all of it before anything changes: a prompt twice (422), a prompt not outstanding in
+        a lease of this worker (409), a version never published (422). Then each group on its own:
+        fresh ones are taken, the prompt of each stale one is given back at once to be generated
+        again; an upload with nothing fresh is refused (409) after the prompts went back.
+        Returns the fresh groups and the lease's age (issue to now) when this upload finished it."""
+        book, version, published = self.leases.book, self.run.version, self.run.published_version
+        prompts = {}  # prompt_id -> the leased Prompt (re-issued if the group is dropped later)
+        for g in sub.groups:
+            if g.prompt_id in prompts:
+                raise Rejected(422, "duplicate-prompt", f"prompt {g.prompt_id!r} appears twice in one upload; send one "
+                                                        "group per prompt (nothing of this upload was queued)")
+            try:
+                prompts[g.prompt_id] = book.prompt_of(sub.lease_id, g.prompt_id, worker.id)
+            except UnknownLease as e:
+                raise Rejected(409, "unknown-lease", str(e.args[0])) from None
+            if g.version > published or g.version < 0:
+                raise Rejected(422, "future-version", f"version {g.version} was never published (newest: {published})")
+        lease = book.get(sub.lease_id)
+        whole = lease is not None and len(lease.prompts) == len(sub.groups)
+        age = time.monotonic() - lease.issued_at if whole and lease.size == len(sub.groups) else None
+        buf = self.buffer.buffer
+        fresh, stale = [], []
+        for g in sub.groups:
+            (fresh if buf.admissible(g.version, version) else stale).append(g)
+        for g in stale:  # the prompt itself is fine: a fresher snapshot generates it
+            book.give_back(sub.lease_id, g.prompt_id, worker.id)
+        if not fresh:
+            oldest = min(g.version for g in stale)
+            raise Rejected(409, "stale-version",
+                           f"version {oldest} is {version - oldest} updates old at learner version "
+                           f"{version}; max staleness is {self.max_staleness}. Install the newest snapshot "
+                           f"({len(stale)} prompts were given back)")
+        if stale:
+            self.metrics.rejected.labels("stale-version").inc(len(stale))
+        for g in fresh:
+            book.complete(sub.lease_id, g.prompt_id, worker.id)
+        return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=self.leases.token_ids(prompts[g.prompt_id]),
+                      completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
+                      rewards=[s.reward for s in g.samples], worker_id=worker.id,
+                      prompt=prompts[g.prompt_id]) for g in fresh], age

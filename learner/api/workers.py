@@ -1,0 +1,264 @@
+"""Workers and their identity: who joined, what they report, and who was caught lying.
+
+    POST /v1/join        run token -> worker id + credential, sampling parameters, task, newest snapshot
+    POST /v1/heartbeat   liveness + measurements; renews the worker's leases
+
+The run token admits a join, bounded by rate, fleet size and an optional network allow-list
+(`learner.admission.JoinGate`); the join answers a per-worker credential, required on every
+later call. Heartbeat claims are believed only as far as measurements support them
+(`learner.verify.Verifier`), link samples go to the planner's table, a relay's reachability is
+probed, and a worker caught lying is quarantined: its leases and queued groups go back, and its
+address may not join again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from broadcast.links import MBIT, LinkSample, LinkTable
+from echo import protocol as P
+from learner.admission import JoinGate
+from learner.api.http import Auth, json_error, read_body, reply, secret_hash
+from learner.api.leases import LeaseRoom
+from learner.api.run import Run
+from learner.buffer import AsyncBuffer, Group
+from learner.config import RolloutSection, ServerSection, TaskSection, VerifySection
+from learner.metrics import LearnerMetrics
+from learner.verify import Verdict, Verifier
+
+PROBE_TIMEOUT_S = 3.0  # a relay that does not answer the learner's probe within this is unreachable
+
+
+@dataclass
+class WorkerInfo:
+    id: str
+    name: str
+    joined: float
+    last_seen: float
+    secret_hash: bytes = field(default=b"", repr=False)
+    address: str = ""  # the join's remote address
+    version: int = -1
+    rollouts_per_s: float = 0.0
+    device: str = ""
+    gpu: str = ""
+    price_per_hour: float = 0.0
+    download_mbit: float = 0.0
+    upload_mbit: float = 0.0
+    engine: str = ""
+    groups_accepted: int = 0
+    told_finished: bool = False
+    active: bool = True  # the scheduler may idle a worker: it then gets no prompts
+    relay_url: str = ""  # where this worker's broadcast relay listens (chain mode)
+    reachable: bool | None = None  # did the learner reach its relay (None: not probed yet)
+    installs: list[tuple[int, float, float, float]] = field(default_factory=list)  # (version, installed, received, install s)
+    capacity_per_s: float = 0.0  # believed rollouts per engine-busy second (what the scheduler provisions with)
+    claimed_capacity_per_s: float = 0.0  # what the worker said
+    quarantined: str = ""  # why the learner stopped taking its work
+
+    def row(self, now: float, alive: bool, leased: int) -> dict:
+        """The worker as /v1/status shows it (no secrets, bounded size)."""
+        return {"id": self.id, "name": self.name, "address": self.address, "alive": alive, "active": self.active,
+                "version": self.version, "seen_s_ago": round(now - self.last_seen, 1),
+                "rollouts_per_s": self.rollouts_per_s, "capacity_per_s": self.capacity_per_s,
+                "claimed_capacity_per_s": self.claimed_capacity_per_s, "price_per_hour": self.price_per_hour,
+                "gpu": self.gpu, "engine": self.engine, "groups_accepted": self.groups_accepted,
+                "relay_url": self.relay_url, "reachable": self.reachable, "leased_prompts": leased,
+                "quarantined": self.quarantined}
+
+
+class WorkerRegistry:
+    """Every joined worker, by id. `fleet` (a `scheduler.fleet.Fleet`, or None) decides who is active."""
+
+    def __init__(self, server: ServerSection, verify: VerifySection, *, run: Run, leases: LeaseRoom,
+                 buffer: AsyncBuffer, links: LinkTable, verifier: Verifier, metrics: LearnerMetrics,
+                 fleet=None, on_note=lambda text: None):
+        self.server, self.verify, self.run = server, verify, run
+        self.leases, self.buffer, self.links, self.verifier, self.metrics = leases, buffer, links, verifier, metrics
+        self.fleet, self.on_note = fleet, on_note  # on_note: something the operator should read (status line)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.banned: dict[str, str] = {}  # address -> why: a quarantined worker's address may not join again
+        self.gate = JoinGate(server.join_rate, server.join_burst, server.allow_networks)
+        self._ids = itertools.count(1)
+        self._probes: set[asyncio.Task] = set()
+
+    def alive(self, now: float) -> list[WorkerInfo]:
+        window = max(3 * self.server.heartbeat_interval, self.server.lease_ttl)
+        return [w for w in self.workers.values() if now - w.last_seen <= window]
+
+    def active(self, now: float) -> list[WorkerInfo]:
+        return [w for w in self.alive(now) if w.active]
+
+    def refusal(self, address: str, now: float) -> web.Response | None:
+        """Why a join from `address` may not pass now (403, 503 or 429), or None."""
+        server, refused = self.server, self.metrics.joins_refused
+        if not self.gate.allowed_from(address):
+            refused.labels("network").inc()
+            return json_error(403, "network", f"joins from {address} are not allowed ([server] allow_networks)")
+        if address in self.banned:
+            refused.labels("banned").inc()
+            return json_error(403, "banned", f"a worker from {address} was quarantined: {self.banned[address]}")
+        if len(self.workers) >= server.max_workers:
+            refused.labels("full").inc()
+            return json_error(503, "fleet-full", f"the learner holds its maximum of {server.max_workers} workers "
+                                                 "([server] max_workers); try again later", {"Retry-After": "30"})
+        wait = self.gate.take(now)
+        if wait > 0:
+            refused.labels("rate").inc()
+            return json_error(429, "join-rate", f"joins are limited to {server.join_rate:g}/s "
+                                                "([server] join_rate); retry after the given seconds",
+                              {"Retry-After": str(max(1, round(wait)))})
+        return None
+
+    def join(self, report: P.Report, address: str, now: float) -> tuple[WorkerInfo, str]:
+        """A new worker and its secret (only its hash is kept)."""
+        wid, secret = f"w{next(self._ids)}", secrets.token_urlsafe(24)
+        info = WorkerInfo(id=wid, name=report.name or wid, joined=now, last_seen=now, secret_hash=secret_hash(secret),
+                          address=address)
+        self.update(info, report)
+        self.workers[wid] = info
+        if self.fleet is not None:
+            self.fleet.joined(now, info.name, info.price_per_hour, report.expected_rollouts_per_s)
+            info.active = self.fleet.is_active(info.name)
+        return info, secret
+
+    def update(self, w: WorkerInfo, r: P.Report) -> None:
+        """Take a join's or heartbeat's report. Rates are claims: the capacity the scheduler sees is
+        capped by what the learner measured (learner.verify); link samples are checked by the table."""
+        w.version, w.rollouts_per_s, w.price_per_hour = r.version, r.rollouts_per_s, r.price_per_hour
+        w.download_mbit, w.upload_mbit = r.download_mbit, r.upload_mbit
+        w.device, w.gpu, w.engine = r.device, r.gpu, r.engine
+        w.claimed_capacity_per_s = r.capacity_per_s
+        before = self.verifier.evidence.get(w.id)
+        clamped = before.claims_clamped if before else 0
+        w.capacity_per_s = self.verifier.believed_capacity(w.id, r.capacity_per_s)
+        if self.verifier.evidence[w.id].claims_clamped > clamped:
+            self.metrics.claims_clamped.labels("capacity").inc()
+        if r.relay_url != w.relay_url:
+            w.relay_url, w.reachable = r.relay_url, None
+            if w.relay_url:
+                self.probe(w)
+        known = w.installs[-1][0] if w.installs else -1
+        for item in r.installs:  # "seconds ago": clocks differ between machines
+            if item.version > known:
+                received_ago = max(item.installed_ago, item.received_ago)
+                w.installs.append((item.version, w.last_seen - item.installed_ago, w.last_seen - received_ago,
+                                   item.install_s))
+                known = item.version
+        del w.installs[:-64]
+        self._links(w, r)
+
+    def _links(self, w: WorkerInfo, r: P.Report) -> None:
+        self.links.declare(w.id, w.download_mbit * MBIT, w.upload_mbit * MBIT)
+        if r.rtt_ms is not None:
+            self.links.observe_rtt(w.id, r.rtt_ms / 1e3)
+        try:
+            parsed = [LinkSample.from_dict(d) for d in r.links]
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=str(e)) from None
+        for sample in parsed:
+            if sample.parent and sample.down:  # the other end's evidence about its parent's upload
+                self.verifier.upload_seen(sample.parent, sample.down)
+            if sample.up:  # a worker's word on its own upload, believed as far as its children saw
+                up = self.verifier.believed_upload(w.id, sample.up, w.upload_mbit * MBIT)
+                if up < sample.up:
+                    self.metrics.claims_clamped.labels("upload").inc()
+                    sample = dataclasses.replace(sample, up=up)
+            self.links.observe(w.id, sample)
+
+    def heartbeat(self, worker: WorkerInfo, report: P.Report) -> P.HeartbeatReply:
+        self.update(worker, report)
+        self.leases.renew(worker.id, worker.last_seen)
+        if worker.quarantined:
+            return P.HeartbeatReply(state="quarantined", message=worker.quarantined)
+        if self.fleet is not None:
+            self.fleet.heartbeat(worker.last_seen, worker.name, worker.capacity_per_s)
+            worker.active = self.fleet.is_active(worker.name)
+        finished = self.run.finished
+        worker.told_finished = finished
+        return P.HeartbeatReply(state="stop" if finished else "active" if worker.active else "idle",
+                                snapshot=self.run.announcement, reachable=worker.reachable)
+
+    def quarantine(self, worker: WorkerInfo, verdict: Verdict) -> None:
+        """Stop taking `worker`'s work: its leases and queued groups go back to be generated by others."""
+        self.metrics.flagged.labels(verdict.reason).inc()
+        if worker.quarantined or not self.verify.quarantine:
+            return
+        worker.quarantined, worker.active = verdict.message, False
+        if self.verify.ban_address and worker.address:  # else it would join again under a new name
+            self.banned[worker.address] = verdict.message
+        leased = self.leases.release_worker(worker.id)
+        dropped = self.buffer.buffer.drop_worker(worker.id)
+        self.metrics.quarantined.labels(verdict.reason).inc()
+        self.on_note(f"quarantined {worker.name} ({worker.id}, {worker.address}): {verdict.message}; "
+                     f"{leased} leased prompts re-issued, {dropped} queued groups dropped")
+
+    def judge_logprobs(self, groups: list[Group], staleness: list[int], group_gaps: list[list[float]]) -> None:
+        """Judge each worker's groups, fresh and stale, by how far its μ lies from the trainer's π
+        beyond the fleet's drift at their staleness (learner.verify)."""
+        checked = [(g.worker_id, k, gap, int(tokens)) for g, k, (gap, tokens) in zip(groups, staleness, group_gaps)]
+        for verdict in self.verifier.logprobs_checked(checked):
+            worker = self.workers.get(verdict.worker_id)
+            if worker is not None:
+                self.quarantine(worker, verdict)
+
+    def probe(self, worker: WorkerInfo) -> None:
+        """Can the learner open a connection to the worker's relay? An unreachable one (behind
+        NAT) becomes a leaf that pulls from a reachable parent (learner.publisher)."""
+        from broadcast.reach import probe_relay
+
+        url = worker.relay_url
+
+        async def run() -> None:
+            ok = await probe_relay(url, PROBE_TIMEOUT_S)
+            if worker.relay_url == url:
+                worker.reachable = ok
+                self.metrics.relays_probed.labels("reachable" if ok else "unreachable").inc()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    def reap(self, now: float) -> None:
+        """Forget long-silent workers: their credentials stop working, their leases go back."""
+        for w in [w for w in self.workers.values() if now - w.last_seen > self.server.forget_after_s]:
+            del self.workers[w.id]
+            self.leases.release_worker(w.id)
+            self.links.forget(w.id)
+            self.verifier.forget(w.id)
+
+    def routes(self, auth: Auth, welcome) -> list[web.RouteDef]:
+        """`welcome(worker_id, credential)`: the join's reply (sampling parameters, task, broadcast)."""
+        async def join(request: web.Request) -> web.Response:
+            auth.run_token(request)
+            report = await read_body(request, P.Report, self.metrics.rejected)
+            now, address = time.monotonic(), request.remote or ""
+            refused = self.refusal(address, now)
+            if refused is not None:
+                return refused
+            info, secret = self.join(report, address, now)
+            return reply(welcome(info.id, f"{info.id}.{secret}"))
+
+        async def heartbeat(request: web.Request) -> web.Response:
+            worker = auth.worker(request)
+            report = await read_body(request, P.Report, self.metrics.rejected)
+            return reply(self.heartbeat(worker, report))
+
+        return [web.post("/v1/join", join), web.post("/v1/heartbeat", heartbeat)]
+
+
+def welcome(server: ServerSection, task: TaskSection, rollout: RolloutSection, run: Run, broadcast: P.BroadcastInfo):
+    """The join reply's maker: what a new worker needs to start (`broadcast`: how versions travel)."""
+    def make(worker_id: str, credential: str) -> P.JoinReply:
+        return P.JoinReply(
+            worker_id=worker_id, credential=credential, broadcast=broadcast,
+            heartbeat_interval=server.heartbeat_interval, lease_ttl=server.lease_ttl,
+            long_poll_s=server.long_poll_s, task=P.TaskInfo(name=task.name, options=task.options),
+            rollout=P.RolloutParams(**rollout.model_dump()), snapshot=run.announcement)
+    return make

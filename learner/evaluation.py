@@ -1,0 +1,151 @@
+"""Where eval rounds run, picked once from `[eval] where` (a tagged union: `learner.config.EvalSection`).
+
+    workers  greedy, version-stamped eval leases (`learner.evals.EvalBook`, served by the control
+             API); a round opens at a publication when `[run] eval_every` updates passed since the
+             last one, and the last version's round is waited for before the run stops
+    learner  the trainer evaluates between steps on its own thread (one rank only: tiny models)
+
+Both keep the newest result, the first accuracy (across a resume) and what a checkpoint saves,
+and count each accuracy in the cost of improvement. The loop calls `start`, `stepped` and `finish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from echo.tasks import Prompt
+from learner.api.run import Run
+from learner.config import EvalSection, LearnerEval, WorkersEval
+from learner.evals import EvalBook, EvalResult
+from learner.metrics import LearnerMetrics
+from scheduler.cost import CostMeter
+
+
+@dataclass
+class EvalParts:
+    """What an eval part may use; each variant takes what it needs."""
+
+    prompts: list[Prompt]
+    eval_every: int  # [run] eval_every (0: only the start and the end)
+    resumed: dict  # the checkpoint's saved eval state ({} on a fresh run)
+    cost: CostMeter
+    metrics: LearnerMetrics
+    log: Callable[[dict], None]  # a run-log event
+    note: Callable[[str], None]  # a line for the operator
+    run: Run
+    changed: Callable[[], None]  # wake every waiting lease request
+    evaluate: Callable[[], Awaitable[float]]  # accuracy of the trainer's current weights, on its thread
+    lease_ttl: float
+
+
+class Evaluation:
+    book: EvalBook | None = None  # the eval leases the control API serves (workers only)
+
+    def __init__(self, parts: EvalParts):
+        self.parts = parts
+        self.last: EvalResult | None = None
+        self.first_accuracy: float | None = parts.resumed.get("first_eval_accuracy")
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return self.parts.prompts
+
+    def checkpoint_state(self) -> dict:
+        last = self.last
+        return {"eval_accuracy": last.accuracy if last else None, "eval_version": last.version if last else None,
+                "first_eval_accuracy": self.first_accuracy}
+
+    def finished(self, result: EvalResult) -> None:
+        """A round of eval leases came back (only where = "workers" hands them out)."""
+
+    async def start(self, version: int) -> None:
+        """Evaluate the first published version."""
+
+    async def stepped(self, version: int, published: bool, last: bool) -> float | None:
+        """After an update (`published`: it was published; `last`: the run's last); an accuracy computed now."""
+
+    async def finish(self, version: int) -> None:
+        """Training is over: the last version's eval, if it is still to come."""
+
+
+class WorkerEvaluation(Evaluation):
+    def __init__(self, section: WorkersEval, parts: EvalParts):
+        super().__init__(parts)
+        self.final_timeout_s = section.final_timeout_s
+        self.book = EvalBook(parts.prompts, parts.lease_ttl, section.prompts_per_lease)
+        self.opened = 0  # the version of the newest round
+
+    def finished(self, result: EvalResult) -> None:
+        self.last = result
+        self.first_accuracy = result.accuracy if self.first_accuracy is None else self.first_accuracy
+        self.parts.cost.record_eval(result.accuracy)
+        self.parts.log({"event": "eval", "step": result.version, "eval_accuracy": result.accuracy,
+                        "where": "workers", "prompts": result.prompts, "seconds": round(result.seconds, 3),
+                        "workers": result.workers, "restarts": result.restarts})
+        self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
+                        f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
+                        + (f", {result.restarts} restarts" if result.restarts else "") + ")")
+
+    async def start(self, version: int) -> None:
+        self.book.open(version, time.monotonic())
+        self.opened = version
+
+    async def stepped(self, version: int, published: bool, last: bool) -> float | None:
+        due = self.parts.eval_every and version - self.opened >= self.parts.eval_every
+        if published and (last or (due and self.book.round is None)):
+            self.book.open(version, time.monotonic())
+            self.parts.changed()  # waiting workers holding this version can evaluate it
+            self.opened = version
+        return None
+
+    async def finish(self, version: int) -> None:
+        """Serve the workers until the last version's eval round is answered (or the timeout):
+        they generate nothing else meanwhile."""
+        self.parts.run.training_done = True
+        self.parts.changed()
+        deadline = time.monotonic() + self.final_timeout_s
+        while (self.last is None or self.last.version < version) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.last is None or self.last.version < version:
+            r = self.book.round
+            answered = len(r.rewards) if r else 0
+            self.parts.note(f"eval of v{version} incomplete after {self.final_timeout_s:.0f} s "
+                            f"({answered}/{len(self.book.prompts)} answered; are workers holding v{version}?)")
+
+
+class LearnerEvaluation(Evaluation):
+    def __init__(self, section: LearnerEval, parts: EvalParts):
+        super().__init__(parts)
+
+    def _record(self, version: int, accuracy: float) -> None:
+        self.last = EvalResult(version, accuracy, 0, 0.0, 0, 0)
+        self.parts.cost.record_eval(accuracy)
+        self.parts.metrics.eval_accuracy.set(accuracy)
+
+    async def start(self, version: int) -> None:
+        resumed = self.parts.resumed
+        accuracy = resumed.get("eval_accuracy")
+        if accuracy is None:
+            accuracy = await self.parts.evaluate()
+        self.first_accuracy = resumed.get("first_eval_accuracy", accuracy)
+        self._record(version, accuracy)
+        self.parts.log({"event": "eval", "step": version, "eval_accuracy": accuracy, "where": "learner"})
+
+    async def stepped(self, version: int, published: bool, last: bool) -> float | None:
+        every = self.parts.eval_every
+        if not (last or (every and version % every == 0)):
+            return None
+        accuracy = await self.parts.evaluate()
+        self._record(version, accuracy)
+        return accuracy  # the step's record carries it: no event of its own
+
+
+EVALUATIONS = {"workers": WorkerEvaluation, "learner": LearnerEvaluation}
+
+
+def make_evaluation(section: EvalSection, parts: EvalParts) -> Evaluation:
+    """The eval part `[eval] where` names."""
+    return EVALUATIONS[section.where](section, parts)

@@ -1,0 +1,108 @@
+"""What a run leaves behind: one record per step (run log, Prometheus gauges, the console's
+status line, `--json`), the events between them, and the summary at the end.
+
+It also keeps the run's clock: when serving started and how long the trainer waited for data,
+whose ratio is the learner's idle share.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from learner.api.workers import WorkerRegistry
+from learner.buffer import AsyncBuffer, BatchInfo
+from learner.leases import LeaseBook
+from learner.metrics import LearnerMetrics, RunLog
+from learner.status import StatusDisplay
+
+
+class RunRecord:
+    def __init__(self, log: RunLog, display: StatusDisplay, as_json: bool, *, metrics: LearnerMetrics,
+                 buffer: AsyncBuffer, leases: LeaseBook, registry: WorkerRegistry):
+        self.log, self.display, self.as_json = log, display, as_json
+        self.metrics, self.buffer, self.leases, self.registry = metrics, buffer, leases, registry
+        self.started = time.monotonic()
+        self.waited = 0.0  # seconds the trainer waited for a batch
+
+    def event(self, record: dict) -> None:
+        self.log.write(record)
+
+    def start(self, version: int) -> None:
+        self.started, self.waited = time.monotonic(), 0.0
+        self.display.start(version)
+
+    def stop(self) -> None:
+        """Training is over: the progress bar goes."""
+        self.display.stop()
+
+    def step(self, version: int, published_version: int, batch: BatchInfo, stats: dict, *,
+             wait: float, train: float) -> dict:
+        """The step's run-log record (the gauges of /metrics set alongside)."""
+        self.waited += wait
+        idle = self.waited / max(1e-9, time.monotonic() - self.started)
+        buf = self.buffer.buffer.metrics()
+        m = self.metrics
+        m.version.set(version)
+        m.queue.set(buf["queue_size"])
+        m.recycled.set(buf["recycled"])
+        m.overflow.set(buf["dropped_overflow"])
+        m.staleness_avg.set(batch.avg_staleness)
+        m.staleness_max.set(batch.max_staleness)
+        m.mismatch_kl.set(stats["mismatch_kl"])
+        m.reward.set(stats["reward_mean"])
+        m.idle.set(idle)
+        return {
+            "step": version, "time": round(time.time(), 3), "version": version,
+            "published_version": published_version,
+            **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
+            "avg_staleness": batch.avg_staleness, "max_staleness": batch.max_staleness,
+            "staleness": batch.staleness, **batch.reuse_fields(), "recycled": buf["recycled"],
+            "queue_size": buf["queue_size"], "dropped_overflow": buf["dropped_overflow"],
+            "sampled_mean_length": round(buf["sampled_mean_length"], 4),
+            "trained_mean_length": round(buf["trained_mean_length"], 4),
+            "wait_s": round(wait, 4), "train_s": round(train, 4), "idle_ratio": round(idle, 4),
+            "workers": len(self.registry.alive(time.monotonic())), "leases_reissued": self.leases.stats.reissued,
+            "dropped_reissued": self.leases.stats.dropped_reissued,
+        }
+
+    def show(self, record: dict, last_eval) -> None:
+        """Write the step's record and show its status line (`last_eval`: the newest eval result)."""
+        self.log.write(record)
+        self.display.step(record, last_eval)
+        if self.as_json:
+            print(json.dumps(record), flush=True)
+
+    def summary(self, run_dir, steps: int, first_accuracy, last_eval, cost: dict) -> dict:
+        buf = self.buffer.buffer.metrics()
+        wall = time.monotonic() - self.started
+        rejected = {s.labels["reason"]: int(s.value) for m in self.metrics.rejected.collect()
+                    for s in m.samples if s.name.endswith("_total")}
+        workers, verifier = self.registry.workers.values(), self.registry.verifier
+        return {
+            "run_dir": str(run_dir), "steps": steps,
+            "eval_accuracy_start": first_accuracy,
+            "eval_accuracy_end": last_eval.accuracy if last_eval else None,
+            "eval_version_end": last_eval.version if last_eval else None,
+            "wall_s": round(wall, 1), "learner_idle_ratio": round(self.waited / max(wall, 1e-9), 3),
+            "groups_trained": buf["trained"], "recycled": buf["recycled"],
+            "dropped_overflow": buf["dropped_overflow"], "rejected": rejected,
+            "leases_reissued": self.leases.stats.reissued, "dropped_reissued": self.leases.stats.dropped_reissued,
+            "sampled_mean_length": round(buf["sampled_mean_length"], 3),
+            "trained_mean_length": round(buf["trained_mean_length"], 3),
+            "workers": [{"id": w.id, "name": w.name, "groups": w.groups_accepted} for w in workers],
+            "quarantined": [{"id": w.id, "name": w.name, "address": w.address, "why": w.quarantined}
+                            for w in workers if w.quarantined],
+            "rewards_checked": verifier.checked, "rewards_mismatched": verifier.mismatched,
+            "cost": cost,
+        }
+
+    def finish(self, run_dir, summary: dict) -> None:
+        """summary.json, the run log's last event, and the summary on the console (or as JSON)."""
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.log.write({"event": "summary", **summary})
+        self.log.close()
+        if self.as_json:
+            print(json.dumps(summary))
+        else:
+            self.display.summary(summary)

@@ -1,0 +1,55 @@
+"""The run directory: what a run keeps on disk so it can be read, and resumed.
+
+    config.toml   the resolved config (`--resume` takes it as the base config)
+    token         the run token (a resumed run keeps it, so running workers can join it again)
+    url           the control API's address (a resumed run binds the same port: workers come back)
+    checkpoints/  `latest` and `step-N` (learner.train.trainer)
+    ledger.jsonl, metrics.jsonl, summary.json, workers/, model/
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+from echo.config import dump_toml
+from learner.config import LearnerConfig
+
+
+class RunDir:
+    def __init__(self, cfg: LearnerConfig, resume: Path | None = None):
+        self.resumed = resume is not None
+        self.path = resume or cfg.run.dir / f"{cfg.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        saved = self.path / "token"
+        self.token = cfg.server.token or os.environ.get("ECHO_TOKEN", "") or (
+            saved.read_text().strip() if resume and saved.exists() else cfg.resolve_token())
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def create(self, cfg: LearnerConfig) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.toml").write_text(dump_toml(cfg))
+        token_file = self.path / "token"
+        token_file.write_text(self.token + "\n")
+        token_file.chmod(0o600)
+
+    def port(self, configured: int) -> int:
+        """The port to bind: a resumed run on a free port takes the one it had."""
+        url = self.path / "url"
+        if self.resumed and configured == 0 and url.exists():
+            return int(url.read_text().strip().rsplit(":", 1)[1])
+        return configured
+
+    def checkpoint(self) -> Path | None:
+        """The checkpoint a resumed run starts from (None: a fresh run, or none was saved)."""
+        return latest_checkpoint(self.path) if self.resumed else None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    latest = run_dir / "checkpoints" / "latest"
+    return latest.resolve() if latest.exists() else None

@@ -1,0 +1,61 @@
+"""The scheduler in the learner: its provider, its fleet, and the tick loop that (de)activates workers.
+
+`make_provider` picks how machines are obtained (`[scheduler] provider`); `make_fleet` wraps it
+in the closed-loop controller (`scheduler.fleet.Fleet`) with the measured priors; `schedule`
+re-evaluates the capacity rule every `[scheduler] tick_s` and tells each worker whether it is active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from learner.api.workers import WorkerRegistry
+from learner.config import LearnerConfig
+from scheduler.fleet import Fleet
+from scheduler.pool import load_pool
+from scheduler import providers
+from scheduler.providers import Provider
+
+
+def make_provider(cfg: LearnerConfig, url: str, token: str, run_dir: Path) -> Provider:
+    """The `[scheduler.provider]` of this run, given the learner's address (`scheduler.providers.make_provider`)."""
+    w = cfg.workers
+    return providers.make_provider(cfg.scheduler.provider, url=url, token=token, log_dir=run_dir / "workers",
+                                   worker_config=w.config, worker_overrides=w.overrides,
+                                   python=w.python or sys.executable)
+
+
+def make_fleet(cfg: LearnerConfig, provider: Provider) -> Fleet:
+    sc = cfg.scheduler
+    pool = load_pool(sc.pool) if sc.pool else None
+    return Fleet(pool, provider, sc.controller_params(), batch=cfg.batch_rollouts,
+                 publish_every=cfg.publish_every, max_staleness=cfg.buffer.max_staleness,
+                 t_train_prior=sc.t_train_s, t_bcast_prior=sc.t_bcast_s, install_prior=sc.install_s,
+                 launch_timeout_s=sc.launch_timeout_s, rule=sc.rule)
+
+
+async def schedule(fleet: Fleet, registry: WorkerRegistry, tick_s: float, log, note) -> None:
+    """The closed loop: every tick, re-evaluate the capacity rule and (de)activate workers.
+    `log(record)` takes the run-log event of each decision, `note(text)` what the operator should read."""
+    said = ""
+    while True:
+        now = time.monotonic()
+        try:
+            st = fleet.tick(now)
+        except Exception as e:  # a broken scheduler must not stop training; say so, keep going
+            note(f"scheduler error: {e}")
+            await asyncio.sleep(tick_s)
+            continue
+        for w in registry.workers.values():
+            w.active = fleet.is_active(w.name)
+        if st.infeasible and st.infeasible != said:
+            said = st.infeasible
+            note(f"scheduler: {st.infeasible}; activating every available worker")
+        for d in st.decisions:
+            log({"event": "scheduler", "action": d.action, "worker": d.worker_id, "reason": d.reason,
+                 "r_req": st.r_req, "r_eff": st.r_eff, "t_train": st.t_train, "t_bcast": st.t_bcast})
+            note(f"scheduler: {d.action} {d.worker_id} ({d.reason})")
+        await asyncio.sleep(tick_s)

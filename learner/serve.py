@@ -1,0 +1,108 @@
+"""The learner's composition root: every part built once from the typed config, in order, then
+handed to the loop (`learner.loop`) and stopped in order.
+
+    trainer (its thread)  custody ledger  lease book + buffer  publisher  eval part ([eval] where)
+    control API (its rooms)  scheduler ([scheduler] provider)  accounting  run record  loop
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+from broadcast.star import BlobStore
+from learner.accounting import Accounting
+from learner.admission import Waiters
+from learner.api import ControlApi, Run, link_table
+from learner.buffer import AsyncBuffer, StalenessBuffer
+from learner.config import LearnerConfig
+from learner.driver import TrainerDriver
+from learner.evaluation import EvalParts, make_evaluation
+from learner.leases import LeaseBook
+from learner.ledger import Ledger, unique_ids
+from learner.local_workers import LocalWorkers
+from learner.loop import Loop
+from learner.metrics import LearnerMetrics, RunLog
+from learner.publisher import make_publisher
+from learner.publishing import Publishing
+from learner.record import RunRecord
+from learner.rundir import RunDir
+from learner.scheduling import make_fleet, make_provider, schedule
+from learner.status import StatusDisplay, banner
+from learner.train.dist import World
+from learner.verify import Rescorer
+from scheduler.cost import CostMeter
+
+
+async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: LocalWorkers, as_json: bool) -> int:
+    """Build the parts, run the loop, stop the parts. One straight sequence of ~70 lines: each
+    line builds one part from those above it, so the order of their dependencies is the order read."""
+    import torch
+
+    torch.set_num_threads(cfg.run.threads)
+    run_dir.create(cfg)
+    driver = TrainerDriver(world)
+    checkpoint = run_dir.checkpoint()
+    trainer = await driver.build(cfg, checkpoint)
+    task = cfg.task.build()
+    # The custody record: a resumed run re-issues what was in flight and never reuses a version.
+    ledger, recovery = Ledger.open_run(run_dir / "ledger.jsonl", trainer.version, run_dir.resumed)
+    if recovery.newest_published > trainer.version:  # the checkpoint's version had these weights; later ones were lost
+        await driver.call("skip_to", recovery.newest_published + 1)
+    S, G, b = cfg.buffer.max_staleness, cfg.trainer.batch_prompts, cfg.broadcast
+    book = LeaseBook(unique_ids(task.train_prompts(cfg.run.seed + trainer.version), recovery.starts),
+                     cfg.server.lease_ttl, cfg.server.max_inflight_prompts or (S + 1) * G,
+                     retry=recovery.pending, on_lease=ledger.leased)
+    buffer = AsyncBuffer(StalenessBuffer.from_section(
+        cfg.buffer, G, seed=cfg.run.seed,
+        on_drop=lambda group, reason: group.prompt and book.recycle(group.prompt)))  # dropped: issue it again
+    run, links = Run(BlobStore(keep=cfg.publish.keep), version=trainer.version), link_table(b)
+    metrics, waiters, cost = LearnerMetrics(), Waiters(), CostMeter(cfg.scheduler.learner_price_per_hour)
+    display, log = StatusDisplay(cfg.run.steps, enabled=not as_json), RunLog(run_dir / "metrics.jsonl")
+
+    publisher = make_publisher(b, run.blobs, links, key_file=run_dir / "learner.key", host=cfg.server.host)
+    await publisher.start()
+    eval_prompts = task.eval_prompts()[: cfg.eval.limit or None]
+    evaluation = make_evaluation(cfg.eval, EvalParts(
+        eval_prompts, cfg.run.eval_every, trainer.resumed, cost, metrics, log=log.write, note=display.note, run=run,
+        changed=waiters.wake_all, evaluate=partial(driver.run, trainer.evaluate, task, eval_prompts),
+        lease_ttl=cfg.server.lease_ttl))
+    rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance) if cfg.verify.rescore_fraction else None
+    api = ControlApi(cfg, run_dir.token, run=run, buffer=buffer, lease_book=book, encode=trainer.encode,
+                     vocab_size=trainer.vocab_size, model_dir=cfg.model.path, links=links, metrics=metrics,
+                     waiters=waiters, evals=evaluation.book, on_eval=evaluation.finished, rescore=rescore,
+                     broadcast=publisher.info, on_note=display.note)
+    url = await api.start(cfg.server.host, run_dir.port(cfg.server.port), reap_every=min(1.0, cfg.server.lease_ttl / 4))
+    # The scheduler comes once the address is known: its provider hands it to the machines it starts.
+    provider = make_provider(cfg, url, run_dir.token, run_dir.path) if cfg.scheduled else None
+    fleet = api.registry.fleet = make_fleet(cfg, provider) if provider is not None else None
+    display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
+    (run_dir / "url").write_text(url + "\n")
+    if run_dir.resumed:
+        display.note(recovery.note(trainer.version, checkpoint))
+
+    accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
+                            fleet=fleet)
+    record = RunRecord(log, display, as_json, metrics=metrics, buffer=buffer, leases=book, registry=api.registry)
+    publishing = Publishing(publisher, driver=driver, run=run, registry=api.registry, ledger=ledger,
+                            accounting=accounting, metrics=metrics)
+    loop = Loop(cfg, run_dir.path, driver=driver, buffer=buffer, run=run, ledger=ledger, leases=api.leases,
+                registry=api.registry, publishing=publishing, evaluation=evaluation, accounting=accounting,
+                record=record)
+    await loop.begin()
+    workers.spawn(url)
+    background = [api.reaping, asyncio.create_task(workers.watch())]
+    if fleet is not None:
+        background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
+                                                       display.note)))
+    await loop.train(background)
+    await loop.end()
+
+    await workers.stop(api.registry, grace=2 * cfg.server.heartbeat_interval + 3)
+    if provider is not None:
+        await asyncio.to_thread(provider.close)  # waits for processes: not on the event loop
+    await publisher.stop()
+    await api.stop()
+    record.finish(run_dir, record.summary(run_dir, run.version, evaluation.first_accuracy, evaluation.last,
+                                          cost.summary()))
+    return 0

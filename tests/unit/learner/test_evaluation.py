@@ -1,0 +1,75 @@
+"""The eval part is picked once from `[eval] where` (a tagged union); each variant evaluates when
+the loop's old branches did: on the workers, a round opens at a publication `eval_every` updates
+after the last one (and always at the last version); on the learner, every `eval_every` updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+from broadcast.star import BlobStore
+from echo.config import load_config
+from echo.tasks import load_task
+from learner.api.run import Run
+from learner.config import LearnerConfig, LearnerEval, WorkersEval
+from learner.evaluation import EvalParts, LearnerEvaluation, WorkerEvaluation, make_evaluation
+from learner.evals import EvalResult
+from learner.metrics import LearnerMetrics
+from scheduler.cost import CostMeter
+
+
+def parts(eval_every: int, resumed: dict | None = None, log=None, woken=None, accuracies=None) -> EvalParts:
+    async def evaluate() -> float:
+        return accuracies.pop(0)
+
+    return EvalParts(load_task("arith", {}).eval_prompts()[:8], eval_every, resumed or {}, CostMeter(0.0),
+                     LearnerMetrics(), log=(log if log is not None else []).append, note=lambda text: None,
+                     run=Run(BlobStore(keep=2)), changed=lambda: woken.append(1) if woken is not None else None,
+                     evaluate=evaluate, lease_ttl=20.0)
+
+
+def test_where_picks_the_variant_and_keeps_old_spellings():
+    assert isinstance(load_config(LearnerConfig, None, []).eval, WorkersEval)
+    cfg = load_config(LearnerConfig, None, ["--eval.where", "learner", "--eval.prompts_per_lease", "8"])
+    assert isinstance(cfg.eval, LearnerEval)  # a workers-only key is accepted (and means nothing here)
+    assert isinstance(make_evaluation(cfg.eval, parts(5)), LearnerEvaluation)
+    workers = make_evaluation(WorkersEval(prompts_per_lease=4), parts(5))
+    assert isinstance(workers, WorkerEvaluation) and workers.book.per_lease == 4
+
+
+def test_rounds_on_the_workers_open_at_publications_when_due():
+    woken = []
+    ev = WorkerEvaluation(WorkersEval(), parts(eval_every=4, woken=woken))
+    opened = []
+    book_open = ev.book.open
+    ev.book.open = lambda version, now: (opened.append(version), book_open(version, now))
+
+    async def run():
+        await ev.start(0)
+        for version in range(1, 11):
+            if version in (3, 9):
+                ev.book.round = None  # the workers answered the open round
+            await ev.stepped(version, version % 2 == 0 or version == 10, version == 10)
+
+    asyncio.run(run())
+    # v4: due and v0's round answered; v6: not due; v8: due, but v4's round still runs; v10: the last, always.
+    assert opened == [0, 4, 10] and len(woken) == 2  # a round opened mid-run wakes the waiting workers
+
+
+def test_on_the_learner_every_n_updates_and_the_last():
+    log = []
+    ev = make_evaluation(LearnerEval(), parts(eval_every=3, log=log, accuracies=[0.1, 0.2, 0.3, 0.4]))
+
+    async def run():
+        await ev.start(0)
+        return [await ev.stepped(v, v % 2 == 0, v == 7) for v in range(1, 8)]
+
+    assert asyncio.run(run()) == [None, None, 0.2, None, None, 0.3, 0.4]
+    assert [e["where"] for e in log] == ["learner"]  # the start's event; later accuracies ride on the step record
+    assert ev.first_accuracy == 0.1 and ev.checkpoint_state() == {"eval_accuracy": 0.4, "eval_version": 7,
+                                                                  "first_eval_accuracy": 0.1}
+
+
+def test_a_resumed_run_keeps_its_first_accuracy():
+    ev = WorkerEvaluation(WorkersEval(), parts(5, resumed={"first_eval_accuracy": 0.05}))
+    ev.finished(EvalResult(3, 0.5, 8, 1.0, 1, 0))
+    assert (ev.first_accuracy, ev.last.accuracy) == (0.05, 0.5)
