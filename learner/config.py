@@ -227,6 +227,13 @@ class ServerSection(Section):
     join_rate: float = Field(20.0, gt=0.0, description="[server] join_rate: joins admitted per second on average (a burst of join_burst passes); beyond it, 429 with Retry-After")
     join_burst: int = Field(200, ge=1, description="[server] join_burst: joins admitted at once before join_rate applies")
     allow_networks: list[str] = Field(default_factory=list, description="[server] allow_networks: CIDR blocks a join may come from, e.g. ['10.0.0.0/8'] (empty: anywhere)")
+    body_timeout_s: float = Field(60.0, gt=0.0, description="[server] body_timeout_s: an upload's body must arrive within this many seconds (a trickling sender holds nothing long)")
+    max_inflight_upload_mb: float = Field(256.0, gt=0.0, description="[server] max_inflight_upload_mb: bytes of uploads read at once; past it a new upload gets 503 and retries")
+    max_workers_per_address: int = Field(16, ge=1, le=100_000, description="[server] max_workers_per_address: workers joined from one address (one IPv6 /64) at once; a rented machine can open many identities but not many addresses")
+    ban_s: float = Field(3600.0, gt=0.0, description="[server] ban_s: how long a quarantined worker's address may not join (doubled for each repeat); an address is the ISP's, and its next holder is someone else")
+    trusted_proxies: list[str] = Field(default_factory=list, description="[server] trusted_proxies: CIDR blocks of reverse proxies whose X-Forwarded-For names the worker's address (empty: the connection's address is the worker's)")
+    relay_any_public: bool = Field(False, description="[server] relay_any_public: accept a relay URL on any public IP address (else only the address the worker connects from)")
+    metrics_from: list[str] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"], description="[server] metrics_from: CIDR blocks /metrics answers (default: this machine only; the run token also opens it)")
     forget_after_s: float = Field(120.0, gt=0.0, description="[server] forget_after_s: a worker silent this long is forgotten; its credential stops working and it must join again")
 
     @field_validator("token")
@@ -235,7 +242,7 @@ class ServerSection(Section):
         check_token(value)
         return value
 
-    @field_validator("allow_networks")
+    @field_validator("allow_networks", "trusted_proxies", "metrics_from")
     @classmethod
     def _networks(cls, value: list[str]) -> list[str]:
         for net in value:
@@ -253,6 +260,7 @@ class VerifySection(Section):
     reward_tolerance: float = Field(1e-4, ge=0.0, description="[verify] reward_tolerance: a claimed reward further than this from the learner's counts as a mismatch")
     max_reward_mismatch: float = Field(0.05, ge=0.0, le=1.0, description="[verify] max_reward_mismatch: a worker whose share of mismatched rewards (over its last 256 checked samples) exceeds this is quarantined")
     min_checked: int = Field(16, ge=1, description="[verify] min_checked: checked samples needed before a worker can be judged on rewards")
+    max_eval_logit_gap: float = Field(1.0, gt=0.0, description="[verify] max_eval_logit_gap: an eval answer with a token this many logits below the best, under the evaluated version, is not its greedy completion: left out, and its worker quarantined")
     max_logprob_gap: float = Field(0.5, gt=0.0, description="[verify] max_logprob_gap: mean |log pi - log mu| per token (nats) beyond the fleet's drift at the groups' staleness, above which a worker's log-probs are judged fabricated")
     min_gap_tokens: int = Field(64, ge=1, description="[verify] min_gap_tokens: tokens needed before a worker can be judged on log-probs")
     capacity_claim_factor: float = Field(2.0, ge=1.0, description="[verify] capacity_claim_factor: a worker's claimed rollouts/s is believed up to this multiple of the rate the learner measured on its leases (unproven until one lease came back)")

@@ -8,6 +8,11 @@ loses nothing: its eval lease expires like any other and the prompts go back to 
 If no live worker holds `v` any more (all moved on before the round finished), the round starts
 again at the newest version and says so (`restarts`): an accuracy is always one version's.
 
+Workers are never told the answers (a worker holding them could return them instead of its
+model's), and their rewards are not believed: the learner scores each completion itself, and
+keeps it with the worker that sent it (`EvalResult.answers`) so the loop can check that it is the
+version's greedy completion (`learner.evaluation`).
+
 Plain logic with an injectable clock, like `LeaseBook`; the server and the learner's loop drive it.
 """
 
@@ -30,6 +35,8 @@ class EvalResult:
     seconds: float  # round opened → last answer
     workers: int
     restarts: int
+    answers: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # prompt id -> (worker, completion)
+    scores: dict[str, float] = field(default_factory=dict)  # prompt id -> the learner's reward
 
 
 @dataclass
@@ -46,6 +53,7 @@ class _Round:
     pending: deque[str]
     leased: dict[str, _Lease] = field(default_factory=dict)
     rewards: dict[str, float] = field(default_factory=dict)
+    answers: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     workers: set[str] = field(default_factory=set)
     restarts: int = 0
 
@@ -80,7 +88,7 @@ class EvalBook:
         return lease_id, r.version, [self.prompts[i] for i in ids]
 
     def submit(self, worker_id: str, lease_id: str, version: int, rewards: dict[str, float],
-               now: float) -> EvalResult | None:
+               now: float, completions: dict[str, list[int]] | None = None) -> EvalResult | None:
         """Record an eval lease's rewards; the round's result when this completes it."""
         r = self.round
         lease = r.leased.get(lease_id) if r else None
@@ -97,11 +105,12 @@ class EvalBook:
             raise Rejected(422, "bad-reward", f"rewards must be numbers in [0, 1]; got {rewards[bad[0]]!r}")
         del r.leased[lease_id]
         r.rewards.update({k: float(v) for k, v in rewards.items()})
+        r.answers.update({k: (worker_id, list(ids)) for k, ids in (completions or {}).items()})
         r.workers.add(worker_id)
         if len(r.rewards) < len(self.prompts):
             return None
         result = EvalResult(r.version, sum(r.rewards.values()) / len(r.rewards), len(r.rewards), now - r.opened,
-                            len(r.workers), r.restarts)
+                            len(r.workers), r.restarts, dict(r.answers), dict(r.rewards))
         self.results.append(result)
         self.round = None
         return result

@@ -2,7 +2,10 @@
 
     workers  greedy, version-stamped eval leases (`learner.evals.EvalBook`, served by the control
              API); a round opens at a publication when `[run] eval_every` updates passed since the
-             last one, and the last version's round is waited for before the run stops
+             last one, and the last version's round is waited for before the run stops. The
+             trainer holds the round's version aside (`Trainer.hold_for_eval`), and every answer
+             is checked in one teacher-forced pass to be that version's greedy completion: an
+             answer a worker wrote itself is left out of the accuracy and its worker quarantined
     learner  the trainer evaluates between steps on its own thread (one rank only: tiny models)
 
 Both keep the newest result, the first accuracy (across a resume) and what a checkpoint saves,
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from echo.tasks import Prompt
 from learner.api.run import Run
@@ -39,6 +42,11 @@ class EvalParts:
     changed: Callable[[], None]  # wake every waiting lease request
     evaluate: Callable[[], Awaitable[float]]  # accuracy of the trainer's current weights, on its thread
     lease_ttl: float
+    hold: Callable[[], Awaitable[int]] | None = None  # the trainer keeps its current weights aside; returns their version
+    greedy_gaps: Callable[[list, list], Awaitable[list[float]]] | None = None  # per answer, logits below the argmax
+    encode: Callable[[str], list[int]] | None = None  # prompt text -> token ids, as the workers were sent them
+    quarantine: Callable[[str, str], None] = lambda worker_id, why: None
+    max_gap: float = 1.0  # [verify] max_eval_logit_gap
 
 
 class Evaluation:
@@ -77,28 +85,68 @@ class WorkerEvaluation(Evaluation):
         self.final_timeout_s = section.final_timeout_s
         self.book = EvalBook(parts.prompts, parts.lease_ttl, section.prompts_per_lease)
         self.opened = 0  # the version of the newest round
+        self.held = -1  # the version the trainer holds aside for checking answers
+        self.checking: asyncio.Task | None = None  # the check of a finished round, on the trainer thread
+        self.forged = 0  # answers over the run that were not the version's greedy completion
+
+    async def _open(self, version: int) -> None:
+        if self.checking is not None:  # its check needs the held version: let it finish first
+            await self.checking
+        if self.parts.hold is not None:
+            self.held = await self.parts.hold()
+        self.book.open(version, time.monotonic())
+        self.opened = version
 
     def finished(self, result: EvalResult) -> None:
+        """A round came back: check its answers (on the trainer thread), then record it."""
+        if self.parts.greedy_gaps is None or result.version != self.held:  # a restarted round: not checkable
+            self._record(replace(result, answers={}, scores={}), checked=False)
+        else:
+            self.checking = asyncio.get_running_loop().create_task(self._check(result))
+
+    async def _check(self, result: EvalResult) -> None:
+        ids = sorted(result.answers)
+        prompts = {p.id: p for p in self.prompts}
+        gaps = await self.parts.greedy_gaps([self.parts.encode(prompts[k].text) for k in ids],
+                                            [result.answers[k][1] for k in ids])
+        forged = {k: g for k, g in zip(ids, gaps) if g > self.parts.max_gap}
+        by_worker: dict[str, list[float]] = {}
+        for k, gap in forged.items():
+            by_worker.setdefault(result.answers[k][0], []).append(gap)
+        for worker_id, worker_gaps in by_worker.items():
+            self.parts.quarantine(worker_id, f"{len(worker_gaps)} of its eval answers for v{result.version} are not "
+                                             f"that version's greedy completions (a token {max(worker_gaps):.2f} "
+                                             f"logits below the best; allowed {self.parts.max_gap})")
+        self.forged += len(forged)
+        kept = [result.scores[k] for k in ids if k not in forged]
+        accuracy = sum(kept) / len(kept) if kept else 0.0
+        self._record(replace(result, accuracy=accuracy, prompts=len(kept), answers={}, scores={}),
+                     checked=True, forged=len(forged))
+        self.checking = None
+
+    def _record(self, result: EvalResult, checked: bool, forged: int = 0) -> None:
         self.last = result
         self.first_accuracy = result.accuracy if self.first_accuracy is None else self.first_accuracy
         self.parts.cost.record_eval(result.accuracy)
         self.parts.log({"event": "eval", "step": result.version, "eval_accuracy": result.accuracy,
                         "where": "workers", "prompts": result.prompts, "seconds": round(result.seconds, 3),
-                        "workers": result.workers, "restarts": result.restarts})
+                        "workers": result.workers, "restarts": result.restarts, "checked": checked,
+                        "forged": forged})
         self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
                         f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
-                        + (f", {result.restarts} restarts" if result.restarts else "") + ")")
+                        + (f", {result.restarts} restarts" if result.restarts else "")
+                        + (f", {forged} forged answers left out" if forged else "")
+                        + ("" if checked else ", answers not checked: the round restarted on a version not held")
+                        + ")")
 
     async def start(self, version: int) -> None:
-        self.book.open(version, time.monotonic())
-        self.opened = version
+        await self._open(version)
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
         due = self.parts.eval_every and version - self.opened >= self.parts.eval_every
         if published and (last or (due and self.book.round is None)):
-            self.book.open(version, time.monotonic())
+            await self._open(version)
             self.parts.changed()  # waiting workers holding this version can evaluate it
-            self.opened = version
         return None
 
     async def finish(self, version: int) -> None:

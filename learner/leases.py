@@ -66,6 +66,11 @@ class WorkerCap:
     first: int = 8
     lifetime: float = 600.0
 
+    @classmethod
+    def of(cls, server) -> "WorkerCap":
+        """From `[server] lease_first_prompts` and `lease_max_s`."""
+        return cls(server.lease_first_prompts, server.lease_max_s)
+
 
 @dataclass
 class _Delivery:

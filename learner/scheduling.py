@@ -15,7 +15,7 @@ from pathlib import Path
 from learner.api.workers import WorkerRegistry
 from learner.config import LearnerConfig
 from scheduler.fleet import Fleet
-from scheduler.pool import load_pool
+from scheduler.pool import Pool, load_pool
 from scheduler import providers
 from scheduler.providers import Provider
 
@@ -28,9 +28,21 @@ def make_provider(cfg: LearnerConfig, url: str, token: str, run_dir: Path) -> Pr
                                    python=w.python or sys.executable)
 
 
-def make_fleet(cfg: LearnerConfig, provider: Provider) -> Fleet:
+def machine_tokens(pool: Pool, token: str, path: Path) -> None:
+    """The token each machine of a pool the operator brings up joins with (`--token`): it binds the
+    worker to its pool entry, whose price and rate are the operator's word (a provider that
+    launches machines hands theirs out itself)."""
+    lines = ["# echo-worker join URL --token <this machine's token>: the pool entry it joins as", "[tokens]"]
+    lines += [f'"{c.id}" = "{providers.machine_token(token, c.id)}"' for c in pool.candidates()]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+
+
+def make_fleet(cfg: LearnerConfig, provider: Provider, token: str, run_dir: Path) -> Fleet:
     sc = cfg.scheduler
     pool = load_pool(sc.pool) if sc.pool else None
+    if pool is not None and not provider.launches_machines:
+        machine_tokens(pool, token, run_dir / "machine-tokens.toml")
     return Fleet(pool, provider, sc.controller_params(), batch=cfg.batch_rollouts,
                  publish_every=cfg.publish_every, max_staleness=cfg.buffer.max_staleness,
                  t_train_prior=sc.t_train_s, t_bcast_prior=sc.t_bcast_s, install_prior=sc.install_s,
@@ -50,7 +62,7 @@ async def schedule(fleet: Fleet, registry: WorkerRegistry, tick_s: float, log, n
             await asyncio.sleep(tick_s)
             continue
         for w in registry.workers.values():
-            w.active = fleet.is_active(w.name)
+            w.active = fleet.is_active(w.fleet_key)
         if st.infeasible and st.infeasible != said:
             said = st.infeasible
             note(f"scheduler: {st.infeasible}; activating every available worker")

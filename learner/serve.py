@@ -18,7 +18,7 @@ from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
 from learner.driver import TrainerDriver
 from learner.evaluation import EvalParts, make_evaluation
-from learner.leases import LeaseBook
+from learner.leases import LeaseBook, WorkerCap
 from learner.ledger import Ledger, unique_ids
 from learner.local_workers import LocalWorkers
 from learner.loop import Loop
@@ -52,7 +52,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     S, G, b = cfg.buffer.max_staleness, cfg.trainer.batch_prompts, cfg.broadcast
     book = LeaseBook(unique_ids(task.train_prompts(cfg.run.seed + trainer.version), recovery.starts),
                      cfg.server.lease_ttl, cfg.server.max_inflight_prompts or (S + 1) * G,
-                     retry=recovery.pending, on_lease=ledger.leased)
+                     retry=recovery.pending, on_lease=ledger.leased, per_worker=WorkerCap.of(cfg.server))
     buffer = AsyncBuffer(StalenessBuffer.from_section(
         cfg.buffer, G, seed=cfg.run.seed,
         on_drop=lambda group, reason: group.prompt and book.recycle(group.prompt)))  # dropped: issue it again
@@ -66,16 +66,19 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     evaluation = make_evaluation(cfg.eval, EvalParts(
         eval_prompts, cfg.run.eval_every, trainer.resumed, cost, metrics, log=log.write, note=display.note, run=run,
         changed=waiters.wake_all, evaluate=partial(driver.run, trainer.evaluate, task, eval_prompts),
-        lease_ttl=cfg.server.lease_ttl))
-    rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance) if cfg.verify.rescore_fraction else None
+        lease_ttl=cfg.server.lease_ttl, hold=partial(driver.call, "hold_for_eval"),
+        greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap))
+    # Scores eval answers always, and [verify] rescore_fraction of the uploads (the verifier picks).
+    rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance)
     api = ControlApi(cfg, run_dir.token, run=run, buffer=buffer, lease_book=book, encode=trainer.encode,
                      vocab_size=trainer.vocab_size, model_dir=cfg.model.path, links=links, metrics=metrics,
                      waiters=waiters, evals=evaluation.book, on_eval=evaluation.finished, rescore=rescore,
                      broadcast=publisher.info, on_note=display.note)
+    evaluation.parts.quarantine = lambda worker_id, why: api.registry.quarantine_id(worker_id, "eval", why)
     url = await api.start(cfg.server.host, run_dir.port(cfg.server.port), reap_every=min(1.0, cfg.server.lease_ttl / 4))
     # The scheduler comes once the address is known: its provider hands it to the machines it starts.
     provider = make_provider(cfg, url, run_dir.token, run_dir.path) if cfg.scheduled else None
-    fleet = api.registry.fleet = make_fleet(cfg, provider) if provider is not None else None
+    fleet = api.registry.fleet = make_fleet(cfg, provider, run_dir.token, run_dir.path) if provider is not None else None
     display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
     (run_dir / "url").write_text(url + "\n")
     if run_dir.resumed:

@@ -134,6 +134,12 @@ class LearnerProcess:
         self.log.close()
 
 
+def machine_token(run_dir: Path, machine: str) -> str:
+    import tomllib
+
+    return tomllib.loads((run_dir / "machine-tokens.toml").read_text())["tokens"][machine]
+
+
 def start_worker(url: str, token: str, name: str, log: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "worker.main", "join", url, "--token", token, "--config", "configs/worker.toml",
            "--worker.name", name, "--worker.cache_dir", str(log.parent / "cache"), *overrides]
@@ -151,6 +157,9 @@ def learner_factory(tmp_path, tiny_model):
         lp.workers = []
         lp.worker = lambda name, *o: lp.workers.append(
             start_worker(lp.url, lp.token, name, tmp_path / f"{name}.log", *o)) or lp.workers[-1]
+        # A static pool's machine joins with its own token (RUN_DIR/machine-tokens.toml), which binds it to its entry.
+        lp.machine = lambda name, *o: lp.workers.append(
+            start_worker(lp.url, machine_token(lp.run_dir, name), name, tmp_path / f"{name}.log", *o)) or lp.workers[-1]
         started.append(lp)
         return lp
 

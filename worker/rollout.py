@@ -461,16 +461,16 @@ class Worker:
         return msgs
 
     async def _evaluate(self, client: LearnerClient, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> None:
-        """An eval lease: one greedy sample per prompt with `version`, scored, rewards sent back."""
+        """An eval lease: one greedy sample per prompt with `version`, sent back. The learner keeps
+        the answers to itself and scores the completions; the rewards field carries nothing."""
         greedy = dataclasses.replace(self.params, n=1, temperature=0.0, top_p=1.0)
 
-        def generate_and_score() -> tuple[dict[str, float], dict[str, list[int]]]:
+        def generate() -> dict[str, list[int]]:
             groups = self.engine.generate([p.prompt_ids for p in lease.prompts], greedy)
-            texts = self.tokenizer.batch_decode([g[0].tokens for g in groups], skip_special_tokens=True)
-            return ({p.id: self.task.reward(p, t) for p, t in zip(prompts, texts)},
-                    {p.id: list(g[0].tokens) for p, g in zip(prompts, groups)})
+            return {p.id: list(g[0].tokens) for p, g in zip(prompts, groups)}
 
-        rewards, completions = await asyncio.to_thread(generate_and_score)
+        completions = await asyncio.to_thread(generate)
+        rewards = {pid: 0.0 for pid in completions}
         try:
             await self._calling(client, lambda: client.submit_eval(lease.lease_id, version, rewards, completions))
         except LearnerError as e:  # the round moved on (restarted, or its lease expired): nothing to keep

@@ -10,6 +10,7 @@ Rooms: `leases` (LeaseRoom), `registry` (WorkerRegistry: workers and identity), 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,12 +70,14 @@ class ControlApi:
         self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, **shared)
         self.evals = EvalRoom(cfg, evals, on_result=on_eval, **shared)
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,
-                                 links=self.links, metrics=self.metrics, model_dir=model_dir, offload=self.offload)
+                                 links=self.links, metrics=self.metrics, model_dir=model_dir, offload=self.offload,
+                                 metrics_from=[ipaddress.ip_network(n, strict=False) for n in cfg.server.metrics_from])
 
     def app(self) -> web.Application:
         cfg = self.cfg
         app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)), middlewares=[errors_as_json])
-        auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused)
+        auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused, self.registry.addresses,
+                    [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies])
         app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, cfg.rollout, self.run, self.broadcast)))
         app.add_routes(self.leases.routes(auth))
         app.add_routes(self.uploads.routes(auth))

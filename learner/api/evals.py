@@ -2,10 +2,11 @@
 
     POST /v1/eval   an eval lease's rewards (learner.evals), with the completions to score them by
 
-With `[eval] where = "workers"` the learner's `EvalBook` hands out eval leases (the lease room)
-and collects the answers here; with a `Rescorer` the worker's rewards are claims, checked
-against the learner's own scoring (a liar is quarantined). Each finished round goes to
-`on_result`. With `where = "learner"` there is no book and this route answers 409.
+With `[eval] where = "workers"` the learner's `EvalBook` hands out eval leases (the lease room,
+without the answers) and collects the completions here, which the learner scores itself
+(`score`: a `Rescorer`); the rewards a worker sends mean nothing. Each finished round goes to
+`on_result`, which checks the completions are the version's greedy ones
+(`learner.evaluation`). With `where = "learner"` there is no book and this route answers 409.
 """
 
 from __future__ import annotations
@@ -47,11 +48,10 @@ class EvalRoom:
                 return json_error(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
             if self.book is None:
                 return json_error(409, "no-eval", "this learner evaluates on itself ([eval] where = 'learner')")
-            rewards = dict(req.rewards)
             try:
-                if self.rescore is not None:  # score the answers here; the worker's rewards are claims
-                    rewards = await self.score(worker, req)
-                result = self.book.submit(worker.id, req.lease_id, req.version, rewards, time.monotonic())
+                rewards = await self.score(req)  # the learner's own scores: workers never see the answers
+                result = self.book.submit(worker.id, req.lease_id, req.version, rewards, time.monotonic(),
+                                          req.completions)
             except Rejected as e:
                 self.metrics.rejected.labels(f"eval-{e.reason}").inc()
                 return json_error(e.status, e.reason, e.message)
@@ -65,7 +65,7 @@ class EvalRoom:
         self.metrics.eval_accuracy.set(result.accuracy)
         self.on_result(result)
 
-    async def score(self, worker: WorkerInfo, req: P.EvalSubmission) -> dict[str, float]:
+    async def score(self, req: P.EvalSubmission) -> dict[str, float]:
         prompts = self.book.prompts
         if set(req.completions) != set(req.rewards) or not set(req.completions) <= set(prompts):
             raise Rejected(422, "wrong-prompts", "send the completion token ids of exactly the eval lease's prompts "
@@ -77,11 +77,4 @@ class EvalRoom:
         ids = list(req.completions)
         truth = await asyncio.get_running_loop().run_in_executor(
             self.offload, self.rescore.score, [(prompts[k], req.completions[k]) for k in ids])
-        mismatches = [abs(req.rewards[k] - t) > self.tolerance for k, t in zip(ids, truth)]
-        self.metrics.rewards_checked.inc(len(mismatches))
-        self.metrics.rewards_mismatched.inc(sum(mismatches))
-        verdict = self.registry.verifier.rewards_checked(worker.id, mismatches)
-        if verdict is not None:
-            self.registry.quarantine(worker, verdict)
-            raise Rejected(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
         return dict(zip(ids, truth))

@@ -2,20 +2,23 @@
 
 Every error a worker sees is JSON (`echo.protocol.ErrorReply`) with a reason and a message
 saying what to do. Bodies are read bounded and validated against their protocol model.
-`Auth` tells the run token (joins, the operator) from a worker's own credential.
+`Auth` tells the run token (joins, the operator) and machine tokens (a provider's machines)
+from a worker's own credential, and throttles an address that keeps presenting wrong ones.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
+import ipaddress
 import time
 from collections.abc import Mapping
 
 from aiohttp import web
 
 from echo import protocol as P
+from learner.addresses import AddressBook, client_address
+from scheduler.providers import machine_of
 
 
 class Refusal(Exception):
@@ -48,46 +51,80 @@ async def read_body(request: web.Request, model: type[P.Message], rejected) -> P
         if size > P.MAX_JSON_BYTES:
             raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=size)
         chunks.append(chunk)
-    raw = b"".join(chunks)
     try:
-        data = json.loads(raw or b"{}")
-        return P.parse(model, data)
-    except (ValueError, P.ProtocolError) as e:
+        return P.parse_json(model, b"".join(chunks))  # bounded nesting: a deep array is a 400, not a 500
+    except P.ProtocolError as e:
         rejected.labels("bad-request").inc()
-        raise web.HTTPBadRequest(text=str(e) if isinstance(e, P.ProtocolError) else "body must be a JSON object") from None
+        raise web.HTTPBadRequest(text=str(e)) from None
 
 
 class Auth:
     """The run token admits joins and the operator; afterwards a worker is known by its own
     credential (`<worker id>.<secret>`) alone. `workers` maps ids to records with a `secret_hash`."""
 
-    def __init__(self, token: str, workers: Mapping, refused):
+    def __init__(self, token: str, workers: Mapping, refused, addresses: AddressBook | None = None,
+                 trusted_proxies: list | None = None):
         self.token, self.workers, self.refused = token, workers, refused  # refused: a Counter by credential kind
+        self.addresses = addresses or AddressBook()
+        self.trusted_proxies = trusted_proxies or []
 
     @staticmethod
     def bearer(request: web.Request) -> str:
         header = request.headers.get("Authorization", "")
         return header[7:] if header.startswith("Bearer ") else ""
 
-    def run_token(self, request: web.Request) -> None:
+    def address(self, request: web.Request) -> str:
+        """The caller's own address (behind a trusted proxy: the one it forwarded)."""
+        return client_address(request.remote or "", request.headers.get("X-Forwarded-For", ""), self.trusted_proxies)
+
+    def _throttled(self, request: web.Request) -> str:
+        address, now = self.address(request), time.monotonic()
+        wait = self.addresses.throttled(address, now)
+        if wait > 0:
+            self.refused.labels("throttled").inc()
+            raise web.HTTPTooManyRequests(headers={"Retry-After": str(max(1, round(wait)))},
+                                          text=f"too many wrong tokens or credentials from {address}; "
+                                               "retry after the given seconds")
+        return address
+
+    def run_token(self, request: web.Request, machines: bool = False) -> str | None:
+        """Admit the run token (None), or with `machines` a machine token (the machine id it was
+        issued for: joins only); else 401."""
+        address = self._throttled(request)
         given = self.bearer(request)
-        if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
-            self.refused.labels("run-token").inc()
-            raise web.HTTPUnauthorized(
-                text=f"{'missing' if not given else 'wrong'} run token: pass the token the learner printed at "
-                     "start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
+        if given and hmac.compare_digest(given.encode(), self.token.encode()):
+            return None
+        machine = machine_of(self.token, given) if given and machines else None
+        if machine is not None:
+            return machine
+        self.addresses.failed(address, time.monotonic())
+        self.refused.labels("run-token").inc()
+        raise web.HTTPUnauthorized(
+            text=f"{'missing' if not given else 'wrong'} run token: pass the token the learner printed at "
+                 "start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
 
     def worker(self, request: web.Request):
         """The calling worker (its `last_seen` renewed), or 401."""
+        address = self._throttled(request)
         wid, _, secret = self.bearer(request).partition(".")
         worker = self.workers.get(wid)
         if worker is None or not secret or not hmac.compare_digest(secret_hash(secret), worker.secret_hash):
+            self.addresses.failed(address, time.monotonic())
             self.refused.labels("credential").inc()
             raise web.HTTPUnauthorized(reason="unknown-credential",
                                        text="unknown or wrong worker credential (the learner restarted or forgot "
                                             "this worker): join again with the run token")
         worker.last_seen = time.monotonic()
         return worker
+
+    def operator(self, request: web.Request, networks: list) -> None:
+        """Requests from `networks` (this machine, by default), or anyone with the run token."""
+        try:
+            ip = ipaddress.ip_address(request.remote or "")
+        except ValueError:
+            ip = None
+        if ip is None or not any(ip in net for net in networks):
+            self.run_token(request)
 
     def anyone(self, request: web.Request) -> None:
         """Model files and snapshots: any worker, or the operator with the run token."""
@@ -110,13 +147,14 @@ async def errors_as_json(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        reason = {401: "unauthorized", 404: "not-found", 413: "oversized"}.get(e.status, "bad-request")
+        reason = {401: "unauthorized", 404: "not-found", 413: "oversized", 429: "throttled"}.get(e.status, "bad-request")
         if e.status == 401 and e.reason == "unknown-credential":
             reason = "unknown-credential"
         message = e.text or e.reason
         if e.status == 413:
             message = (f"body larger than the learner's limit for this route "
                        f"({P.MAX_JSON_BYTES >> 10} KiB for JSON, [server] max_body_mb for trajectories)")
-        return json_error(e.status, reason, message)
+        retry = {"Retry-After": e.headers["Retry-After"]} if "Retry-After" in e.headers else None
+        return json_error(e.status, reason, message, retry)
     except Refusal as e:
         return json_error(e.status, e.reason, e.message)

@@ -135,7 +135,7 @@ class LeaseRoom:
                     lease_id, version, eval_prompts = got_eval
                     return answer(P.LeaseReply(
                         lease_id=lease_id, eval_version=version, expires_in=server.lease_ttl,
-                        prompts=[P.PromptMsg(id=p.id, text=p.text, answer=p.answer, prompt_ids=self.encode(p.text))
+                        prompts=[P.PromptMsg(id=p.id, text=p.text, answer="", prompt_ids=self.encode(p.text))
                                  for p in eval_prompts], snapshot=run.announcement))
             # A worker on a version already too old to be admitted would only generate refusals.
             if server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(worker.version, run.version):

@@ -32,8 +32,10 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 
 class StatusRoom:
     def __init__(self, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom, registry: WorkerRegistry,
-                 links: LinkTable, metrics: LearnerMetrics, model_dir: Path, offload: Executor):
+                 links: LinkTable, metrics: LearnerMetrics, model_dir: Path, offload: Executor,
+                 metrics_from: list | None = None):
         self.run, self.buffer, self.leases, self.registry = run, buffer, leases, registry
+        self.metrics_from = metrics_from or []  # networks /metrics answers without the run token
         self.links, self.metrics, self.model_dir, self.offload = links, metrics, model_dir, offload
 
     def status(self) -> dict:
@@ -66,6 +68,7 @@ class StatusRoom:
             return web.json_response(self.status())
 
         async def metrics(request: web.Request) -> web.Response:
+            auth.operator(request, self.metrics_from)
             self.metrics.links(self.links.to_dict())
             return web.Response(body=self.metrics.exposition(), content_type="text/plain")
 

@@ -6,6 +6,11 @@ Peers are untrusted: the upload is decoded bounded (`echo.wire.decode_submission
 event loop), must be the credential's own work in its own leases, of a published version
 within the staleness bound; a share of its rewards is recomputed here (`learner.verify`) and a
 worker whose claims differ is quarantined. Groups that pass go into the buffer.
+
+Bodies are bounded in time and in total: an upload must arrive within `[server] body_timeout_s`
+(a worker trickling bytes holds nothing for long), and the bytes of uploads being read at once
+stay under `[server] max_inflight_upload_mb` (past it: 503 with Retry-After), so a fleet of slow
+uploaders cannot hold the learner's memory.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class UploadRoom:
         self.max_body_mb, self.rollout, self.max_staleness = cfg.server.max_body_mb, cfg.rollout, cfg.buffer.max_staleness
         self.run, self.buffer, self.leases, self.registry, self.metrics = run, buffer, leases, registry, metrics
         self.vocab_size, self.offload, self.rescore = vocab_size, offload, rescore
+        self.body_timeout_s = cfg.server.body_timeout_s
+        self.inflight_cap = int(cfg.server.max_inflight_upload_mb * (1 << 20))
+        self.inflight = 0  # bytes of the uploads being read now (declared lengths, or the cap per chunked body)
 
     def routes(self, auth: Auth) -> list[web.RouteDef]:
         async def trajectories(request: web.Request) -> web.Response:
@@ -55,11 +63,22 @@ class UploadRoom:
     async def upload(self, request: web.Request, worker: WorkerInfo) -> web.Response:
         if request.content_type != CONTENT_TYPE:
             raise Rejected(415, "malformed", f"Content-Type must be {CONTENT_TYPE}")
+        claim = min(request.content_length or int(self.max_body_mb * (1 << 20)), int(self.max_body_mb * (1 << 20)))
+        if self.inflight + claim > self.inflight_cap:
+            self.metrics.rejected.labels("busy").inc()
+            return json_error(503, "busy", "the learner is reading as many uploads as it holds at once "
+                                           "([server] max_inflight_upload_mb); retry shortly", {"Retry-After": "2"})
+        self.inflight += claim
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise Rejected(413, "oversized", f"upload larger than [server] max_body_mb = {self.max_body_mb} MiB; "
                                              "submit fewer groups per request") from None
+        except asyncio.TimeoutError:
+            raise Rejected(408, "slow-body", f"the upload did not arrive within [server] body_timeout_s = "
+                                             f"{self.body_timeout_s:g} s") from None
+        finally:
+            self.inflight -= claim
         loop = asyncio.get_running_loop()
         sub = await loop.run_in_executor(self.offload, lambda: decode_submission(
             raw, vocab_size=self.vocab_size, max_tokens=self.rollout.max_new_tokens, group_size=self.rollout.group_size))
@@ -147,7 +166,7 @@ class UploadRoom:
         if stale:
             self.metrics.rejected.labels("stale-version").inc(len(stale))
         for g in fresh:
-            book.complete(sub.lease_id, g.prompt_id, worker.id)
+            book.complete(sub.lease_id, g.prompt_id, worker.id, time.monotonic())  # its measured rate
         return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=self.leases.token_ids(prompts[g.prompt_id]),
                       completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
                       rewards=[s.reward for s in g.samples], worker_id=worker.id,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import itertools
 import secrets
 import time
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
+from learner.addresses import AddressBook
 from learner.admission import JoinGate
 from learner.api.http import Auth, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom
@@ -61,6 +63,8 @@ class WorkerInfo:
     capacity_per_s: float = 0.0  # believed rollouts per engine-busy second (what the scheduler provisions with)
     claimed_capacity_per_s: float = 0.0  # what the worker said
     quarantined: str = ""  # why the learner stopped taking its work
+    fleet_key: str = ""  # what the scheduler knows it by: its pool machine (machine token) or its id
+    probed_at: float = -1e9  # the last reachability probe of its relay
 
     def row(self, now: float, alive: bool, leased: int) -> dict:
         """The worker as /v1/status shows it (no secrets, bounded size)."""
@@ -73,6 +77,33 @@ class WorkerInfo:
                 "quarantined": self.quarantined}
 
 
+PROBE_EVERY_S = 30.0  # a relay is probed at most this often, however often its URL changes
+
+
+def check_relay_host(url: str, address: str, any_public: bool) -> None:
+    """A relay URL must name the address its worker connects from (or, with `[server]
+    relay_any_public`, a public one): otherwise the learner would connect, and push snapshots,
+    wherever a worker pointed it, inside its own network too."""
+    if not url:
+        return
+    host = url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]") if "://" in url else url.split("/")[2]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise web.HTTPUnprocessableEntity(text=f"relay_url {url!r}: give the relay's IP address, not a name "
+                                               "(the learner does not resolve names a worker chose)") from None
+    try:
+        own = ipaddress.ip_address(address)
+    except ValueError:
+        own = None
+    if ip == own or (any_public and ip.is_global):
+        return
+    raise web.HTTPUnprocessableEntity(text=f"relay_url {url!r} is not the address this worker connects from "
+                                           f"({address}){' nor a public one' if any_public else ''}: advertise "
+                                           "the address others reach it at (--worker.advertise_url), or set "
+                                           "[server] relay_any_public on the learner")
+
+
 class WorkerRegistry:
     """Every joined worker, by id. `fleet` (a `scheduler.fleet.Fleet`, or None) decides who is active."""
 
@@ -83,7 +114,8 @@ class WorkerRegistry:
         self.leases, self.buffer, self.links, self.verifier, self.metrics = leases, buffer, links, verifier, metrics
         self.fleet, self.on_note = fleet, on_note  # on_note: something the operator should read (status line)
         self.workers: dict[str, WorkerInfo] = {}
-        self.banned: dict[str, str] = {}  # address -> why: a quarantined worker's address may not join again
+        # Per address: workers joined, wrong tokens, bans that expire (learner.addresses).
+        self.addresses = AddressBook(max_workers=server.max_workers_per_address, ban_s=server.ban_s)
         self.gate = JoinGate(server.join_rate, server.join_burst, server.allow_networks)
         self._ids = itertools.count(1)
         self._probes: set[asyncio.Task] = set()
@@ -101,9 +133,14 @@ class WorkerRegistry:
         if not self.gate.allowed_from(address):
             refused.labels("network").inc()
             return json_error(403, "network", f"joins from {address} are not allowed ([server] allow_networks)")
-        if address in self.banned:
+        banned = self.addresses.banned(address, now)
+        if banned:
             refused.labels("banned").inc()
-            return json_error(403, "banned", f"a worker from {address} was quarantined: {self.banned[address]}")
+            return json_error(403, "banned", f"a worker from {address} was quarantined: {banned}")
+        if not self.addresses.room(address):
+            refused.labels("address-full").inc()
+            return json_error(403, "address-full", f"{address} holds the most workers one address may "
+                                                   f"([server] max_workers_per_address = {server.max_workers_per_address})")
         if len(self.workers) >= server.max_workers:
             refused.labels("full").inc()
             return json_error(503, "fleet-full", f"the learner holds its maximum of {server.max_workers} workers "
@@ -116,16 +153,18 @@ class WorkerRegistry:
                               {"Retry-After": str(max(1, round(wait)))})
         return None
 
-    def join(self, report: P.Report, address: str, now: float) -> tuple[WorkerInfo, str]:
-        """A new worker and its secret (only its hash is kept)."""
+    def join(self, report: P.Report, address: str, now: float, machine: str | None = None) -> tuple[WorkerInfo, str]:
+        """A new worker and its secret (only its hash is kept). `machine`: the pool machine its
+        machine token proved; it then goes by that name, whatever it calls itself."""
         wid, secret = f"w{next(self._ids)}", secrets.token_urlsafe(24)
-        info = WorkerInfo(id=wid, name=report.name or wid, joined=now, last_seen=now, secret_hash=secret_hash(secret),
-                          address=address)
+        info = WorkerInfo(id=wid, name=machine or report.name or wid, joined=now, last_seen=now,
+                          secret_hash=secret_hash(secret), address=address, fleet_key=wid)
         self.update(info, report)
         self.workers[wid] = info
+        self.addresses.joined(address)
         if self.fleet is not None:
-            self.fleet.joined(now, info.name, info.price_per_hour, report.expected_rollouts_per_s)
-            info.active = self.fleet.is_active(info.name)
+            info.fleet_key = self.fleet.joined(now, wid, machine)
+            info.active = self.fleet.is_active(info.fleet_key)
         return info, secret
 
     def update(self, w: WorkerInfo, r: P.Report) -> None:
@@ -141,8 +180,10 @@ class WorkerRegistry:
         if self.verifier.evidence[w.id].claims_clamped > clamped:
             self.metrics.claims_clamped.labels("capacity").inc()
         if r.relay_url != w.relay_url:
+            check_relay_host(r.relay_url, w.address, self.server.relay_any_public)
             w.relay_url, w.reachable = r.relay_url, None
-            if w.relay_url:
+            if w.relay_url and w.last_seen - w.probed_at >= PROBE_EVERY_S:
+                w.probed_at = w.last_seen
                 self.probe(w)
         known = w.installs[-1][0] if w.installs else -1
         for item in r.installs:  # "seconds ago": clocks differ between machines
@@ -178,8 +219,8 @@ class WorkerRegistry:
         if worker.quarantined:
             return P.HeartbeatReply(state="quarantined", message=worker.quarantined)
         if self.fleet is not None:
-            self.fleet.heartbeat(worker.last_seen, worker.name, worker.capacity_per_s)
-            worker.active = self.fleet.is_active(worker.name)
+            self.fleet.heartbeat(worker.last_seen, worker.fleet_key, worker.capacity_per_s)
+            worker.active = self.fleet.is_active(worker.fleet_key)
         finished = self.run.finished
         worker.told_finished = finished
         return P.HeartbeatReply(state="stop" if finished else "active" if worker.active else "idle",
@@ -192,12 +233,18 @@ class WorkerRegistry:
             return
         worker.quarantined, worker.active = verdict.message, False
         if self.verify.ban_address and worker.address:  # else it would join again under a new name
-            self.banned[worker.address] = verdict.message
+            self.addresses.ban(worker.address, verdict.message, time.monotonic())
         leased = self.leases.release_worker(worker.id)
         dropped = self.buffer.buffer.drop_worker(worker.id)
         self.metrics.quarantined.labels(verdict.reason).inc()
         self.on_note(f"quarantined {worker.name} ({worker.id}, {worker.address}): {verdict.message}; "
                      f"{leased} leased prompts re-issued, {dropped} queued groups dropped")
+
+    def quarantine_id(self, worker_id: str, reason: str, message: str) -> None:
+        """`quarantine` by worker id (a verdict reached outside the request that brought the work)."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            self.quarantine(worker, Verdict(worker_id, reason, message))
 
     def judge_logprobs(self, groups: list[Group], staleness: list[int], group_gaps: list[list[float]]) -> None:
         """Judge each worker's groups, fresh and stale, by how far its μ lies from the trainer's π
@@ -230,19 +277,21 @@ class WorkerRegistry:
         for w in [w for w in self.workers.values() if now - w.last_seen > self.server.forget_after_s]:
             del self.workers[w.id]
             self.leases.release_worker(w.id)
+            self.leases.book.forget_worker(w.id)
+            self.addresses.left(w.address)
             self.links.forget(w.id)
             self.verifier.forget(w.id)
 
     def routes(self, auth: Auth, welcome) -> list[web.RouteDef]:
         """`welcome(worker_id, credential)`: the join's reply (sampling parameters, task, broadcast)."""
         async def join(request: web.Request) -> web.Response:
-            auth.run_token(request)
+            machine = auth.run_token(request, machines=True)
             report = await read_body(request, P.Report, self.metrics.rejected)
-            now, address = time.monotonic(), request.remote or ""
+            now, address = time.monotonic(), auth.address(request)
             refused = self.refusal(address, now)
             if refused is not None:
                 return refused
-            info, secret = self.join(report, address, now)
+            info, secret = self.join(report, address, now, machine)
             return reply(welcome(info.id, f"{info.id}.{secret}"))
 
         async def heartbeat(request: web.Request) -> web.Response:

@@ -70,7 +70,7 @@ async def _serve(args) -> int:
     from echo.tasks import load_task
     from learner.buffer import AsyncBuffer, StalenessBuffer
     from learner.config import LearnerConfig
-    from learner.leases import LeaseBook
+    from learner.leases import LeaseBook, WorkerCap
     from learner.ledger import Ledger
     from broadcast.star import BlobStore
     from learner.api import ControlApi, Run
@@ -87,7 +87,8 @@ async def _serve(args) -> int:
     task = load_task("arith", {})
     ledger = Ledger(d / "ledger.jsonl")
     S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
-    leases = LeaseBook(_unique_ids(task.train_prompts(0)), cfg.server.lease_ttl, (S + 1) * G, on_lease=ledger.leased)
+    leases = LeaseBook(_unique_ids(task.train_prompts(0)), cfg.server.lease_ttl, (S + 1) * G, on_lease=ledger.leased,
+                       per_worker=WorkerCap.of(cfg.server))
     buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, G, on_drop=lambda g, why: leases.recycle(g.prompt)))
     run = Run(BlobStore(keep=cfg.publish.keep))
     api = ControlApi(cfg, BENCH_TOKEN, run=run, buffer=buffer, lease_book=leases,

@@ -237,10 +237,10 @@ def test_scheduler_activates_the_cheapest_sufficient_worker_and_idles_the_other(
     # (Choosing the cheapest among several available machines is tested in test_scheduler_fleet.)
     lp = learner_factory(run={"steps": 30}, scheduler={"pool": str(pool), "provider": "static", "t_train_s": 10.0,
                                                       "t_bcast_s": 0.0, "window_s": 1000.0})
-    lp.worker("cheap", "--worker.max_rollouts_per_s", "60")  # ~8 s for the run: time for pricey to join
+    lp.machine("cheap", "--worker.max_rollouts_per_s", "60")  # ~8 s for the run: time for pricey to join
     lp.wait_until(lambda: any(w["name"] == "cheap" and w["active"] for w in lp.status()["workers"]), 60,
                   "the cheap worker to be activated")
-    lp.worker("pricey")  # available too, but the cheap one already covers the target
+    lp.machine("pricey")  # available too, but the cheap one already covers the target
     lp.wait_until(lambda: any(w["name"] == "pricey" for w in lp.status()["workers"]), 60, "pricey to join")
     assert lp.proc.wait(120) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())

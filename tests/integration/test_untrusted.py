@@ -24,7 +24,7 @@ from echo.wire import CONTENT_TYPE, GroupMsg, SampleMsg, Submission, encode_subm
 from broadcast.star import BlobStore
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
-from learner.leases import LeaseBook
+from learner.leases import LeaseBook, WorkerCap
 from learner.api import ControlApi, Run
 from learner.verify import Rescorer
 
@@ -79,7 +79,8 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
     task = load_task("arith", {})
 
     async def main():
-        leases = LeaseBook(task.train_prompts(0), cfg.server.lease_ttl, cfg.server.max_inflight_prompts or 64)
+        leases = LeaseBook(task.train_prompts(0), cfg.server.lease_ttl, cfg.server.max_inflight_prompts or 64,
+                           per_worker=WorkerCap.of(cfg.server))
         buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, cfg.trainer.batch_prompts,
                                                           on_drop=lambda g, why: leases.recycle(g.prompt)))
         (tmp_path / "config.json").write_text("{}")
