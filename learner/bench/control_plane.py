@@ -67,6 +67,7 @@ async def _serve(args) -> int:
     from aiohttp import web
 
     from echo.config import load_config
+    from echo import protocol as P
     from echo.tasks import load_task
     from learner.buffer import AsyncBuffer, StalenessBuffer
     from learner.config import LearnerConfig
@@ -98,7 +99,7 @@ async def _serve(args) -> int:
 
     def publish(version: int) -> None:
         info = run.blobs.add(version, blob)
-        run.announcement = {"version": version, "size": info.size, "sha256": info.sha256}
+        run.announcement = P.Announcement(version=version, size=info.size, sha256=info.sha256)
         ledger.published(version)
         api.leases.changed()
 
