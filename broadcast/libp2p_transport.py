@@ -692,7 +692,9 @@ class Libp2pTransport(Transport):
     async def _host(self) -> Libp2pHost:
         async with self._lock:
             if self.host is None:
-                host = Libp2pHost(self.key, listen=self.listen)
+                # Importing py-libp2p and deriving the key pair take ~0.5 s: not on the event loop
+                # (a learner makes its first libp2p host at its first push to a p2p: relay).
+                host = await asyncio.to_thread(lambda: Libp2pHost(self.key, listen=self.listen))
                 for protocol, handler in ((PUSH_PROTOCOL, self._serve_push), (PULL_PROTOCOL, self._serve_pull),
                                           (MANIFEST_PROTOCOL, self._serve_manifest)):
                     host.set_handler(protocol, self._tracked(handler))

@@ -111,6 +111,7 @@ class Node:
         self.p2p_key, self.p2p_port = p2p_key, p2p_port
         self._transports: dict[type[Transport], Transport] = {}  # by class: http and https share one
         self._store_added: asyncio.Condition | None = None  # created in start() (needs a loop)
+        self._making = asyncio.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _routes(self) -> list[web.RouteDef]:
@@ -141,8 +142,14 @@ class Node:
         cls = transport_class(scheme_of(url))
         if cls in self._transports:
             return self._transports[cls]
-        transport = self._make(cls)
-        await transport.start()
+        async with self._making:  # concurrent pushes to new kinds of peer make one transport
+            if cls in self._transports:
+                return self._transports[cls]
+            # On a thread: a transport's first use may import its library (py-libp2p: ~0.5 s), and
+            # this is often the learner's event loop in the middle of a push.
+            transport = await asyncio.to_thread(cls.for_node, self, cls is self._advertised)
+            await transport.start()
+            self._transports[cls] = transport
         return transport
 
     async def stop(self) -> None:

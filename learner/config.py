@@ -230,6 +230,8 @@ class ServerSection(Section):
     body_timeout_s: float = Field(60.0, gt=0.0, description="[server] body_timeout_s: an upload's body must arrive within this many seconds (a trickling sender holds nothing long)")
     max_inflight_upload_mb: float = Field(256.0, gt=0.0, description="[server] max_inflight_upload_mb: bytes of uploads read at once; past it a new upload gets 503 and retries")
     max_workers_per_address: int = Field(16, ge=1, le=100_000, description="[server] max_workers_per_address: workers joined from one address (one IPv6 /64) at once; a rented machine can open many identities but not many addresses")
+    auth_failures_per_min: float = Field(10.0, gt=0.0, description="[server] auth_failures_per_min: wrong run tokens or credentials one address may present per minute (after auth_failure_burst); beyond it, 429")
+    auth_failure_burst: int = Field(20, ge=1, description="[server] auth_failure_burst: wrong tokens or credentials one address may present at once before auth_failures_per_min applies")
     ban_s: float = Field(3600.0, gt=0.0, description="[server] ban_s: how long a quarantined worker's address may not join (doubled for each repeat); an address is the ISP's, and its next holder is someone else")
     trusted_proxies: list[str] = Field(default_factory=list, description="[server] trusted_proxies: CIDR blocks of reverse proxies whose X-Forwarded-For names the worker's address (empty: the connection's address is the worker's)")
     relay_any_public: bool = Field(False, description="[server] relay_any_public: accept a relay URL on any public IP address (else only the address the worker connects from)")

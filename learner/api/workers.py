@@ -115,7 +115,9 @@ class WorkerRegistry:
         self.fleet, self.on_note = fleet, on_note  # on_note: something the operator should read (status line)
         self.workers: dict[str, WorkerInfo] = {}
         # Per address: workers joined, wrong tokens, bans that expire (learner.addresses).
-        self.addresses = AddressBook(max_workers=server.max_workers_per_address, ban_s=server.ban_s)
+        self.addresses = AddressBook(max_workers=server.max_workers_per_address, ban_s=server.ban_s,
+                                     failures_per_min=server.auth_failures_per_min,
+                                     failure_burst=server.auth_failure_burst)
         self.gate = JoinGate(server.join_rate, server.join_burst, server.allow_networks)
         self._ids = itertools.count(1)
         self._probes: set[asyncio.Task] = set()

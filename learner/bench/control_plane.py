@@ -84,6 +84,8 @@ async def _serve(args) -> int:
         "--server.token", BENCH_TOKEN, "--server.heartbeat_interval", str(args.heartbeat_s),
         "--server.join_rate", str(max(20.0, args.workers / 10)), "--server.join_burst", str(args.workers),
         "--server.max_workers", str(4 * args.workers), "--rollout.group_size", "4", "--rollout.max_new_tokens", "4",
+        # The simulated fleet shares one address (loopback): per-address limits would count it as one machine.
+        "--server.max_workers_per_address", str(4 * args.workers),
         "--trainer.batch_prompts", str(args.batch_prompts), "--buffer.max_staleness", "2", "--publish.every", "1"])
     task = load_task("arith", {})
     ledger = Ledger(d / "ledger.jsonl")

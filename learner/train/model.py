@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from echo.hf import TokenBatch, check_head, policy_logprobs
+from echo.hf import TokenBatch, check_head, greedy_gaps, policy_logprobs
 from learner.train.dist import World, full_tensor, shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,15 +33,20 @@ def saved_dtype(model_dir: Path) -> str:
 
 
 class Policy(torch.nn.Module):
-    """An HF causal LM whose forward returns log π of completion tokens (flat, row by row)."""
+    """An HF causal LM whose forward returns log π of completion tokens (flat, row by row), or
+    with `greedy` each token's logit gap to the best (`echo.hf.greedy_gaps`). Whatever it
+    computes goes through this forward: with FSDP2 it is the root, whose hook gathers the
+    embeddings and head."""
 
-    def __init__(self, hf, *, temperature: float, top_p: float, chunk_tokens: int):
+    def __init__(self, hf, *, temperature: float, top_p: float, chunk_tokens: int, greedy: bool = False):
         super().__init__()
         check_head(hf)
         self.hf = hf
-        self.temperature, self.top_p, self.chunk_tokens = temperature, top_p, chunk_tokens
+        self.temperature, self.top_p, self.chunk_tokens, self.greedy = temperature, top_p, chunk_tokens, greedy
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
+        if self.greedy:
+            return greedy_gaps(self.hf, batch, self.chunk_tokens)
         return policy_logprobs(self.hf, batch, temperature=self.temperature, top_p=self.top_p,
                                chunk_tokens=self.chunk_tokens)
 
@@ -73,7 +78,7 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
 
 def build_policy(model_dir: Path, world: World, *, temperature: float, top_p: float, chunk_tokens: int,
                  activation_checkpointing: bool, dtype: torch.dtype = torch.float32,
-                 trainable: bool = True) -> Policy:
+                 trainable: bool = True, greedy: bool = False) -> Policy:
     """Load `model_dir` in `dtype` (fp32: the master weights), wrap, checkpoint, shard or move."""
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +89,7 @@ def build_policy(model_dir: Path, world: World, *, temperature: float, top_p: fl
     if activation_checkpointing and trainable:
         for layer in layers:
             checkpoint_activations(layer)
-    policy = Policy(hf, temperature=temperature, top_p=top_p, chunk_tokens=chunk_tokens).eval()
+    policy = Policy(hf, temperature=temperature, top_p=top_p, chunk_tokens=chunk_tokens, greedy=greedy).eval()
     if world.distributed:
         return shard(policy, layers, world)
     return policy.to(world.device)

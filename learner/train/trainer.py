@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from echo.hf import PromptEncoder, TokenBatch, greedy_gaps, sample
+from echo.hf import PromptEncoder, TokenBatch, sample
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo
 from learner.config import LearnerConfig
@@ -366,9 +366,10 @@ class Trainer:
         if self._eval_copy is None:
             self._eval_copy = build_policy(self.model_dir, self.world, activation_checkpointing=False,
                                            dtype=self.autocast_dtype or torch.float32, trainable=False,
-                                           temperature=1.0, top_p=1.0, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
-        for held, current in zip(self._eval_copy.parameters(), self.policy.parameters(), strict=True):
-            held.copy_(current)
+                                           temperature=1.0, top_p=1.0, greedy=True,
+                                           chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+        # Through the state dicts: sharded (DTensor) on both sides under FSDP2, whatever the root holds now.
+        self._eval_copy.load_state_dict(self.policy.state_dict())
         return self.version
 
     @torch.no_grad()
@@ -384,7 +385,7 @@ class Trainer:
             tb = TokenBatch.build([prompts[i] for i in indices], [completions[i] for i in indices], self._pad,
                                   self.world.device)
             with self._autocast():
-                gaps = greedy_gaps(self._eval_copy.hf, tb, self.cfg.trainer.logprob_chunk_tokens)
+                gaps = self._eval_copy(tb)
             for i, g in zip(indices, gaps.split(tb.lengths)):
                 out[i] = float(g.max()) if len(g) else 0.0
         return out

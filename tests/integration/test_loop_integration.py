@@ -327,3 +327,30 @@ def test_a_two_rank_learner_trains_on_policy_with_top_p(learner_factory):
     assert (lp.run_dir / "model" / "model.safetensors").exists()
     state = json.loads((lp.run_dir / "checkpoints" / "latest" / "learner_state.json").read_text())
     assert state["ranks"] == 2 and state["version"] == steps
+
+
+def test_a_worker_that_writes_its_own_eval_answers_is_caught(learner_factory):
+    """The forger of v0's eval: it computes the right sums itself (the arithmetic is easy; the
+    answers are never sent) instead of running the model. The learner checks each answer in one
+    teacher-forced pass under v0: they are not v0's greedy completions, so they are left out of
+    the accuracy and the worker is quarantined. Before, v0's accuracy read 1.000."""
+    from learner.tinymodel import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    lp = learner_factory(run={"steps": 3}, eval={"limit": 8, "prompts_per_lease": 8, "final_timeout_s": 5})
+    wid, cred = lp.join("forger")
+    status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 8, "version": 0}, token=cred)
+    assert status == 200 and lease["eval_version"] == 0 and all(p["answer"] == "" for p in lease["prompts"])
+    sums = {p["id"]: str(eval(p["text"].split("=")[0].split(":")[-1].strip())) for p in lease["prompts"]}  # noqa: S307
+    completions = {k: tokenizer(v + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for k, v in sums.items()}
+    status, _ = lp.request("POST", "/v1/eval", {"lease_id": lease["lease_id"], "version": 0,
+                                                "completions": completions, "rewards": {k: 1.0 for k in sums}},
+                           token=cred)
+    assert status == 200
+    lp.wait_until(lambda: any(w["id"] == wid and w["quarantined"] for w in lp.status()["workers"]), 60,
+                  "the forger to be quarantined")
+    why = next(w["quarantined"] for w in lp.status()["workers"] if w["id"] == wid)
+    assert "not that version's greedy completions" in why
+    events = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"event": "eval"' in line]
+    assert events[0]["forged"] > 0 and events[0]["prompts"] == 8 - events[0]["forged"]  # left out of the accuracy

@@ -499,3 +499,64 @@ def test_a_worker_nobody_can_connect_to_is_told_so_and_pulls_every_version(learn
     assert pulled in ([], [first]), log[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and {w["name"]: w["groups"] > 0 for w in summary["workers"]}["natted"]
+
+
+# --- the hostile fleet (each of these worked against the learner before) ---------------------------
+
+
+def test_one_worker_cannot_hoard_every_prompt(tokenizer, tmp_path):
+    async def test(api: Api):
+        _, hoarder = await api.join("hoarder")
+        _, honest = await api.join("honest")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1024}, token=hoarder)
+        assert status == 200 and len(lease["prompts"]) == 3  # [server] lease_first_prompts: it delivered nothing yet
+        status, more, _ = await api.call("/v1/lease", {"max_prompts": 1024}, token=hoarder)
+        assert status == 200 and more["lease_id"] is None  # its window is full
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4}, token=honest)
+        assert status == 200 and len(lease["prompts"]) == 3  # the rest is there for everyone else
+
+    run_api(tokenizer, test, tmp_path, **{"server.lease_first_prompts": 3, "server.long_poll_s": 0})
+
+
+def test_one_address_cannot_fill_the_fleet_or_guess_tokens(tokenizer, tmp_path):
+    async def test(api: Api):
+        for i in range(3):
+            await api.join(f"sybil-{i}")
+        status, body, _ = await api.call("/v1/join", {"name": "sybil-3"})
+        assert (status, body["error"]) == (403, "address-full")
+        for _ in range(4):
+            status, _, _ = await api.call("/v1/heartbeat", {}, token="w1.guess")
+            assert status == 401
+        status, body, headers = await api.call("/v1/heartbeat", {}, token="w1.guess")
+        assert (status, body["error"]) == (429, "throttled") and int(headers["Retry-After"]) >= 1
+        status, body, _ = await api.call("/v1/join", {"name": "x"}, token="still-guessing")
+        assert status == 429  # the address waits, whatever it guesses
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_workers_per_address": 3, "server.auth_failure_burst": 4})
+
+
+def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):
+    async def test(api: Api):
+        _, cred = await api.join("w")
+        status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://169.254.169.254/latest/meta-data"},
+                                         token=cred)
+        assert status == 400 and "relay_url" in body["message"]
+        status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://10.1.2.3:8700"}, token=cred)
+        assert status == 422 and "not the address this worker connects from" in body["message"]
+        status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://127.0.0.1:9"}, token=cred)
+        assert status == 200  # its own address: fine
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_a_deeply_nested_body_is_a_400_and_metrics_stay_local(tokenizer, tmp_path):
+    async def test(api: Api):
+        _, cred = await api.join("w")
+        status, body, _ = await api.call("/v1/heartbeat", raw=b"[" * 100_000 + b"]" * 100_000, token=cred)
+        assert status == 400 and body["error"] == "bad-request"
+        async with api.session.get(api.url + "/metrics") as resp:
+            assert resp.status == 401  # loopback is not among [server] metrics_from here
+        async with api.session.get(api.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            assert resp.status == 200
+
+    run_api(tokenizer, test, tmp_path, **{"server.metrics_from": ["10.0.0.0/8"]})
