@@ -22,13 +22,12 @@ import msgpack
 from aiohttp import web
 
 from broadcast.manifest import BroadcastError
-from broadcast.transport import Refused, Transport, bearer, check_pull_header, read_header
+from broadcast.transport import PREFIX, Refused, Transport, bearer, check_pull_header, read_header
 
 if TYPE_CHECKING:
     from broadcast.node import Node
 
 log = logging.getLogger("echo.broadcast")
-PREFIX = "/bcast/v1"
 #: One long poll of the route feed: the learner answers within `broadcast.source.FEED_WAIT_S`.
 FEED_TIMEOUT = aiohttp.ClientTimeout(total=90, sock_connect=10)
 

@@ -27,7 +27,6 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from broadcast.http_transport import PREFIX
 from broadcast.manifest import BroadcastError, Buffer
 from broadcast.route import SignedRoute
 from broadcast.signing import SigningKey
@@ -36,16 +35,17 @@ from broadcast.transport import (
     ADVERTISED,
     PACED_PIECE,
     PIECE,
+    PREFIX,
     TRANSPORTS,
-    Hop,
-    Refused,
     bearer,
+    frame_header,
+    Hop,
+    pieces,
+    Refused,
+    scheme_of,
     StallGuard,
     TokenBucket,
     Transport,
-    frame_header,
-    pieces,
-    scheme_of,
     transport_class,
 )
 

@@ -42,7 +42,6 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from broadcast.http_transport import PREFIX
 from broadcast.manifest import BroadcastError
 from broadcast.node import MIB, Node
 from broadcast.route import Place, RouteError, SignedRoute
@@ -50,16 +49,17 @@ from broadcast.signing import ChunkCorrupt, SignatureError, SignedManifest, Veri
 from broadcast.source import Source
 from broadcast.store import BroadcastFailed, Received, TransferStats, VersionGone, VersionStore
 from broadcast.transport import (
+    PREFIX,
     TRANSPORTS,
     Hop,
     PeerError,
     ProtocolError,
+    read_header,
+    read_into,
     Refused,
     Stalled,
     StallGuard,
     TokenBucket,
-    read_header,
-    read_into,
 )
 
 log = logging.getLogger("echo.broadcast")

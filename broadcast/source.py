@@ -16,14 +16,13 @@ from typing import Any, Mapping, Sequence
 import msgpack
 from aiohttp import web
 
-from broadcast.http_transport import PREFIX
 from broadcast.manifest import DEFAULT_CHUNK_SIZE, BroadcastError, Buffer, Manifest, TensorEntry, build_manifest
 from broadcast.node import Node
 from broadcast.planner import Plan
 from broadcast.route import Route, SignedRoute, chunk_spans, route_for, sign_route
 from broadcast.signing import SignedManifest, SigningKey, sign_manifest
 from broadcast.store import VersionStore
-from broadcast.transport import Hop, Refused, bearer
+from broadcast.transport import PREFIX, Hop, Refused, bearer
 
 FEED_WAIT_S = 20.0  # how long one long poll of the route feed waits for a route
 FEED_KEEP = 16  # routes the feed remembers

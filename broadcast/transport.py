@@ -25,6 +25,8 @@ import msgpack
 
 from broadcast.manifest import BroadcastError
 
+PREFIX = "/bcast/v1"  # every node's HTTP endpoints (`broadcast.http_transport`)
+
 MAX_HEADER_BYTES = 16 << 20  # a stream header carries the signed manifest (~100 B per chunk)
 PIECE = 256 << 10  # read/write granularity: fine enough for smooth shaping and stall checks
 #: Write granularity of a paced stream. Each piece leaves at line rate, so it queues at the

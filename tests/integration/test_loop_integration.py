@@ -339,8 +339,18 @@ def test_a_worker_that_writes_its_own_eval_answers_is_caught(learner_factory):
     tokenizer = build_tokenizer()
     lp = learner_factory(run={"steps": 3}, eval={"limit": 8, "prompts_per_lease": 8, "final_timeout_s": 5})
     wid, cred = lp.join("forger")
-    status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 8, "version": 0}, token=cred)
-    assert status == 200 and lease["eval_version"] == 0 and all(p["answer"] == "" for p in lease["prompts"])
+
+    def eval_lease():  # the round opens once v0 is published; eval leases go out before prompts
+        status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 8, "version": 0, "wait_s": 1}, token=cred)
+        assert status == 200
+        if lease["lease_id"] and lease["eval_version"] is None:
+            lp.request("POST", "/v1/release", {"lease_id": lease["lease_id"]}, token=cred)
+        return lease if lease["eval_version"] == 0 else None
+
+    leases = []
+    lp.wait_until(lambda: leases.append(eval_lease()) or leases[-1], 60, "an eval lease for v0")
+    lease = leases[-1]
+    assert len(lease["prompts"]) == 8 and all(p["answer"] == "" for p in lease["prompts"])
     sums = {p["id"]: str(eval(p["text"].split("=")[0].split(":")[-1].strip())) for p in lease["prompts"]}  # noqa: S307
     completions = {k: tokenizer(v + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for k, v in sums.items()}
     status, _ = lp.request("POST", "/v1/eval", {"lease_id": lease["lease_id"], "version": 0,
