@@ -54,12 +54,12 @@ from broadcast.transport import (
     Hop,
     PeerError,
     ProtocolError,
+    Refused,
+    StallGuard,
+    Stalled,
+    TokenBucket,
     read_header,
     read_into,
-    Refused,
-    Stalled,
-    StallGuard,
-    TokenBucket,
 )
 
 log = logging.getLogger("echo.broadcast")
