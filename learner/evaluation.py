@@ -88,6 +88,7 @@ class WorkerEvaluation(Evaluation):
         self.held = -1  # the version the trainer holds aside for checking answers
         self.checking: asyncio.Task | None = None  # the check of a finished round, on the trainer thread
         self.forged = 0  # answers over the run that were not the version's greedy completion
+        self.check_s = 0.0  # the last round's teacher-forced check, seconds on the trainer thread
 
     async def _open(self, version: int) -> None:
         if self.checking is not None:  # its check needs the held version: let it finish first
@@ -107,8 +108,10 @@ class WorkerEvaluation(Evaluation):
     async def _check(self, result: EvalResult) -> None:
         ids = sorted(result.answers)
         prompts = {p.id: p for p in self.prompts}
+        started = time.monotonic()
         gaps = await self.parts.greedy_gaps([self.parts.encode(prompts[k].text) for k in ids],
                                             [result.answers[k][1] for k in ids])
+        self.check_s = time.monotonic() - started  # on the trainer thread: it delays the next step this long
         forged = {k: g for k, g in zip(ids, gaps) if g > self.parts.max_gap}
         by_worker: dict[str, list[float]] = {}
         for k, gap in forged.items():
@@ -131,7 +134,7 @@ class WorkerEvaluation(Evaluation):
         self.parts.log({"event": "eval", "step": result.version, "eval_accuracy": result.accuracy,
                         "where": "workers", "prompts": result.prompts, "seconds": round(result.seconds, 3),
                         "workers": result.workers, "restarts": result.restarts, "checked": checked,
-                        "forged": forged})
+                        "forged": forged, "check_s": round(self.check_s, 4) if checked else None})
         self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
                         f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
                         + (f", {result.restarts} restarts" if result.restarts else "")
