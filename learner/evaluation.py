@@ -129,6 +129,7 @@ class WorkerEvaluation(Evaluation):
 
     def _record(self, result: EvalResult, checked: bool, forged: int = 0) -> None:
         self.last = result
+        self.parts.metrics.eval_accuracy.set(result.accuracy)  # the checked accuracy, not the round's raw one
         self.first_accuracy = result.accuracy if self.first_accuracy is None else self.first_accuracy
         self.parts.cost.record_eval(result.accuracy)
         self.parts.log({"event": "eval", "step": result.version, "eval_accuracy": result.accuracy,

@@ -68,7 +68,8 @@ class ControlApi:
         shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
                       offload=self.offload, rescore=rescore)
         self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, **shared)
-        self.evals = EvalRoom(cfg, evals, on_result=on_eval, **shared)
+        self.evals = EvalRoom(cfg, evals, run=run, metrics=self.metrics, vocab_size=vocab_size, offload=self.offload,
+                              rescore=rescore, on_result=on_eval)
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,
                                  links=self.links, metrics=self.metrics, model_dir=model_dir, offload=self.offload,
                                  metrics_from=[ipaddress.ip_network(n, strict=False) for n in cfg.server.metrics_from])

@@ -21,18 +21,17 @@ from echo import protocol as P
 from echo.wire import Rejected
 from learner.api.http import Auth, json_error, read_body, reply
 from learner.api.run import Run
-from learner.api.workers import WorkerInfo, WorkerRegistry
+from learner.api.workers import WorkerInfo
 from learner.config import LearnerConfig
-from learner.evals import EvalBook, EvalResult
+from learner.evals import EvalBook
 from learner.metrics import LearnerMetrics
 
 
 class EvalRoom:
-    def __init__(self, cfg: LearnerConfig, book: EvalBook | None, *, run: Run, registry: WorkerRegistry,
-                 metrics: LearnerMetrics, vocab_size: int, offload: Executor, rescore=None,
-                 on_result=lambda result: None):
-        self.max_tokens, self.tolerance = cfg.rollout.max_new_tokens, cfg.verify.reward_tolerance
-        self.book, self.run, self.registry, self.metrics = book, run, registry, metrics
+    def __init__(self, cfg: LearnerConfig, book: EvalBook | None, *, run: Run, metrics: LearnerMetrics,
+                 vocab_size: int, offload: Executor, rescore=None, on_result=lambda result: None):
+        self.max_tokens = cfg.rollout.max_new_tokens
+        self.book, self.run, self.metrics = book, run, metrics
         self.vocab_size, self.offload, self.rescore, self.on_result = vocab_size, offload, rescore, on_result
 
     def reap(self, now: float, alive: list[WorkerInfo]) -> None:
@@ -55,15 +54,11 @@ class EvalRoom:
             except Rejected as e:
                 self.metrics.rejected.labels(f"eval-{e.reason}").inc()
                 return json_error(e.status, e.reason, e.message)
-            if result is not None:
-                self.finished(result)
+            if result is not None:  # checked and recorded (the accuracy gauge too) by learner.evaluation
+                self.on_result(result)
             return reply(P.EvalReply(accepted=len(req.rewards)))
 
         return [web.post("/v1/eval", eval_results)]
-
-    def finished(self, result: EvalResult) -> None:
-        self.metrics.eval_accuracy.set(result.accuracy)
-        self.on_result(result)
 
     async def score(self, req: P.EvalSubmission) -> dict[str, float]:
         prompts = self.book.prompts

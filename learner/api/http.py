@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from broadcast.transport import bearer
 from echo import protocol as P
 from learner.addresses import AddressBook, client_address
 from scheduler.providers import machine_of
@@ -70,8 +71,7 @@ class Auth:
 
     @staticmethod
     def bearer(request: web.Request) -> str:
-        header = request.headers.get("Authorization", "")
-        return header[7:] if header.startswith("Bearer ") else ""
+        return bearer(request) or ""
 
     def address(self, request: web.Request) -> str:
         """The caller's own address (behind a trusted proxy: the one it forwarded)."""

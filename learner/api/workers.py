@@ -20,6 +20,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -86,7 +87,7 @@ def check_relay_host(url: str, address: str, any_public: bool) -> None:
     wherever a worker pointed it, inside its own network too."""
     if not url:
         return
-    host = url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]") if "://" in url else url.split("/")[2]
+    host = urlsplit(url).hostname if "://" in url else url.split("/")[2]  # p2p:/ip4/<host>/tcp/...
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:

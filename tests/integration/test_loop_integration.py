@@ -364,3 +364,6 @@ def test_a_worker_that_writes_its_own_eval_answers_is_caught(learner_factory):
     events = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines()
               if '"event": "eval"' in line]
     assert events[0]["forged"] > 0 and events[0]["prompts"] == 8 - events[0]["forged"]  # left out of the accuracy
+    metrics = lp.request("GET", "/metrics", token=None)[1]
+    gauge = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("echo_eval_accuracy "))
+    assert gauge == events[-1]["eval_accuracy"]  # what Prometheus shows is the checked accuracy

@@ -73,3 +73,33 @@ def test_a_resumed_run_keeps_its_first_accuracy():
     ev = WorkerEvaluation(WorkersEval(), parts(5, resumed={"first_eval_accuracy": 0.05}))
     ev.finished(EvalResult(3, 0.5, 8, 1.0, 1, 0))
     assert (ev.first_accuracy, ev.last.accuracy) == (0.05, 0.5)
+
+
+def test_a_checked_round_reports_the_checked_accuracy_everywhere():
+    """One answer of three is not the held version's greedy one: it is left out, its worker
+    quarantined, and the accuracy the log, the checkpoint and the Prometheus gauge show is over
+    the two kept answers (0.5), not the round's raw 2/3."""
+    p = parts(5)
+    held, quarantined = [], []
+
+    async def hold() -> int:
+        return 3
+
+    async def gaps(prompts, completions) -> list[float]:
+        return [0.0, 5.0, 0.0]  # the second answer (sorted by prompt id) was written by its worker
+
+    p.hold, p.greedy_gaps, p.encode = hold, gaps, lambda text: [1]
+    p.quarantine = lambda worker_id, why: quarantined.append(worker_id)
+    ev = WorkerEvaluation(WorkersEval(), p)
+    ids = sorted(pr.id for pr in p.prompts[:3])
+    result = EvalResult(3, 2 / 3, 3, 1.0, 2, 0, answers={ids[0]: ("a", [1]), ids[1]: ("liar", [1]), ids[2]: ("a", [1])},
+                        scores={ids[0]: 1.0, ids[1]: 1.0, ids[2]: 0.0})
+
+    async def run():
+        await ev.start(3)
+        ev.finished(result)
+        await ev.checking
+
+    asyncio.run(run())
+    assert quarantined == ["liar"] and ev.last.accuracy == 0.5 and ev.last.prompts == 2
+    assert p.metrics.eval_accuracy._value.get() == 0.5
