@@ -16,6 +16,7 @@ measures.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -25,27 +26,6 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # echo draws its own progress; per-file bars are noise here
 
 LOGIT_CHUNK_ELEMENTS = 1 << 25  # default chunk: tokens × vocab ≤ 32M fp32 logits (128 MiB)
-
-
-class PromptEncoder:
-    """Prompt text → token ids: through the tokenizer's chat template (with an optional system
-    message) when `chat_template` is 'on', or 'auto' and the tokenizer has one; plain otherwise."""
-
-    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = ""):
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if chat_template == "on" and not has_template:
-            raise ValueError("[task] chat_template = 'on' but the tokenizer has no chat template; "
-                             "use 'auto' or 'off', or add one to tokenizer_config.json / chat_template.jinja")
-        self.tokenizer, self.system_prompt = tokenizer, system_prompt
-        self.chat = chat_template == "on" or (chat_template == "auto" and has_template)
-
-    def __call__(self, text: str) -> list[int]:
-        if not self.chat:
-            return self.tokenizer(text)["input_ids"]
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        out = self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}],
-                                                 add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 # --- the sampling transform (μ and π alike) -------------------------------------------------------
@@ -88,7 +68,7 @@ def sample(
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
-    eos_id: int,
+    stop_ids: int | Collection[int],
     pad_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -96,10 +76,11 @@ def sample(
 ) -> list[Sample]:
     """One completion per prompt (repeat a prompt `n` times for a group).
 
-    temperature 0 means greedy (log-probs at temperature 1, no top-p). The end-of-sequence
-    token is part of the completion (it is a decision the policy made and is trained on);
-    nothing after it is.
+    temperature 0 means greedy (log-probs at temperature 1, no top-p). A completion ends at
+    the first of `stop_ids` (every end-of-turn id: eos, `<|im_end|>`, ...); that token is part
+    of it (a decision the policy made, trained on), nothing after it is.
     """
+    stops = torch.tensor(sorted({stop_ids} if isinstance(stop_ids, int) else set(stop_ids)), dtype=torch.long)
     device = next(model.parameters()).device
     batch = len(prompts)
     width = max(map(len, prompts))
@@ -137,7 +118,7 @@ def sample(
         next_ids = torch.where(done.to(device), torch.full_like(next_ids, pad_id), next_ids)
         tokens[:, t] = next_ids.cpu()
         logprobs[:, t] = chosen.cpu()
-        finished_now = (~done) & (next_ids.cpu() == eos_id)
+        finished_now = (~done) & torch.isin(next_ids.cpu(), stops)
         lengths[finished_now] = t + 1
         done |= finished_now
         if bool(done.all()):
@@ -150,7 +131,7 @@ def sample(
         Sample(
             tokens=tokens[i, : lengths[i]].tolist(),
             logprobs=logprobs[i, : lengths[i]].tolist(),
-            finish="stop" if lengths[i] < max_new_tokens or tokens[i, lengths[i] - 1] == eos_id else "length",
+            finish="stop" if lengths[i] < max_new_tokens or bool(torch.isin(tokens[i, lengths[i] - 1], stops)) else "length",
         )
         for i in range(batch)
     ]

@@ -182,12 +182,19 @@ class BroadcastInfo(Message):
 
 
 class RolloutParams(Message):
-    """The sampling parameters every worker of a run generates with (the learner's `[rollout]`)."""
+    """How every worker of a run plays its episodes (the learner's `[rollout]` and `[task]`):
+    sampling, the turn and token budgets, the ids that end a turn, and how the environment's
+    messages become tokens (`echo.chat.Chat`)."""
 
     group_size: Annotated[int, Field(ge=2, le=1024)]
-    max_new_tokens: Annotated[int, Field(ge=1, le=65536)]
+    max_new_tokens: Annotated[int, Field(ge=1, le=65536)]  # per turn
     temperature: Annotated[float, Field(gt=0.0, le=10.0)]
     top_p: Annotated[float, Field(gt=0.0, le=1.0)]
+    max_turns: Annotated[int, Field(ge=1, le=4096)] = 1
+    max_tokens: Annotated[int, Field(ge=0, le=1 << 20)] = 0  # an episode's tokens after its prompt; 0: max_new_tokens
+    stop_ids: Annotated[list[int], Field(max_length=64)] = []  # every end-of-turn id (kept in the turn)
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class JoinReply(Message):
@@ -215,7 +222,8 @@ class PromptMsg(Message):
     id: str
     text: str
     answer: str
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the episode's first messages as the learner renders them (authoritative)
+    seed: int = 0  # every episode of the group resets with it
 
 
 class LeaseReply(Message):

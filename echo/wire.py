@@ -1,8 +1,9 @@
 """What crosses the learner/worker boundary, and how it is checked.
 
 Trajectory uploads are msgpack, zstd-compressed (`application/x-echo-trajectories`). Token ids
-travel as little-endian int32 bytes and behaviour log-probs as float32 bytes: compact, and
-decoded without a Python object per token. Everything from a worker is untrusted:
+travel as little-endian int32 bytes, behaviour log-probs as float32 bytes and an episode's loss
+mask as one byte per token (1: the policy's token, 0: the environment's; absent: all 1, a
+one-turn completion): compact, and decoded without a Python object per token. Everything from a worker is untrusted:
 `decode_submission` checks structure, sizes, token range and finiteness, and raises
 `Rejected` with a reason code (also the Prometheus label) and an HTTP status.
 """
@@ -33,9 +34,13 @@ class Rejected(Exception):
 
 @dataclass
 class SampleMsg:
+    """One episode: its tokens after the prompt, μ per token (0 on the environment's), its return."""
+
     tokens: list[int]
     logprobs: list[float]
     reward: float
+    mask: list[int] | None = None  # None: every token is the policy's (one turn)
+    truncated: bool = False  # cut at the run's turn or token budget
 
 
 @dataclass
@@ -60,19 +65,22 @@ def encode_submission(sub: Submission) -> bytes:
             {
                 "prompt_id": g.prompt_id,
                 "version": g.version,
-                "samples": [
-                    {
-                        "tokens": np.asarray(s.tokens, dtype="<i4").tobytes(),
-                        "logprobs": np.asarray(s.logprobs, dtype="<f4").tobytes(),
-                        "reward": float(s.reward),
-                    }
-                    for s in g.samples
-                ],
+                "samples": [_encode_sample(s) for s in g.samples],
             }
             for g in sub.groups
         ],
     }
     return zstandard.ZstdCompressor(level=3).compress(msgpack.packb(obj, use_bin_type=True))
+
+
+def _encode_sample(s: SampleMsg) -> dict:
+    out = {"tokens": np.asarray(s.tokens, dtype="<i4").tobytes(),
+           "logprobs": np.asarray(s.logprobs, dtype="<f4").tobytes(), "reward": float(s.reward)}
+    if s.mask is not None and not all(s.mask):
+        out["mask"] = np.asarray(s.mask, dtype="u1").tobytes()
+    if s.truncated:
+        out["truncated"] = True
+    return out
 
 
 def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int) -> Submission:
@@ -108,7 +116,7 @@ def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_si
 def _max_raw(max_tokens: int, group_size: int) -> int:
     """The largest msgpack body an honest upload can be: every group full, every sample at the
     token limit (4 bytes of id + 4 of log-prob each), plus the keys and ids around them."""
-    per_sample = 8 * max_tokens + 64
+    per_sample = 9 * max_tokens + 96  # ids, log-probs, mask
     return min(MAX_DECOMPRESSED, MAX_GROUPS * (group_size * per_sample + MAX_ID_BYTES + 64) + 2 * MAX_ID_BYTES + 64)
 
 
@@ -119,7 +127,7 @@ def _decompress(body: bytes, cap: int) -> bytes:
         raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
     if declared > cap:  # -1: not declared; the read below stops at the cap either way
         raise Rejected(413, "oversized", f"the upload declares {declared} bytes decompressed; at most {cap} "
-                                         "fit this run's group_size and max_new_tokens")
+                                         "fit this run's group_size and episode token budget")
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
             raw = reader.read(cap + 1)
@@ -127,7 +135,7 @@ def _decompress(body: bytes, cap: int) -> bytes:
         raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
     if len(raw) > cap:
         raise Rejected(413, "oversized", f"the upload decompresses past {cap} bytes, more than this run's "
-                                         "group_size and max_new_tokens allow")
+                                         "group_size and episode token budget allow")
     return raw
 
 
@@ -162,9 +170,9 @@ def _unpack(raw: bytes, max_tokens: int, group_size: int) -> object:
     except _TooMany as e:
         raise Rejected(400, "malformed", f"body exceeds the protocol's bounds: {e}") from None
     except ValueError as e:
-        if "max_bin_len" in str(e):  # token or log-prob bytes beyond max_new_tokens
+        if "max_bin_len" in str(e):  # token or log-prob bytes beyond the episode budget
             raise Rejected(413, "oversized", f"a sample holds more than {max_tokens} completion tokens "
-                                             "(rollout.max_new_tokens)") from None
+                                             "(rollout.max_episode_tokens)") from None
         if "exceeds" in str(e):  # msgpack's own words for a length beyond the limits given
             raise Rejected(400, "malformed", f"body exceeds the protocol's bounds: {e}") from None
         raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
@@ -175,6 +183,8 @@ def _unpack(raw: bytes, max_tokens: int, group_size: int) -> object:
 def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMsg:
     if not (isinstance(s, dict) and isinstance(s.get("tokens"), bytes) and isinstance(s.get("logprobs"), bytes)):
         raise Rejected(400, "malformed", f"malformed trajectory upload: {where} needs bytes 'tokens' and 'logprobs'")
+    if not set(s) <= {"tokens", "logprobs", "reward", "mask", "truncated"}:
+        raise Rejected(400, "malformed", f"{where}: unknown keys {sorted(map(str, set(s)))[:8]}")
     tb, lb, reward = s["tokens"], s["logprobs"], s.get("reward")
     if len(tb) % 4 or len(lb) % 4:
         raise Rejected(400, "malformed", f"{where}: token/logprob byte lengths must be multiples of 4 (int32/float32)")
@@ -185,11 +195,25 @@ def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMs
     if not len(tokens):
         raise Rejected(422, "empty-completion", f"{where}: no completion tokens; a sample has at least one (EOS counts)")
     if len(tokens) > max_tokens:
-        raise Rejected(413, "oversized", f"{where}: {len(tokens)} completion tokens; allowed 1..{max_tokens} (rollout.max_new_tokens)")
+        raise Rejected(413, "oversized", f"{where}: {len(tokens)} episode tokens; allowed 1..{max_tokens} "
+                                         "(rollout.max_episode_tokens)")
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise Rejected(422, "bad-token", f"{where}: token ids must lie in [0, {vocab_size})")
     if not np.isfinite(logprobs).all() or (logprobs > 1e-4).any():
         raise Rejected(422, "nonfinite-logprobs", f"{where}: behaviour log-probs must be finite and <= 0")
     if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
         raise Rejected(422, "bad-reward", f"{where}: reward must be a finite number")
-    return SampleMsg(tokens.tolist(), logprobs.astype(np.float64).tolist(), float(reward))
+    mask = None
+    if "mask" in s:
+        mb = s["mask"]
+        if not isinstance(mb, bytes) or len(mb) != len(tokens):
+            raise Rejected(400, "malformed", f"{where}: the mask needs one byte per token ({len(tokens)})")
+        values = np.frombuffer(mb, dtype="u1")
+        if values.max() > 1 or values[0] != 1:
+            raise Rejected(422, "bad-mask", f"{where}: mask values are 0 (environment) or 1 (policy), and an "
+                                            "episode starts with the policy's turn")
+        mask = values.tolist()
+    truncated = s.get("truncated", False)
+    if not isinstance(truncated, bool):
+        raise Rejected(400, "malformed", f"{where}: truncated must be true or false")
+    return SampleMsg(tokens.tolist(), logprobs.astype(np.float64).tolist(), float(reward), mask, truncated)

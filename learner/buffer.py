@@ -55,8 +55,10 @@ class Group:
     prompt_ids: list[int]
     completions: list[list[int]]
     behaviour_logprobs: list[list[float]]
-    rewards: list[float]
+    rewards: list[float]  # per sample, the episode's return
     worker_id: str = ""
+    masks: list[list[int]] | None = None  # per sample, 1 on the policy's tokens (None: all, one turn)
+    truncated: list[bool] = field(default_factory=list)  # per sample, cut at the turn or token budget
     prompt: Prompt | None = None  # what to re-issue if the group is dropped
     uses: int = 0  # times trained so far (replay)
     last_used: int = -1  # learner version of the latest use

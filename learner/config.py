@@ -52,6 +52,7 @@ class TaskSection(Section):
     name: str = Field("arith", description="[task] name: a built-in task or 'package.module:Class'")
     chat_template: Literal["auto", "on", "off"] = Field("auto", description="[task] chat_template: wrap each prompt in the tokenizer's chat template ('auto': when it has one)")
     system_prompt: str = Field("", max_length=65536, description="[task] system_prompt: system message placed before each prompt when the chat template is used")
+    chat_template_kwargs: dict[str, Any] = Field({}, description="[task] chat_template_kwargs: extra arguments of the chat template, e.g. {enable_thinking = false} for Qwen3")
 
     @property
     def options(self) -> dict[str, Any]:
@@ -74,6 +75,17 @@ class RolloutSection(Section):
     max_new_tokens: int = Field(4, ge=1, le=65536, description="[rollout] max_new_tokens: completion length cap")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="[rollout] temperature: sampling temperature (the trainer scales logits the same way)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="[rollout] top_p: nucleus sampling mass")
+    max_turns: int = Field(0, ge=0, le=4096, description="[rollout] max_turns: policy turns per episode before it is cut (truncated); 0: the task's own limit")
+    max_episode_tokens: int = Field(0, ge=0, le=1 << 20, description="[rollout] max_episode_tokens: an episode's tokens after its prompt, turns and environment answers together (0: max_new_tokens for one-turn tasks, 2 · turns · max_new_tokens for episodic ones)")
+
+    def turns(self, task: Task) -> int:
+        """Policy turns per episode: the task's limit, lowered by `max_turns`."""
+        return min(task.max_turns, self.max_turns) if self.max_turns else task.max_turns
+
+    def episode_tokens(self, task: Task) -> int:
+        """An episode's token budget after its prompt (what uploads, buffer and trainer are bounded by)."""
+        turns = self.turns(task)
+        return self.max_episode_tokens or (self.max_new_tokens if turns == 1 else 2 * turns * self.max_new_tokens)
 
 
 class TrainerSection(Section):

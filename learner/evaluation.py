@@ -44,7 +44,7 @@ class EvalParts:
     lease_ttl: float
     hold: Callable[[], Awaitable[int]] | None = None  # the trainer keeps its current weights aside; returns their version
     greedy_gaps: Callable[[list, list], Awaitable[list[float]]] | None = None  # per answer, logits below the argmax
-    encode: Callable[[str], list[int]] | None = None  # prompt text -> token ids, as the workers were sent them
+    encode: Callable[[Prompt], list[int]] | None = None  # prompt -> token ids, as the workers were sent them
     quarantine: Callable[[str, str], None] = lambda worker_id, why: None
     max_gap: float = 1.0  # [verify] max_eval_logit_gap
 
@@ -109,7 +109,7 @@ class WorkerEvaluation(Evaluation):
         ids = sorted(result.answers)
         prompts = {p.id: p for p in self.prompts}
         started = time.monotonic()
-        gaps = await self.parts.greedy_gaps([self.parts.encode(prompts[k].text) for k in ids],
+        gaps = await self.parts.greedy_gaps([self.parts.encode(prompts[k]) for k in ids],
                                             [result.answers[k][1] for k in ids])
         self.check_s = time.monotonic() - started  # on the trainer thread: it delays the next step this long
         forged = {k: g for k, g in zip(ids, gaps) if g > self.parts.max_gap}

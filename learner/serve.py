@@ -68,12 +68,12 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         changed=waiters.wake_all, evaluate=partial(driver.run, trainer.evaluate, task, eval_prompts),
         lease_ttl=cfg.server.lease_ttl, hold=partial(driver.call, "hold_for_eval"),
         greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap))
-    # Scores eval answers always, and [verify] rescore_fraction of the uploads (the verifier picks).
-    rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance)
+    # Scores eval answers always, and replays [verify] rescore_fraction of the uploaded episodes (the verifier picks).
+    rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance, episodes=trainer.episodes)
     api = ControlApi(cfg, run_dir.token, run=run, buffer=buffer, lease_book=book, encode=trainer.encode,
                      vocab_size=trainer.vocab_size, model_dir=cfg.model.path, links=links, metrics=metrics,
                      waiters=waiters, evals=evaluation.book, on_eval=evaluation.finished, rescore=rescore,
-                     broadcast=publisher.info, on_note=display.note)
+                     broadcast=publisher.info, on_note=display.note, rollout=trainer.rollout_params())
     evaluation.parts.quarantine = lambda worker_id, why: api.registry.quarantine_id(worker_id, "eval", why)
     url = await api.start(cfg.server.host, run_dir.port(cfg.server.port), reap_every=min(1.0, cfg.server.lease_ttl / 4))
     # The scheduler comes once the address is known: its provider hands it to the machines it starts.

@@ -20,6 +20,10 @@ from pathlib import Path
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789+-*= ")
+TURN_MARKERS = ["<|im_start|>", "<|im_end|>"]
+# Qwen2's template without tools: a turn ends with <|im_end|>, which is not the eos (as in Qwen).
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tokenizer():
@@ -43,7 +47,34 @@ def build_tokenizer():
     )
 
 
-def build_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0):
+def build_chat_tokenizer():
+    """A byte-level BPE tokenizer without merges (one token per byte, as Qwen's tokenizer spells
+    bytes, so transformers' Qwen2 tokenizer class loads it unchanged) with a Qwen-style chat
+    template: `<|im_start|>`/`<|im_end|>` as special tokens, and a turn that ends on `<|im_end|>`
+    while the tokenizer's eos is `</s>` (a worker that stopped only on eos would run on)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + TURN_MARKERS + sorted(byte_chars))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s+|\S+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>", padding_side="left", additional_special_tokens=TURN_MARKERS)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """What generation_config.json's eos_token_id lists: the turn's end and the tokenizer's eos."""
+    ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")] if getattr(tokenizer, "chat_template", None) else []
+    return ids + [tokenizer.eos_token_id]
+
+
+def build_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0, positions: int = 128):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -55,10 +86,10 @@ def build_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, s
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=end_of_turn_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
     )
     return Qwen2ForCausalLM(config)
@@ -101,7 +132,7 @@ def greedy_accuracy(model, tokenizer, task, prompts, max_new_tokens: int) -> flo
     from echo.hf import sample
 
     ids = [tokenizer(p.text)["input_ids"] for p in prompts]
-    outs = sample(model, ids, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
+    outs = sample(model, ids, max_new_tokens=max_new_tokens, stop_ids=tokenizer.eos_token_id,
                   pad_id=tokenizer.pad_token_id, temperature=0.0)
     texts = tokenizer.batch_decode([o.tokens for o in outs], skip_special_tokens=True)
     return sum(task.reward(p, t) for p, t in zip(prompts, texts)) / max(1, len(prompts))

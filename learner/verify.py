@@ -29,6 +29,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from echo.episodes import Episodes
+
 from learner.buffer import Group
 from learner.config import VerifySection
 
@@ -174,24 +176,39 @@ class Verifier:
 
 
 class Rescorer:
-    """Recompute rewards as the worker should have: decode the completion tokens with the
-    learner's tokenizer (as the worker does: special tokens skipped) and score with the task."""
+    """Replay the worker's episodes as the worker should have played them (`echo.episodes.replay`):
+    the same environment, reset with the prompt's seed and given the actions the worker's tokens
+    spell (decoded as the worker decodes them: special tokens skipped), must answer with the
+    tokens the worker wrote as its observations and give the return it claimed. A one-turn task
+    is the episode of one step: its reward recomputed."""
 
-    def __init__(self, task, tokenizer, tolerance: float):
-        self.task, self.tokenizer, self.tolerance = task, tokenizer, tolerance
+    def __init__(self, task, tokenizer, tolerance: float, episodes: Episodes | None = None):
+        self.tolerance = tolerance
+        self.episodes = episodes or Episodes.of(task, tokenizer, chat_template="off", stop_ids=(),
+                                                max_new_tokens=1 << 20, max_tokens=1 << 20, max_turns=task.max_turns)
 
     def score(self, answers: list[tuple]) -> list[float]:
-        """Blocking. The rewards of (prompt, completion token ids) pairs (eval answers)."""
-        texts = self.tokenizer.batch_decode([ids for _, ids in answers], skip_special_tokens=True)
-        return [float(self.task.reward(prompt, text)) for (prompt, _), text in zip(answers, texts)]
+        """Blocking. The returns of (prompt, completion token ids) pairs (one-turn eval answers)."""
+        return [self.episodes.replay(prompt, ids, [1] * len(ids)).reward for prompt, ids in answers]
 
-    def __call__(self, groups: list[Group]) -> list[list[bool]]:
-        """Blocking. Replaces each group's rewards with the recomputed ones; returns per group
-        which samples' claimed reward was off."""
-        out = []
+    def __call__(self, groups: list[Group]) -> Rescored:
+        """Blocking. Replaces each group's rewards with the replayed returns; says per group which
+        samples' claimed return was off, and what of an episode the worker wrote itself."""
+        out = Rescored([], [])
         for g in groups:
-            texts = self.tokenizer.batch_decode(g.completions, skip_special_tokens=True)
-            truth = [float(self.task.reward(g.prompt, t)) for t in texts]
-            out.append([abs(c - r) > self.tolerance for c, r in zip(g.rewards, truth)])
-            g.rewards = truth
+            flags = []
+            for k, tokens in enumerate(g.completions):
+                mask = g.masks[k] if g.masks is not None else [1] * len(tokens)
+                truth = self.episodes.replay(g.prompt, tokens, mask)
+                flags.append(abs(g.rewards[k] - truth.reward) > self.tolerance or not truth.ok)
+                if not truth.ok:
+                    out.forged.append(f"{g.prompt_id}: {truth.problem}")
+                g.rewards[k] = truth.reward
+            out.mismatches.append(flags)
         return out
+
+
+@dataclass
+class Rescored:
+    mismatches: list[list[bool]]  # per group, per sample: the claimed return was off, or the episode forged
+    forged: list[str]  # what the replay found the worker wrote itself (context, turns, a cut): proof, not noise

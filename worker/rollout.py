@@ -1,4 +1,4 @@
-"""The rollout loop of one worker: join, install snapshots, lease → generate → reward → push.
+"""The rollout loop of one worker: join, install snapshots, lease → play episodes → push.
 
 Snapshots download in the background while the engine generates; a new version is installed
 between two generation batches, so groups already in flight keep the version that generated
@@ -31,6 +31,8 @@ import aiohttp
 from broadcast.star import BlobError, BlobInfo
 from echo import loopwatch
 from echo import protocol as P
+from echo.chat import ChatError
+from echo.episodes import EpisodeError, Episodes
 from echo.tasks import Prompt, load_task
 from echo.wire import GroupMsg, SampleMsg, Submission
 from worker.client import Forgotten, LearnerClient, LearnerError, RunFinished
@@ -150,10 +152,15 @@ class Worker:
                                                       self.cfg.worker.seed * 1000 + int(client.worker_id.lstrip("w") or 0))
                 self.tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
                 r = joined.rollout
+                # The learner's rules: what ends a turn, how the environment's messages become tokens, the budgets.
+                self.episodes = Episodes.of(self.task, self.tokenizer, chat_template=r.chat_template,
+                                            template_kwargs=r.chat_template_kwargs, stop_ids=r.stop_ids,
+                                            max_new_tokens=r.max_new_tokens, max_tokens=r.max_tokens,
+                                            max_turns=r.max_turns)
                 pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
                 self.params = GenerationParams(n=r.group_size, max_new_tokens=r.max_new_tokens,
                                                temperature=r.temperature, top_p=r.top_p,
-                                               eos_id=self.tokenizer.eos_token_id, pad_id=pad)
+                                               stop_ids=self.episodes.stop_ids, pad_id=pad)
                 if joined.snapshot is not None:  # a late joiner pulls the newest version whole
                     await self._fetch(client, joined.snapshot, wait_for_push=False)
                 gc.freeze()  # the engine's objects stay out of the cyclic collector's full passes
@@ -406,7 +413,7 @@ class Worker:
                 elif time.monotonic() - asked < 0.5 * wait_s or wait_s == 0:
                     await asyncio.sleep(0.5)  # answered at once (idled, or no long poll): do not spin
                 continue
-            prompts = [Prompt(p.id, p.text, p.answer) for p in lease.prompts]
+            prompts = [Prompt(p.id, p.text, p.answer, p.seed) for p in lease.prompts]
             if lease.eval_version is not None:
                 await self._evaluate(client, lease, prompts, version)
                 continue
@@ -421,7 +428,13 @@ class Worker:
     async def _rollout(self, client: LearnerClient, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> None:
         throttle = self.cfg.worker.max_rollouts_per_s
         t0 = time.monotonic()
-        msgs = await asyncio.to_thread(self._generate, lease, prompts, version)
+        try:
+            msgs = await asyncio.to_thread(self._generate, lease, prompts, version)
+        except (EpisodeError, ChatError) as e:  # the task's environment failed, not this lease: hand it back
+            log.error("%s: the task's environment failed: %s; %d prompts handed back", self.name, e, len(prompts))
+            with contextlib.suppress(LearnerError, aiohttp.ClientError, RunFinished):
+                await client.release(lease.lease_id)
+            return
         n_rollouts = sum(len(g.samples) for g in msgs)
         if throttle:  # emulate a slower machine: hold the results until the budgeted time
             await asyncio.sleep(max(0.0, n_rollouts / throttle - (time.monotonic() - t0)))
@@ -451,14 +464,15 @@ class Worker:
         self.meter.add(reply.accepted * self.params.n, time.monotonic())
 
     def _generate(self, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> list[GroupMsg]:
-        """Generate the lease's groups and score them (blocking: runs on a thread)."""
-        groups = self.engine.generate([p.prompt_ids for p in lease.prompts], self.params)
-        msgs = []
-        for prompt, samples in zip(prompts, groups):
-            texts = self.tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-            msgs.append(GroupMsg(prompt.id, version, [
-                SampleMsg(s.tokens, s.logprobs, self.task.reward(prompt, text)) for s, text in zip(samples, texts)]))
-        return msgs
+        """Play the lease's episodes, `group_size` per prompt, all on `version` (blocking: runs on a thread)."""
+        def generate(contexts: list[list[int]], n: int, max_new_tokens: int):
+            return self.engine.generate(contexts, dataclasses.replace(self.params, n=n, max_new_tokens=max_new_tokens))
+
+        played = self.episodes.play([(p, m.prompt_ids) for p, m in zip(prompts, lease.prompts)], generate,
+                                    n=self.params.n)
+        return [GroupMsg(prompt.id, version, [SampleMsg(e.tokens, e.logprobs, e.reward, e.mask, e.truncated)
+                                              for e in episodes])
+                for prompt, episodes in zip(prompts, played)]
 
     async def _evaluate(self, client: LearnerClient, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> None:
         """An eval lease: one greedy sample per prompt with `version`, sent back. The learner keeps

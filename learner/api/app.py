@@ -46,14 +46,20 @@ class ControlApi:
     """`waiters`: the parked lease requests (others wake them too: an eval round opens); `evals`: the eval rounds the workers answer (`[eval] where = "workers"`), each finished one
     passed to `on_eval`; `fleet`: a `scheduler.fleet.Fleet` when a scheduler decides who generates;
     `broadcast`: how versions travel, told at join (`learner.publisher`); `rescore`: a
-    `learner.verify.Rescorer`, or None (rewards are taken as claimed)."""
+    `learner.verify.Rescorer`, or None (rewards are taken as claimed); `rollout`: how workers
+    play episodes (`learner.train.Trainer.rollout_params`; default: one-turn, from `[rollout]`)."""
 
     def __init__(self, cfg: LearnerConfig, token: str, *, run: Run, buffer: AsyncBuffer, lease_book: LeaseBook,
                  encode, vocab_size: int, model_dir: Path, links: LinkTable | None = None,
                  metrics: LearnerMetrics | None = None, waiters: Waiters | None = None,
                  evals: EvalBook | None = None, on_eval=lambda result: None, rescore=None, fleet=None,
-                 broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None):
+                 broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None,
+                 rollout: P.RolloutParams | None = None):
         self.cfg, self.token, self.run = cfg, token, run
+        r = cfg.rollout
+        self.rollout = rollout or P.RolloutParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
+                                                  temperature=r.temperature, top_p=r.top_p,
+                                                  max_tokens=r.max_new_tokens)
         self.metrics = metrics or LearnerMetrics()
         self.links = links or link_table(cfg.broadcast)
         self.verifier = Verifier(cfg.verify, seed=cfg.run.seed)
@@ -67,7 +73,7 @@ class ControlApi:
                                        on_note=on_note)
         shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
                       offload=self.offload, rescore=rescore)
-        self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, **shared)
+        self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, max_tokens=self.rollout.max_tokens, **shared)
         self.evals = EvalRoom(cfg, evals, run=run, metrics=self.metrics, vocab_size=vocab_size, offload=self.offload,
                               rescore=rescore, on_result=on_eval)
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,
@@ -79,7 +85,7 @@ class ControlApi:
         app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)), middlewares=[errors_as_json])
         auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused, self.registry.addresses,
                     [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies])
-        app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, cfg.rollout, self.run, self.broadcast)))
+        app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, self.rollout, self.run, self.broadcast)))
         app.add_routes(self.leases.routes(auth))
         app.add_routes(self.uploads.routes(auth))
         app.add_routes(self.evals.routes(auth))

@@ -33,7 +33,7 @@ class LeaseRoom:
                  waiters: Waiters | None = None):
         self.book, self.buffer, self.run, self.server = book, buffer, run, server
         self.backpressure, self.metrics, self.evals = backpressure, metrics, evals
-        self.encode = encode  # prompt text -> token ids (the learner's tokenizer is authoritative)
+        self.encode = encode  # Prompt -> its episode's first token ids (the learner's rendering is authoritative)
         self.waiters = waiters or Waiters()
         self._token_ids: dict[str, list[int]] = {}
 
@@ -41,7 +41,7 @@ class LeaseRoom:
         """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased."""
         ids = self._token_ids.get(prompt.id)
         if ids is None:
-            ids = self._token_ids[prompt.id] = self.encode(prompt.text)
+            ids = self._token_ids[prompt.id] = self.encode(prompt)
         return ids
 
     def trained(self, prompt_id: str) -> None:
@@ -135,7 +135,7 @@ class LeaseRoom:
                     lease_id, version, eval_prompts = got_eval
                     return answer(P.LeaseReply(
                         lease_id=lease_id, eval_version=version, expires_in=server.lease_ttl,
-                        prompts=[P.PromptMsg(id=p.id, text=p.text, answer="", prompt_ids=self.encode(p.text))
+                        prompts=[P.PromptMsg(id=p.id, text=p.text, answer="", prompt_ids=self.encode(p), seed=p.seed)
                                  for p in eval_prompts], snapshot=run.announcement))
             # A worker on a version already too old to be admitted would only generate refusals.
             if server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(worker.version, run.version):
@@ -146,7 +146,7 @@ class LeaseRoom:
             got = self.book.lease(worker.id, min(req.max_prompts, room), now) if room else None
             if got is not None:
                 prompts = [P.PromptMsg.model_construct(id=p.id, text=p.text, answer=p.answer,
-                                                       prompt_ids=self.token_ids(p))
+                                                       prompt_ids=self.token_ids(p), seed=p.seed)
                            for p in got.prompts.values()]
                 if self.room():
                     self.waiters.wake(1)  # room for more: the next waiter may take it

@@ -31,6 +31,7 @@ from learner.buffer import AsyncBuffer, Group
 from learner.config import LearnerConfig
 from learner.leases import UnknownLease
 from learner.metrics import LearnerMetrics
+from learner.verify import Verdict
 
 
 class UploadRoom:
@@ -38,10 +39,11 @@ class UploadRoom:
 
     def __init__(self, cfg: LearnerConfig, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom,
                  registry: WorkerRegistry, metrics: LearnerMetrics, vocab_size: int, offload: Executor,
-                 rescore=None):
+                 max_tokens: int, rescore=None):
         self.max_body_mb, self.rollout, self.max_staleness = cfg.server.max_body_mb, cfg.rollout, cfg.buffer.max_staleness
         self.run, self.buffer, self.leases, self.registry, self.metrics = run, buffer, leases, registry, metrics
         self.vocab_size, self.offload, self.rescore = vocab_size, offload, rescore
+        self.max_tokens = max_tokens  # an episode's tokens after its prompt
         self.body_timeout_s = cfg.server.body_timeout_s
         self.inflight_cap = int(cfg.server.max_inflight_upload_mb * (1 << 20))
         self.inflight = 0  # bytes of the uploads being read now (declared lengths, or the cap per chunked body)
@@ -81,7 +83,7 @@ class UploadRoom:
             self.inflight -= claim
         loop = asyncio.get_running_loop()
         sub = await loop.run_in_executor(self.offload, lambda: decode_submission(
-            raw, vocab_size=self.vocab_size, max_tokens=self.rollout.max_new_tokens, group_size=self.rollout.group_size))
+            raw, vocab_size=self.vocab_size, max_tokens=self.max_tokens, group_size=self.rollout.group_size))
         if sub.worker_id != worker.id:
             raise Rejected(403, "impersonation", f"the upload names worker {sub.worker_id[:64]!r} but the credential is "
                                                  f"{worker.id!r}'s; a worker submits only its own work")
@@ -114,18 +116,21 @@ class UploadRoom:
         if not rescored:
             return None
         try:
-            mismatched = await asyncio.get_running_loop().run_in_executor(self.offload, self.rescore, rescored)
+            replayed = await asyncio.get_running_loop().run_in_executor(self.offload, self.rescore, rescored)
         except Exception as e:  # the task's reward code failed: train nothing unchecked, lose no prompt
             for g in groups:
                 self.leases.book.recycle(g.prompt)
             self.registry.on_note(f"recomputing rewards failed ({type(e).__name__}: {e}); {len(groups)} prompts re-issued")
             return json_error(500, "verify-failed", "the learner could not recompute this upload's rewards; "
                                                     "its prompts were re-issued (nothing to do on the worker)")
-        flags = [m for per_group in mismatched for m in per_group]
+        if replayed.forged:  # a deterministic environment said otherwise: proof, quarantined at once
+            self.registry.quarantine(worker, Verdict(worker.id, "episodes", f"{len(replayed.forged)} of its episodes "
+                                                     f"are not what the environment answers: {replayed.forged[0][:200]}"))
+        flags = [m for per_group in replayed.mismatches for m in per_group]
         self.metrics.rewards_checked.inc(len(flags))
         self.metrics.rewards_mismatched.inc(sum(flags))
         verdict = verifier.rewards_checked(worker.id, flags)
-        if verdict is not None:
+        if verdict is not None and not worker.quarantined:
             self.registry.quarantine(worker, verdict)
         return None
 
@@ -170,4 +175,6 @@ class UploadRoom:
         return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=self.leases.token_ids(prompts[g.prompt_id]),
                       completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
                       rewards=[s.reward for s in g.samples], worker_id=worker.id,
+                      masks=[s.mask for s in g.samples] if any(s.mask for s in g.samples) else None,
+                      truncated=[s.truncated for s in g.samples],
                       prompt=prompts[g.prompt_id]) for g in fresh], age

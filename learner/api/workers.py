@@ -32,7 +32,7 @@ from learner.api.http import Auth, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.buffer import AsyncBuffer, Group
-from learner.config import RolloutSection, ServerSection, TaskSection, VerifySection
+from learner.config import ServerSection, TaskSection, VerifySection
 from learner.metrics import LearnerMetrics
 from learner.verify import Verdict, Verifier
 
@@ -305,12 +305,12 @@ class WorkerRegistry:
         return [web.post("/v1/join", join), web.post("/v1/heartbeat", heartbeat)]
 
 
-def welcome(server: ServerSection, task: TaskSection, rollout: RolloutSection, run: Run, broadcast: P.BroadcastInfo):
+def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, run: Run, broadcast: P.BroadcastInfo):
     """The join reply's maker: what a new worker needs to start (`broadcast`: how versions travel)."""
     def make(worker_id: str, credential: str) -> P.JoinReply:
         return P.JoinReply(
             worker_id=worker_id, credential=credential, broadcast=broadcast,
             heartbeat_interval=server.heartbeat_interval, lease_ttl=server.lease_ttl,
             long_poll_s=server.long_poll_s, task=P.TaskInfo(name=task.name, options=task.options),
-            rollout=P.RolloutParams(**rollout.model_dump()), snapshot=run.announcement)
+            rollout=rollout, snapshot=run.announcement)
     return make

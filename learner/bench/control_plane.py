@@ -95,7 +95,7 @@ async def _serve(args) -> int:
     buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, G, on_drop=lambda g, why: leases.recycle(g.prompt)))
     run = Run(BlobStore(keep=cfg.publish.keep))
     api = ControlApi(cfg, BENCH_TOKEN, run=run, buffer=buffer, lease_book=leases,
-                     encode=lambda text: tokenizer(text)["input_ids"], vocab_size=len(tokenizer), model_dir=d,
+                     encode=lambda prompt: tokenizer(prompt.text)["input_ids"], vocab_size=len(tokenizer), model_dir=d,
                      rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance))
     blob = os.urandom(1 << 16)
 

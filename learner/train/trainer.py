@@ -30,7 +30,10 @@ from pathlib import Path
 
 import torch
 
-from echo.hf import PromptEncoder, TokenBatch, sample
+from echo import protocol as P
+from echo.chat import stop_ids
+from echo.episodes import Episodes
+from echo.hf import TokenBatch, sample
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo
 from learner.config import LearnerConfig
@@ -58,32 +61,50 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: floa
 
 @dataclass
 class _Samples:
-    """A batch flattened to its samples, in group order: sample i is `completions[i]` of prompt
-    `prompts[i]`, sampled with log-probs `behaviour[i]`, of group `owner[i]`."""
+    """A batch flattened to its samples, in group order: sample i is episode `completions[i]` of
+    prompt `prompts[i]`, sampled with log-probs `behaviour[i]`, trained where `masks[i]` is 1
+    (the policy's tokens; the environment's are read, never trained), of group `owner[i]`."""
 
     prompts: list[list[int]]
     completions: list[list[int]]
     behaviour: list[list[float]]
+    masks: list[list[int]]
     owner: list[int]
     rewards: torch.Tensor  # groups × samples
     advantages: list[float]
-    lengths: list[int]  # prompt + completion tokens
-    total_tokens: int  # completion tokens of the whole batch: what the loss is normalised by
+    lengths: list[int]  # prompt + episode tokens
+    total_tokens: int  # the policy's tokens of the whole batch (Σ mask): what the loss is normalised by
+    turns: list[int]  # per sample, the policy's turns
+    truncated: int  # samples cut at the turn or token budget
 
     @classmethod
     def of(cls, batch: BatchInfo, adv_eps: float) -> _Samples:
-        prompts, completions, behaviour, rewards = [], [], [], []
+        prompts, completions, behaviour, masks, rewards, truncated = [], [], [], [], [], 0
         for g in batch.groups:
             prompts += [g.prompt_ids] * len(g.completions)
             completions += g.completions
             behaviour += g.behaviour_logprobs
+            masks += g.masks if g.masks is not None else [[1] * len(c) for c in g.completions]
             rewards.append(g.rewards)
+            truncated += sum(g.truncated)
         reward_t = torch.tensor(rewards, dtype=torch.float32)
-        return cls(prompts, completions, behaviour,
+        return cls(prompts, completions, behaviour, masks,
                    owner=[gi for gi, g in enumerate(batch.groups) for _ in g.completions], rewards=reward_t,
                    advantages=group_advantages(reward_t, adv_eps).flatten().tolist(),
                    lengths=[len(p) + len(c) for p, c in zip(prompts, completions)],
-                   total_tokens=sum(map(len, completions)))
+                   total_tokens=sum(map(sum, masks)), turns=[_turns(m) for m in masks], truncated=truncated)
+
+    def turn_fields(self) -> dict[str, float]:
+        """What the run log shows of episodes: turns, tokens per policy turn, the environment's share."""
+        episode = sum(map(len, self.completions))
+        return {"turns_mean": sum(self.turns) / max(1, len(self.turns)),
+                "turn_tokens_mean": self.total_tokens / max(1, sum(self.turns)),
+                "env_token_share": 1 - self.total_tokens / max(1, episode), "truncated": self.truncated}
+
+
+def _turns(mask: list[int]) -> int:
+    """The policy's turns of an episode: its runs of 1s."""
+    return sum(1 for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1]))
 
 
 class _Gaps:
@@ -101,7 +122,8 @@ class _Gaps:
             if i in self.mine:
                 lp = lp.detach().double()
                 mu = torch.tensor(self.samples.behaviour[i], dtype=torch.float64, device=self.sums.device)
-                inside = torch.isfinite(lp)  # outside π's nucleus: counted apart, not a gap
+                mine = torch.tensor(self.samples.masks[i], dtype=torch.bool, device=self.sums.device)
+                inside = torch.isfinite(lp) & mine  # outside π's nucleus: counted apart, not a gap; the environment's: no μ
                 owner = self.samples.owner[i]
                 self.sums[owner, 0] += (lp[inside] - mu[inside]).abs().sum()
                 self.sums[owner, 1] += inside.sum()
@@ -117,7 +139,13 @@ class Trainer:
         t, r = cfg.trainer, cfg.rollout
         self.model_dir = Path(cfg.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.encode = PromptEncoder(self.tokenizer, cfg.task.chat_template, cfg.task.system_prompt)
+        task = cfg.task.build()
+        # How episodes are rendered, cut and replayed: the same rules the workers are sent (`rollout_params`).
+        self.episodes = Episodes.of(
+            task, self.tokenizer, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt,
+            template_kwargs=cfg.task.chat_template_kwargs, stop_ids=stop_ids(self.tokenizer, self.model_dir, task.stop_tokens),
+            max_new_tokens=r.max_new_tokens, max_tokens=r.episode_tokens(task), max_turns=r.turns(task))
+        self.encode = self.episodes.first  # a prompt's token ids
         self.autocast_dtype = None if t.compute_dtype == "float32" else DTYPES[t.compute_dtype]
         self.publish_dtype = DTYPES[saved_dtype(self.model_dir) if cfg.publish.dtype == "auto" else cfg.publish.dtype]
         common = dict(temperature=r.temperature, top_p=r.top_p, chunk_tokens=t.logprob_chunk_tokens)
@@ -194,6 +222,7 @@ class Trainer:
             "kl_excluded": stats.kl_excluded,  # tokens outside π_θ's or the reference's nucleus, not in the KL
             "skipped_steps": self.skipped_steps,  # optimizer steps skipped for a non-finite gradient, so far
             "tokens": samples.total_tokens,
+            **samples.turn_fields(),
             "lr": self.scheduler.get_last_lr()[0],
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
         }
@@ -244,9 +273,10 @@ class Trainer:
                 gaps.measure(dict(zip(indices, logp.split(tb.lengths))))
             flat = lambda values: torch.cat([values[i] for i in indices])  # noqa: E731
             behaviour_t = torch.tensor([x for i in indices for x in samples.behaviour[i]], device=device)
+            mask_t = torch.tensor([x for i in indices for x in samples.masks[i]], device=device)
             adv_t = torch.tensor([samples.advantages[i] for i in indices for _ in samples.completions[i]],
                                  device=device)
-            loss, stats = grpo_loss(logp, flat(old) if old else logp.detach(), behaviour_t, adv_t,
+            loss, stats = grpo_loss(logp, flat(old) if old else logp.detach(), behaviour_t, adv_t, mask_t,
                                     clip_eps=t.clip_eps, is_cap=t.is_cap, total_tokens=samples.total_tokens,
                                     ref_logp=flat(ref) if ref else None, kl_coef=t.kl_coef)
             loss_sum = loss * self.world.size  # FSDP averages over ranks; the batch gradient is the sum
@@ -394,14 +424,27 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, task: Task, prompts: list[Prompt]) -> float:
-        """Greedy accuracy on `prompts`, generated here ([eval] where = 'learner')."""
-        r = self.cfg.rollout
-        correct = 0.0
+        """Mean greedy return on `prompts` (a one-turn task's accuracy), played here as the workers
+        play them ([eval] where = 'learner')."""
+        episodes = dataclasses.replace(self.episodes, task=task)
+
+        def generate(contexts: list[list[int]], n: int, max_new_tokens: int) -> list[list]:
+            with self._autocast():
+                outs = sample(self.hf, contexts, max_new_tokens=max_new_tokens, stop_ids=episodes.stop_ids,
+                              pad_id=self._pad, temperature=0.0)
+            return [[o] * n for o in outs]
+
+        total = 0.0
         for start in range(0, len(prompts), 256):
             chunk = prompts[start : start + 256]
-            with self._autocast():
-                outs = sample(self.hf, [self.encode(p.text) for p in chunk], max_new_tokens=r.max_new_tokens,
-                              eos_id=self.tokenizer.eos_token_id, pad_id=self._pad, temperature=0.0)
-            texts = self.tokenizer.batch_decode([o.tokens for o in outs], skip_special_tokens=True)
-            correct += sum(task.reward(p, text) for p, text in zip(chunk, texts))
-        return correct / max(1, len(prompts))
+            played = episodes.play([(p, episodes.first(p)) for p in chunk], generate, n=1)
+            total += sum(group[0].reward for group in played)
+        return total / max(1, len(prompts))
+
+    def rollout_params(self) -> P.RolloutParams:
+        """How every worker plays this run's episodes (sent at join)."""
+        r, e = self.cfg.rollout, self.episodes
+        return P.RolloutParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                               top_p=r.top_p, max_turns=e.max_turns, max_tokens=e.max_tokens, stop_ids=list(e.stop_ids),
+                               chat_template="on" if e.chat.templated else "off",
+                               chat_template_kwargs=self.cfg.task.chat_template_kwargs)

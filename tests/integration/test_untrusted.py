@@ -88,7 +88,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         run = Run(BlobStore(keep=cfg.publish.keep))
         results = []
         control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases,
-                             encode=lambda text: tokenizer(text)["input_ids"], vocab_size=len(tokenizer),
+                             encode=lambda prompt: tokenizer(prompt.text)["input_ids"], vocab_size=len(tokenizer),
                              model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
                              evals=evals, on_eval=results.append)
         # What the tests look at: the parts the API was built from.

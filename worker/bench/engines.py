@@ -84,7 +84,7 @@ def measure(engine_name: str, model_dir: Path, device: str, dtype: str, threads:
     tok = build_tokenizer()
     prompt_ids = [tok(PROMPT)["input_ids"]] * prompts
     # An end-of-sequence id no sample can draw (-1), so that every sample runs to full length.
-    p = GenerationParams(n=n, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, eos_id=-1,
+    p = GenerationParams(n=n, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, stop_ids=(),
                          pad_id=tok.pad_token_id)
     engine.generate(prompt_ids[:1], GenerationParams(**{**p.__dict__, "n": 1, "max_new_tokens": 2}))  # warm up
     rates, groups = [], None

@@ -61,7 +61,7 @@ class GenerationParams:
     max_new_tokens: int
     temperature: float  # 0: greedy (log-probs then at temperature 1)
     top_p: float
-    eos_id: int  # ends a sample and is kept in it; negative: no end token (benchmarks)
+    stop_ids: tuple[int, ...]  # every end-of-turn id: ends a sample and is kept in it; none: no end (benchmarks)
     pad_id: int
 
 

@@ -43,7 +43,7 @@ class TransformersEngine(Engine):
             if self.version < 0:
                 raise EngineError("no snapshot installed yet: install one before generating")
             flat = [p for p in prompts for _ in range(params.n)]
-            outs = sample(self.model, flat, max_new_tokens=params.max_new_tokens, eos_id=params.eos_id,
+            outs = sample(self.model, flat, max_new_tokens=params.max_new_tokens, stop_ids=params.stop_ids,
                           pad_id=params.pad_id, temperature=params.temperature, top_p=params.top_p,
                           generator=self.generator)
             return [outs[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]

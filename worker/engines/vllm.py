@@ -8,7 +8,7 @@ trainer's numbers, and behaviour log-probs of the distribution actually sampled 
 - `logprobs_mode="processed_logprobs"`: the sampled token's log-prob after temperature scaling
   and top-p renormalisation, i.e. log μ exactly as `echo.hf.sample` defines it; with top_p = 1
   it equals the trainer's `completion_logprobs(..., temperature)` for the same version.
-- `ignore_eos` + `stop_token_ids=[eos_id]`: stop exactly where echo's other engine stops, with
+- `ignore_eos` + `stop_token_ids=stop_ids`: stop exactly where echo's other engine stops, with
   the end-of-sequence token kept in the completion (the policy chose it and is trained on it).
 - Every install is checked twice. Before: the snapshot's tensor names and shapes must be the
   model's (vLLM itself only logs a warning for a missing tensor and keeps the old one). After:
@@ -172,8 +172,8 @@ class VLLMEngine(Engine):
             sampling = SamplingParams(
                 n=1 if greedy else params.n, temperature=max(0.0, params.temperature), top_p=params.top_p,
                 max_tokens=params.max_new_tokens,
-                # echo's eos (kept in the completion), not the model's; a negative id: none
-                ignore_eos=True, stop_token_ids=[params.eos_id] if params.eos_id >= 0 else [],
+                # echo's end-of-turn ids (kept in the completion), not the model's guess
+                ignore_eos=True, stop_token_ids=list(params.stop_ids),
                 logprobs=0,  # the sampled token's log-prob only (processed: log μ)
                 detokenize=False,
             )

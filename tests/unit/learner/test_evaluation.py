@@ -88,7 +88,7 @@ def test_a_checked_round_reports_the_checked_accuracy_everywhere():
     async def gaps(prompts, completions) -> list[float]:
         return [0.0, 5.0, 0.0]  # the second answer (sorted by prompt id) was written by its worker
 
-    p.hold, p.greedy_gaps, p.encode = hold, gaps, lambda text: [1]
+    p.hold, p.greedy_gaps, p.encode = hold, gaps, lambda prompt: [1]
     p.quarantine = lambda worker_id, why: quarantined.append(worker_id)
     ev = WorkerEvaluation(WorkersEval(), p)
     ids = sorted(pr.id for pr in p.prompts[:3])

@@ -17,10 +17,10 @@ def test_importance_weights_follow_recorded_behaviour_logprobs(tiny_model, is_ca
                                      "--rollout.group_size", "4", "--trainer.batch_prompts", "2"])
     trainer = Trainer(cfg)
     tok = trainer.tokenizer
-    prompts = [trainer.encode("3+4="), trainer.encode("5+5=")]
+    prompts = [trainer.episodes.chat("3+4="), trainer.episodes.chat("5+5=")]
     torch.manual_seed(0)
     outs = sample(trainer.hf, [p for p in prompts for _ in range(4)], max_new_tokens=4,
-                  eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+                  stop_ids=tok.eos_token_id, pad_id=tok.pad_token_id)
     with torch.no_grad():
         logp, mask = completion_logprobs(trainer.hf, [p for p in prompts for _ in range(4)],
                                          [o.tokens for o in outs], pad_id=tok.pad_token_id)
@@ -100,9 +100,9 @@ def test_top_p_trainer_pi_equals_worker_mu_on_fresh_weights(tiny_model, temperat
     overrides = ["--rollout.top_p", "0.9", "--rollout.temperature", str(temperature)]
     trainer = _trainer(tiny_model, *overrides)
     tok = trainer.tokenizer
-    prompts = [trainer.encode(f"{a}+{b}=") for a, b in ((3, 4), (5, 5), (1, 8), (9, 2))]
+    prompts = [trainer.episodes.chat(f"{a}+{b}=") for a, b in ((3, 4), (5, 5), (1, 8), (9, 2))]
     torch.manual_seed(1)
-    outs = sample(trainer.hf, [p for p in prompts for _ in range(4)], max_new_tokens=4, eos_id=tok.eos_token_id,
+    outs = sample(trainer.hf, [p for p in prompts for _ in range(4)], max_new_tokens=4, stop_ids=tok.eos_token_id,
                   pad_id=tok.pad_token_id, temperature=temperature, top_p=0.9)
     groups = [Group(f"p{g}", 0, prompts[g], [o.tokens for o in outs[4 * g: 4 * g + 4]],
                     [o.logprobs for o in outs[4 * g: 4 * g + 4]], [1.0, 0.0, 0.0, 1.0]) for g in range(4)]
@@ -203,7 +203,7 @@ def test_fp16_autocast_with_loss_scaling_trains(tiny_model):
 def test_prompts_go_through_the_tokenizers_chat_template_with_a_system_prompt(tiny_model, tmp_path):
     import shutil
 
-    from echo.hf import PromptEncoder
+    from echo.chat import Chat
 
     model = tmp_path / "chat"
     shutil.copytree(tiny_model, model)
@@ -213,11 +213,12 @@ def test_prompts_go_through_the_tokenizers_chat_template_with_a_system_prompt(ti
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}={% else %}"
                          "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}")
     tok.save_pretrained(model)
-    plain = PromptEncoder(AutoTokenizer.from_pretrained(tiny_model))("1+2")
-    assert not PromptEncoder(AutoTokenizer.from_pretrained(tiny_model)).chat  # no template: plain text
+    plain = Chat(AutoTokenizer.from_pretrained(tiny_model))("1+2")
+    assert not Chat(AutoTokenizer.from_pretrained(tiny_model)).templated  # no template: plain text
     with pytest.raises(ValueError, match="no chat template"):
-        PromptEncoder(AutoTokenizer.from_pretrained(tiny_model), "on")
+        Chat(AutoTokenizer.from_pretrained(tiny_model), "on")
     trainer = _trainer(model, "--task.system_prompt", '"9"')
-    chat = trainer.encode("1+2")
+    chat = trainer.episodes.chat("1+2")
     assert trainer.tokenizer.decode(chat) == "9=1+2=" and chat != plain
-    assert trainer.tokenizer.decode(_trainer(model, "--task.chat_template", "off").encode("1+2"), skip_special_tokens=True) == "1+2"
+    off = _trainer(model, "--task.chat_template", "off").episodes.chat("1+2")
+    assert trainer.tokenizer.decode(off, skip_special_tokens=True) == "1+2"

@@ -48,8 +48,8 @@ def test_the_held_eval_copy_tells_greedy_answers_from_written_ones(tiny_model):
 
     trainer = _trainer(tiny_model)
     tok = trainer.tokenizer
-    prompts = [trainer.encode(f"{a}+{b}=") for a, b in ((3, 4), (5, 2), (1, 8), (6, 0), (2, 2), (4, 4))]
-    outs = sample(trainer.hf, prompts, max_new_tokens=4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+    prompts = [trainer.episodes.chat(f"{a}+{b}=") for a, b in ((3, 4), (5, 2), (1, 8), (6, 0), (2, 2), (4, 4))]
+    outs = sample(trainer.hf, prompts, max_new_tokens=4, stop_ids=tok.eos_token_id, pad_id=tok.pad_token_id,
                   temperature=0.0)
     greedy = [o.tokens for o in outs]
     assert trainer.hold_for_eval() == 0

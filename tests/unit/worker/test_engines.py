@@ -88,7 +88,7 @@ class Trainer:
 
 def params(n: int = 4, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, eos: int = EOS):
     return GenerationParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            eos_id=eos, pad_id=PAD)
+                            stop_ids=(eos,), pad_id=PAD)
 
 
 def engine_vs_trainer(engine, trainer: Trainer, version: int, p: GenerationParams) -> tuple[float, float]:
