@@ -308,6 +308,9 @@ class LearnerConfig(Section):
     def _ranks_supported(self) -> "LearnerConfig":
         if self.run.nproc > 1 and self.eval.where == "learner":
             raise ValueError("[eval] where = 'learner' runs on one rank only; with [run] nproc > 1 use 'workers'")
+        if self.eval.where == "workers" and self.task.build().episodic:
+            raise ValueError(f"task {self.task.name!r} plays multi-turn episodes, which are evaluated by their return "
+                             "on the learner: set [eval] where = 'learner' (or --eval.where learner)")
         if self.run.nproc > 1 and self.trainer.compute_dtype == "float16":
             raise ValueError("[trainer] compute_dtype = 'float16' (loss scaling) is supported on one rank; "
                              "use 'bfloat16' with [run] nproc > 1")

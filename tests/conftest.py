@@ -39,6 +39,22 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    """A small Qwen2-architecture model with a byte-level tokenizer and a Qwen-style chat
+    template: a turn ends on <|im_end|>, which is not the eos (untrained: episodes are noise)."""
+    import torch
+
+    from learner.tinymodel import build_chat_tokenizer, build_model
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("chat-model")
+    tok = build_chat_tokenizer()
+    build_model(tok, hidden=64, layers=1, heads=2, seed=0, positions=1024).save_pretrained(out)  # head_dim 32: vLLM CPU
+    tok.save_pretrained(out)
+    return out
+
+
 def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Path:
     base = {
         "run": {"name": "t", "dir": str(run_dir), "steps": 6, "eval_every": 0, "checkpoint_every": 0},
@@ -150,9 +166,9 @@ def start_worker(url: str, token: str, name: str, log: Path, *overrides: str) ->
 def learner_factory(tmp_path, tiny_model):
     started: list[tuple[LearnerProcess, list[subprocess.Popen]]] = []
 
-    def make(**sections) -> LearnerProcess:
-        config = write_config(tmp_path / f"learner{len(started)}.toml", tiny_model, tmp_path / f"runs{len(started)}",
-                              **sections)
+    def make(model: Path | None = None, **sections) -> LearnerProcess:
+        config = write_config(tmp_path / f"learner{len(started)}.toml", model or tiny_model,
+                              tmp_path / f"runs{len(started)}", **sections)
         lp = LearnerProcess(config, tmp_path / f"runs{len(started)}")
         lp.workers = []
         lp.worker = lambda name, *o: lp.workers.append(

@@ -367,3 +367,24 @@ def test_a_worker_that_writes_its_own_eval_answers_is_caught(learner_factory):
     metrics = lp.request("GET", "/metrics", token=None)[1]
     gauge = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("echo_eval_accuracy "))
     assert gauge == events[-1]["eval_accuracy"]  # what Prometheus shows is the checked accuracy
+
+
+def test_a_multi_turn_task_trains_through_real_workers(learner_factory, chat_model):
+    """The calculator task on a chat model whose turns end on <|im_end|>: workers play episodes
+    turn by turn, the learner replays a share of them, trains on the policy's tokens only."""
+    steps = 4
+    lp = learner_factory(model=chat_model, run={"steps": steps, "eval_every": 2},
+                         task={"name": "calculator", "digits": 1, "turns": 3, "eval_size": 8},
+                         rollout={"group_size": 4, "max_new_tokens": 8, "max_episode_tokens": 120},
+                         eval={"where": "learner"}, verify={"rescore_fraction": 1.0})
+    lp.worker("w1")
+    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    records = lp.records()
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(r["turns_mean"] > 1 and 0 < r["env_token_share"] < 1 for r in records), records
+    assert records[0]["mismatch_kl"] < 1e-4  # the first batch: μ of the workers' weights is π (staleness aside)
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    assert summary["rewards_checked"] >= steps * 4 * 4 and summary["rewards_mismatched"] == 0  # every episode replayed
+    assert not summary["quarantined"]
+    evals = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals and all(e["where"] == "learner" for e in evals)

@@ -108,3 +108,26 @@ def test_deep_nesting_is_a_400():
     with pytest.raises(Rejected) as e:
         decode_submission(body, **LIMITS)
     assert (e.value.reason, e.value.status) == ("malformed", 400)
+
+
+def test_an_episodes_mask_and_cut_travel_and_a_one_turn_sample_sends_none():
+    episode = SampleMsg([4, 5, 6, 2], [-0.5, 0.0, 0.0, -1.0], 0.5, mask=[1, 0, 0, 1], truncated=True)
+    body = encode_submission(submission(samples=[episode, SampleMsg([7], [-2.0], 0.0, mask=[1])]))
+    a, b = decode_submission(body, **LIMITS).groups[0].samples
+    assert (a.mask, a.truncated, a.reward) == ([1, 0, 0, 1], True, 0.5)
+    assert (b.mask, b.truncated) == (None, False)  # all the policy's: nothing sent
+
+
+@pytest.mark.parametrize("mask,reason", [
+    (b"\x01\x02", "bad-mask"),  # only 0 and 1
+    (b"\x00\x01", "bad-mask"),  # an episode starts with the policy's turn, not with text the worker wrote
+    (b"\x01", "malformed"),  # one byte per token
+    ("11", "malformed"),
+])
+def test_a_bad_mask_is_refused(mask, reason):
+    sample = {"tokens": bytes(8), "logprobs": bytes(8), "reward": 0.0, "mask": mask}
+    body = raw({"worker_id": "w1", "lease_id": "L1", "groups": [{"prompt_id": "p", "version": 0,
+                                                                 "samples": [sample, sample]}]})
+    with pytest.raises(Rejected) as e:
+        decode_submission(body, **LIMITS)
+    assert e.value.reason == reason, e.value.message

@@ -131,3 +131,26 @@ def test_a_vllm_worker_trains_a_run_on_policy(learner_factory):
     assert all(abs(r["mismatch_kl"]) < 1e-6 and r["outside_nucleus_fraction"] == 0 for r in records), \
         [r["mismatch_kl"] for r in records]
     assert summary["eval_version_end"] == steps
+
+
+def test_a_vllm_worker_plays_multi_turn_episodes_on_policy(learner_factory, chat_model):
+    """The calculator task (a tool answers between the policy's turns) on a chat model whose turns
+    end on <|im_end|>, not its eos: a vLLM worker plays each turn of every live episode as one
+    engine call and appends the tool's tokens; with S = 0 and top-p 0.9 the trainer's π on the
+    policy's tokens equals vLLM's μ (< 1e-6), and every episode the learner replays is the
+    environment's."""
+    import json
+
+    steps = 3
+    lp = learner_factory(model=chat_model, run={"steps": steps}, buffer={"max_staleness": 0}, publish={"every": 1},
+                         task={"name": "calculator", "digits": 1, "turns": 3, "eval_size": 4},
+                         rollout={"top_p": 0.9, "max_new_tokens": 8, "max_episode_tokens": 120},
+                         eval={"where": "learner"}, verify={"rescore_fraction": 1.0})
+    lp.worker("vllm", "--engine.type", "vllm", "--engine.device", "cpu")
+    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    records = lp.records()
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    print("multi-turn mismatch_kl per step:", [f"{r['mismatch_kl']:.1e}" for r in records])
+    assert all(r["turns_mean"] > 1 and r["env_token_share"] > 0 for r in records)
+    assert all(abs(r["mismatch_kl"]) < 1e-6 for r in records), [r["mismatch_kl"] for r in records]
+    assert summary["rewards_mismatched"] == 0 and not summary["quarantined"]
