@@ -72,7 +72,7 @@ class TaskSection(Section):
 
 class RolloutSection(Section):
     group_size: int = Field(8, ge=2, le=1024, description="[rollout] group_size: samples per prompt (n); advantages are normalised within a group")
-    max_new_tokens: int = Field(4, ge=1, le=65536, description="[rollout] max_new_tokens: completion length cap")
+    max_new_tokens: int = Field(4, ge=1, le=65536, description="[rollout] max_new_tokens: completion length cap (per turn of an episode)")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="[rollout] temperature: sampling temperature (the trainer scales logits the same way)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="[rollout] top_p: nucleus sampling mass")
     max_turns: int = Field(0, ge=0, le=4096, description="[rollout] max_turns: policy turns per episode before it is cut (truncated); 0: the task's own limit")

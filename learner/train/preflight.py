@@ -58,8 +58,10 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
     compute = t.compute_dtype
     publish = saved_dtype(path) if cfg.publish.dtype == "auto" else cfg.publish.dtype
     snapshot_bytes = shape.params * DTYPES[publish].itemsize + shape.tied * shape.vocab * shape.hidden * DTYPES[publish].itemsize
-    chunk = min(chunk_tokens_for(shape.vocab, t.logprob_chunk_tokens), t.micro_batch_tokens)
-    plan = predict(shape, ranks=ranks, micro_batch_tokens=t.micro_batch_tokens, compute_bytes=DTYPES[compute].itemsize,
+    # A sequence longer than the budget is a micro-batch of its own: an episode's tokens bound it from below.
+    micro = max(t.micro_batch_tokens, cfg.rollout.episode_tokens(cfg.task.build()))
+    chunk = min(chunk_tokens_for(shape.vocab, t.logprob_chunk_tokens), micro)
+    plan = predict(shape, ranks=ranks, micro_batch_tokens=micro, compute_bytes=DTYPES[compute].itemsize,
                    checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
                    top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"), eval_copy=cfg.eval.where == "workers")
     available, where = available_bytes(device, ranks)
@@ -69,7 +71,7 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
         f"{' tokens' if tokens is not None else ''}), tied embeddings: {'yes' if shape.tied else 'no'}",
         f"  weights: fp32 master + AdamW state; forward/backward {compute}"
         f"{' autocast' if compute != 'float32' else ''}; snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)",
-        f"  memory: {ranks} rank{'s' if ranks > 1 else ''} on {device}, micro-batches of {t.micro_batch_tokens} tokens, "
+        f"  memory: {ranks} rank{'s' if ranks > 1 else ''} on {device}, micro-batches of {micro} tokens, "
         f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, head chunks of {chunk} tokens: "
         f"predicted {plan.describe()}; {where}",
     ]
