@@ -18,9 +18,11 @@ prompts, whose long groups are dropped more often, are not under-trained.
 Replay (`reuse > 1`, the replay-buffer paper): a trained group may be trained again, up to
 `reuse` times in all, while it is still within `S`. A step then needs only `ceil(G / reuse)`
 fresh groups (the paper's `R`, replay ratio `y = G / R`) and fills the rest of its `G` by
-sampling uniformly from the replay pool: the freshest `N` trained groups with uses left. With
-positive bias `δ` the pool keeps the freshest `(1 - δ)N` groups plus the freshest `δN` groups
-with a correct sample (reward > 0) that are not among them. When the pool is short, the step
+sampling uniformly from the replay pool: the freshest `N` trained groups with uses left, freshest
+by the version that generated them. Only groups whose rewards vary enter it: a group of equal
+rewards has zero advantage and adds no gradient (as accuracy rises, all-correct groups would
+otherwise fill the pool). With positive bias `δ` the pool keeps the freshest `(1 - δ)N` groups
+plus the freshest `δN` groups with a correct sample (reward > 0) that are not among them. When the pool is short, the step
 takes more fresh groups, so a batch is always `G` groups. With `S = 0` nothing can be replayed:
 a group trained at version `t` is already one version stale at `t + 1`.
 
@@ -71,6 +73,11 @@ class Group:
     def positive(self) -> bool:
         """Has a correct sample: what positive-biased replay keeps longer."""
         return max(self.rewards, default=0.0) > 0
+
+    @property
+    def varied(self) -> bool:
+        """Its rewards differ: only then does it have an advantage, and a gradient, to replay."""
+        return max(self.rewards, default=0.0) > min(self.rewards, default=0.0)
 
 
 @dataclass
@@ -156,10 +163,11 @@ class StalenessBuffer:
         return version <= learner_version and (not self.filters or learner_version - version <= self.max_staleness)
 
     def leasable(self, version: int, learner_version: int) -> bool:
-        """Can a group generated *now* by `version` still be trained when it arrives? While the
+        """Can a group of `version`, generated or arriving *now*, still be trained? While the
         batch of `learner_version` is being trained, the earliest it can be trained is at the
-        next version. With `S = 0` this is what makes a run synchronous without waste: no prompt
-        goes to the old snapshot while the learner trains on its batch."""
+        next version. Leases and admission both ask this: a group accepted now is never evicted
+        as stale at the next batch. With `S = 0` this is what makes a run synchronous without
+        waste: no prompt goes to the old snapshot while the learner trains on its batch."""
         arrives = learner_version + 1 if self.taken_at == learner_version else learner_version
         return version <= learner_version and (not self.filters or arrives - version <= self.max_staleness)
 
@@ -251,8 +259,9 @@ class StalenessBuffer:
         if self.reuse == 1:
             self.stats.retired_uses[1] += len(fresh)
             return
-        self._replay.extend(fresh)
-        pool = list(self._replay)
+        self.stats.retired_uses[1] += sum(not g.varied for g in fresh)
+        # Freshest by generation version (a stable sort keeps arrival order within a version).
+        pool = sorted([*self._replay, *(g for g in fresh if g.varied)], key=lambda g: g.version)
         n_fresh = round((1 - self.positive_bias) * self.replay_size)
         keep = set(map(id, pool[max(0, len(pool) - n_fresh):] if n_fresh else []))
         positives = [g for g in reversed(pool) if g.positive and id(g) not in keep][: self.replay_size - n_fresh]

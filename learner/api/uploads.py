@@ -159,7 +159,8 @@ class UploadRoom:
         buf = self.buffer.buffer
         fresh, stale = [], []
         for g in sub.groups:
-            (fresh if buf.admissible(g.version, version) else stale).append(g)
+            # Judged at the version it can first be trained at (the next one while a batch trains).
+            (fresh if buf.leasable(g.version, version) else stale).append(g)
         for g in stale:  # the prompt itself is fine: a fresher snapshot generates it
             book.give_back(sub.lease_id, g.prompt_id, worker.id)
         if not fresh:

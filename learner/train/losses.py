@@ -8,9 +8,9 @@ Per response token `t` of sample `i`:
     obj_t = w_t · min(r_t·Â_i, clip(r_t, 1−ε, 1+ε)·Â_i)
     loss  = −Σ obj_t·mask_t / N_tokens  (+ β · Σ KL_t·mask_t / N_tokens)
 
-`N_tokens` is the number of response tokens of the whole batch (AIPO's normaliser), so the
-losses of micro-batches, minibatches and ranks add up to the loss of the batch, and a step's
-gradient does not depend on how the batch was split. With one optimizer step per batch
+`N_tokens` is the number of response tokens (mask 1) of the optimizer step's slice of the batch
+on all ranks (AIPO's normaliser), so the losses of micro-batches and ranks add up to the loss of
+the slice, and a step's gradient does not depend on how the slice was split. With one optimizer step per batch
 `π_old = π_θ` numerically, `r_t = 1`, and the gradient is the IS-weighted policy gradient.
 
 A token outside π_old's top-p nucleus has log π_old = −inf: π gives it no mass, so its
@@ -101,9 +101,13 @@ def grpo_loss(
     total_tokens: int | float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    reinforce: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token tensors of one shape (`[samples, tokens]` with `mask` 1 on response tokens, or
     flat `[tokens]` without a mask); `advantages` per sample (`[samples]`) or per token.
+
+    `reinforce`: the AsymRE objective (the replay paper, App. D): `Â · log π_θ`, no importance
+    weight and no clipping (its advantages carry the shifted baseline; see the trainer).
 
     Returns the loss and its statistics as a tensor of `LossStats` sums, left on the device
     so a step of many micro-batches synchronises once (`LossStats.from_vector`)."""
@@ -118,6 +122,8 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
     objective = is_weight * torch.minimum(unclipped, clipped)
+    if reinforce:
+        objective = adv * safe_logp
     loss = -(objective * valid).sum() / total_tokens
 
     kl_ref = torch.zeros((), dtype=logp.dtype, device=logp.device)

@@ -9,8 +9,10 @@ A step, on every rank at once:
                 → clip, AdamW on the fp32 master weights
     statistics: token sums, one all-reduce
 
-The loss is normalised by the token count of the whole batch, so micro-batches, slices and
-ranks add up to the batch's loss and its gradient does not depend on the split. Ranks run
+Each optimizer step's loss is normalised by its own slice's loss tokens on all ranks (Σ mask:
+the policy's tokens), so micro-batches and ranks add up to the slice's loss, its gradient does
+not depend on the split, and with `minibatches = k` every step's gradient is a mean (clipping at
+`max_grad_norm` means what it means with one step per batch). Ranks run
 the same number of micro-batches (a rank short of work runs an empty one), because every
 forward and backward of a sharded model is a collective.
 
@@ -73,12 +75,13 @@ class _Samples:
     rewards: torch.Tensor  # groups × samples
     advantages: list[float]
     lengths: list[int]  # prompt + episode tokens
-    total_tokens: int  # the policy's tokens of the whole batch (Σ mask): what the loss is normalised by
+    total_tokens: int  # the policy's tokens of the whole batch (Σ mask)
     turns: list[int]  # per sample, the policy's turns
     truncated: int  # samples cut at the turn or token budget
 
     @classmethod
-    def of(cls, batch: BatchInfo, adv_eps: float) -> _Samples:
+    def of(cls, batch: BatchInfo, adv_eps: float, asymre_shift: float | None = None) -> _Samples:
+        """`asymre_shift` set: AsymRE advantages r − (mean + δV), not divided by the std."""
         prompts, completions, behaviour, masks, rewards, truncated = [], [], [], [], [], 0
         for g in batch.groups:
             prompts += [g.prompt_ids] * len(g.completions)
@@ -90,7 +93,8 @@ class _Samples:
         reward_t = torch.tensor(rewards, dtype=torch.float32)
         return cls(prompts, completions, behaviour, masks,
                    owner=[gi for gi, g in enumerate(batch.groups) for _ in g.completions], rewards=reward_t,
-                   advantages=group_advantages(reward_t, adv_eps).flatten().tolist(),
+                   advantages=(group_advantages(reward_t, adv_eps) if asymre_shift is None else
+                               reward_t - reward_t.mean(-1, keepdim=True) - asymre_shift).flatten().tolist(),
                    lengths=[len(p) + len(c) for p, c in zip(prompts, completions)],
                    total_tokens=sum(map(sum, masks)), turns=[_turns(m) for m in masks], truncated=truncated)
 
@@ -189,8 +193,8 @@ class Trainer:
     def step(self, batch: BatchInfo) -> dict[str, float]:
         """One update on `batch` (every rank gets the whole batch); returns the step's statistics."""
         t, world = self.cfg.trainer, self.world
-        samples = _Samples.of(batch, t.adv_eps)
-        shares = self._shares(samples)
+        samples = _Samples.of(batch, t.adv_eps, t.asymre_shift if t.loss == "asymre" else None)
+        shares, slice_tokens = self._shares(samples)
         mine = [i for share in shares for i in share]
         old = self._score(self.policy, samples, mine) if t.minibatches > 1 else None
         gaps = _Gaps(batch, samples, mine, world.device)
@@ -198,27 +202,28 @@ class Trainer:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
         sums = torch.zeros(len(dataclasses.fields(LossStats)), dtype=torch.float64, device=world.device)
-        grad_norm = torch.zeros(())
-        for share in shares:
-            grad_norm = self._update(samples, share, old, ref, gaps, sums)
+        norms = [self._update(samples, share, tokens, old, ref, gaps, sums)
+                 for share, tokens in zip(shares, slice_tokens)]
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.version += 1
         stats = LossStats.from_vector(world.all_reduce(sums))
         group_gaps = world.all_reduce(gaps.sums).tolist()
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]
+        k = len(slice_tokens)  # each slice's loss is a mean over its own tokens: the batch's is their mean
         return {
-            "loss": stats.loss,
+            "loss": stats.loss / k,
             "reward_mean": float(samples.rewards.mean()),
             "reward_std": float(samples.rewards.std(unbiased=False)),
-            "grad_norm": float(grad_norm),
+            "grad_norm": sum(norms) / k,  # before clipping, mean over the minibatches' optimizer steps
+            "grad_norm_max": max(norms),
             "mean_ratio": stats.mean_ratio,
             "clip_fraction": stats.clip_fraction,
             "is_weight_mean": stats.mean_is_weight,
             "is_truncated_fraction": stats.is_truncated_fraction,
             "mismatch_kl": stats.mismatch_kl,
             "outside_nucleus_fraction": stats.outside_nucleus_fraction,
-            "kl_ref": stats.kl_ref,
+            "kl_ref": stats.kl_ref / k,
             "kl_excluded": stats.kl_excluded,  # tokens outside π_θ's or the reference's nucleus, not in the KL
             "skipped_steps": self.skipped_steps,  # optimizer steps skipped for a non-finite gradient, so far
             "tokens": samples.total_tokens,
@@ -227,18 +232,21 @@ class Trainer:
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
         }
 
-    def _shares(self, samples: _Samples) -> list[list[int]]:
-        """This rank's samples of each of the `minibatches` slices. The same seeded order and
-        split on every rank, so each knows its share without talking."""
+    def _shares(self, samples: _Samples) -> tuple[list[list[int]], list[int]]:
+        """This rank's samples of each of the `minibatches` slices, and each slice's loss tokens
+        on all ranks (its normaliser: every optimizer step's gradient is a mean over its own
+        tokens, so `max_grad_norm` means the same whatever `minibatches` is). The same seeded
+        order and split on every rank, so each knows its share without talking."""
         order = list(range(len(samples.completions)))
         random.Random(self.cfg.run.seed * 1_000_003 + self.version).shuffle(order)
         size = math.ceil(len(order) / self.cfg.trainer.minibatches)
-        shares = []
+        shares, tokens = [], []
         for start in range(0, len(order), size):
             part = order[start : start + size]
             split = split_by_tokens([samples.lengths[i] for i in part], self.world.size)
             shares.append([part[i] for i in split[self.world.rank]])
-        return shares
+            tokens.append(max(1, sum(sum(samples.masks[i]) for i in part)))
+        return shares, tokens
 
     def _micro_batches(self, samples: _Samples, indices: list[int]) -> list[list[int]]:
         """`indices` packed into micro-batches of ≤ micro_batch_tokens; padded with empty ones to
@@ -256,10 +264,11 @@ class Trainer:
         return TokenBatch.build([samples.prompts[i] for i in indices], [samples.completions[i] for i in indices],
                                 self._pad, device)
 
-    def _update(self, samples: _Samples, share: list[int], old: dict | None, ref: dict | None, gaps: _Gaps,
-                sums: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on this rank's `share` of a slice: gradients accumulate over its
-        micro-batches, the loss statistics into `sums`; returns the gradient norm before clipping."""
+    def _update(self, samples: _Samples, share: list[int], slice_tokens: int, old: dict | None, ref: dict | None,
+                gaps: _Gaps, sums: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on this rank's `share` of a slice of `slice_tokens` loss tokens (all
+        ranks): gradients accumulate over its micro-batches, the loss statistics into `sums`;
+        returns the global gradient norm before clipping."""
         t, device = self.cfg.trainer, self.world.device
         self.optimizer.zero_grad(set_to_none=True)
         for indices in self._micro_batches(samples, share):
@@ -277,8 +286,9 @@ class Trainer:
             adv_t = torch.tensor([samples.advantages[i] for i in indices for _ in samples.completions[i]],
                                  device=device)
             loss, stats = grpo_loss(logp, flat(old) if old else logp.detach(), behaviour_t, adv_t, mask_t,
-                                    clip_eps=t.clip_eps, is_cap=t.is_cap, total_tokens=samples.total_tokens,
-                                    ref_logp=flat(ref) if ref else None, kl_coef=t.kl_coef)
+                                    clip_eps=t.clip_eps, is_cap=t.is_cap, total_tokens=slice_tokens,
+                                    ref_logp=flat(ref) if ref else None, kl_coef=t.kl_coef,
+                                    reinforce=t.loss == "asymre")
             loss_sum = loss * self.world.size  # FSDP averages over ranks; the batch gradient is the sum
             (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
             sums += stats

@@ -94,7 +94,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
-                                results=results)
+                                results=results, run=run)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
         runner = web.AppRunner(control.app())
@@ -560,3 +560,23 @@ def test_a_deeply_nested_body_is_a_400_and_metrics_stay_local(tokenizer, tmp_pat
             assert resp.status == 200
 
     run_api(tokenizer, test, tmp_path, **{"server.metrics_from": ["10.0.0.0/8"]})
+
+
+def test_a_group_is_admitted_by_the_version_it_will_be_trained_at(tokenizer, tmp_path):
+    """S = 1, learner at v1 and training v1's batch: a v0 group would first be trained at v2,
+    staleness 2 > S, so it is given back now instead of queued and evicted at the next batch."""
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        api.state.run.blobs.add(1, b"weights-1")
+        api.state.run.version = 1
+        for taken, expect in ((1, 409), (-1, 200)):  # training v1's batch; then between batches
+            api.state.buffer.buffer.taken_at = taken
+            status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+            assert status == 200 and lease["lease_id"], lease
+            sub = Submission(wid, lease["lease_id"], [group(tokenizer, lease["prompts"][0]["id"], ["9"] * 4, 0.0)])
+            status, body = await api.upload(cred, sub)
+            assert status == expect, body
+            if expect == 409:
+                assert body["error"] == "stale-version" and len(api.state.buffer.buffer) == 0
+
+    run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 1, "server.refuse_stale_leases": False})

@@ -96,7 +96,8 @@ def test_async_buffer_wakes_the_waiting_trainer():
 
 
 def scored(version: int, pid: str, reward: float = 0.0) -> Group:
-    return Group(pid, version, [1], [[5, 2]], [[-0.1, -0.1]], [reward])
+    """Two samples whose rewards differ (so the group has a gradient to replay); correct iff reward > 0."""
+    return Group(pid, version, [1], [[5, 2], [6, 2]], [[-0.1, -0.1]] * 2, [reward, reward - 1.0])
 
 
 def replay_buffer(**kw) -> StalenessBuffer:
@@ -234,7 +235,7 @@ def test_drop_worker_discards_its_queued_and_replayable_groups():
     dropped = []
     buf = StalenessBuffer("queue-drop", 2, 2, 4, reuse=2, on_drop=lambda g, reason: dropped.append((g.prompt_id, reason)))
     for pid, wid in (("a", "w1"), ("b", "w2")):
-        buf.put(Group(pid, 0, [1], [[5]], [[-0.1]], [1.0], worker_id=wid))
+        buf.put(Group(pid, 0, [1], [[5], [6]], [[-0.1]] * 2, [1.0, 0.0], worker_id=wid))
     buf.take(0)  # both now in the replay pool
     buf.put(Group("c", 0, [1], [[5]], [[-0.1]], [1.0], worker_id="w1"))
     buf.put(Group("d", 0, [1], [[5]], [[-0.1]], [1.0], worker_id="w2"))
@@ -242,3 +243,14 @@ def test_drop_worker_discards_its_queued_and_replayable_groups():
     assert [g.prompt_id for g in buf._queue] == ["d"] and [g.prompt_id for g in buf._replay] == ["b"]
     s = buf.stats
     assert s.accepted == s.trained + s.dropped_untrusted + len(buf)
+
+
+def test_replay_keeps_only_groups_with_a_gradient_freshest_by_generation_version():
+    buf = replay_buffer(reuse=3, max_staleness=5, batch_groups=4, queue_factor=4, replay_size=2)
+    same = Group("all-correct", 2, [1], [[5], [6]], [[-0.1]] * 2, [1.0, 1.0])  # zero advantage everywhere
+    for g in (scored(2, "late-v2"), scored(3, "v3a"), same, scored(1, "early-v1")):
+        buf.put(g)
+    buf.take(3)
+    assert not same.varied and scored(0, "x").varied
+    assert [g.prompt_id for g in buf._replay] == ["late-v2", "v3a"]  # N = 2 freshest by version, not by arrival
+    assert buf.metrics()["reuse_counts"] == {1: 4}  # every group counted once, in the pool or retired

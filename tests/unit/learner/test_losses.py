@@ -79,3 +79,16 @@ def test_learning_rate_schedules():
     assert lr_factor(60, "linear", 10, 110, 0.1) == pytest.approx(0.55)
     assert lr_factor(110, "cosine", 10, 110, 0.1) == pytest.approx(0.1)
     assert lr_factor(60, "cosine", 10, 110, 0.1) == pytest.approx(0.55)
+
+
+def test_asymre_is_reinforce_with_a_shifted_baseline_and_no_importance_weight():
+    """∂loss/∂log π = −Â / N: the behaviour log-probs (far off π here) change nothing, nor does
+    the ratio clip; the advantages are the trainer's r − (mean + δV)."""
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    adv = torch.tensor([0.6, -0.4, 0.6])
+    for behaviour in (torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-9.0, -0.1, -5.0])):
+        logp.grad = None
+        loss, _ = grpo_loss(logp, logp.detach() - 1.0, behaviour, adv, clip_eps=0.2, is_cap=2.0, total_tokens=3,
+                            reinforce=True)
+        loss.backward()
+        assert torch.allclose(logp.grad, -adv / 3)

@@ -222,3 +222,30 @@ def test_prompts_go_through_the_tokenizers_chat_template_with_a_system_prompt(ti
     assert trainer.tokenizer.decode(chat) == "9=1+2=" and chat != plain
     off = _trainer(model, "--task.chat_template", "off").episodes.chat("1+2")
     assert trainer.tokenizer.decode(off, skip_special_tokens=True) == "1+2"
+
+
+def test_each_minibatch_step_is_normalised_by_its_own_tokens(tiny_model, monkeypatch):
+    """With k minibatches every optimizer step's loss is a mean over its own slice's tokens: the
+    normalisers are the slices' token counts (they sum to the batch's), and the gradient norm
+    is that of a mean, about the one-minibatch norm — not 1/k of it, which clipping at
+    max_grad_norm would then read as k times looser."""
+    import learner.train.trainer as trainer_module
+
+    seen = []
+    real = trainer_module.grpo_loss
+    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **kw: seen.append(kw["total_tokens"]) or real(*a, **kw))
+    batch = synthetic_batch(0, 19)
+    one = _trainer(tiny_model, "--trainer.max_grad_norm", "1e9").step(batch)
+    assert seen == [one["tokens"]]
+    seen.clear()
+    four = _trainer(tiny_model, "--trainer.minibatches", "4", "--trainer.max_grad_norm", "1e9").step(batch)
+    assert len(seen) == 4 and sum(seen) == four["tokens"] == one["tokens"]
+    assert four["grad_norm_max"] >= four["grad_norm"] > 0.5 * one["grad_norm"]  # was ~1/4 of it
+
+
+def test_asymre_advantages_are_rewards_minus_the_shifted_group_mean():
+    from learner.train.trainer import _Samples
+
+    batch = BatchInfo([Group("p", 0, [1], [[5], [6], [7], [8]], [[-1.0]] * 4, [1.0, 0.0, 0.0, 1.0])], 0, [0])
+    assert _Samples.of(batch, 1e-6, -0.1).advantages == pytest.approx([0.6, -0.4, -0.4, 0.6])
+    assert _Samples.of(batch, 1e-6).advantages == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
