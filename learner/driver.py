@@ -40,6 +40,11 @@ class TrainerDriver:
     def version(self) -> int:
         return self.lockstep.target.version
 
+    @property
+    def updates(self) -> int:
+        """Updates applied (a resumed run's versions may skip numbers; this count does not)."""
+        return self.lockstep.target.updates
+
     async def call(self, method: str, *args):
         """A trainer method every rank runs (`step`, `snapshot`, `save_checkpoint`, ...)."""
         return await self.run(self.lockstep.call, method, *args)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from echo.procs import die_with_parent
 from learner.config import LearnerConfig
 from learner.rundir import latest_checkpoint
 from learner.train.dist import Lockstep, World, close
@@ -41,7 +42,7 @@ def launch(cfg: LearnerConfig, argv: list[str], as_json: bool, check_only: bool)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.run.nproc),
            "-m", "learner.main", *args, "--run.nproc", str(cfg.run.nproc)]
     env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent())  # its ranks follow it (see main)
     try:
         return proc.wait()
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops its ranks

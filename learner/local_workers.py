@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from echo.procs import die_with_parent
 from learner.api.workers import WorkerRegistry
 from learner.config import WorkersSection
 
@@ -32,7 +33,7 @@ class LocalWorkers:
                    "--config", str(w.config), "--worker.name", f"local-{i}",
                    "--worker.seed", str(self.seed * 100 + i), *w.overrides]
             out = open(self.log_dir / f"local-{i}.log", "w")
-            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(),
                                                env={**os.environ, "PYTHONUNBUFFERED": "1"}))
 
     async def watch(self) -> None:

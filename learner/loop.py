@@ -54,7 +54,7 @@ class Loop:
         gc.freeze()
         loopwatch.watch("echo-learner")
         try:
-            while trainer.version < self.steps:
+            while trainer.updates < self.steps:  # not the version: a resume may skip version numbers
                 t0 = time.monotonic()
                 batch = await self.buffer.get_batch(trainer.version)
                 t1 = time.monotonic()
@@ -64,17 +64,18 @@ class Loop:
                 self.ledger.trained(trainer.version, [g.prompt_id for g in batch.groups])
                 self.registry.judge_logprobs(batch.groups, batch.staleness, stats.pop("group_gaps"))
                 self.leases.stepped()  # room in the buffer, and a new version to judge staleness by
-                last = trainer.version == self.steps
+                last = trainer.updates == self.steps
                 published = trainer.version % self.publish_every == 0 or last
                 if published:
                     await self.publishing.publish()
-                step = record.step(trainer.version, run.published_version, batch, stats, wait=t1 - t0, train=t2 - t1)
+                step = record.step(trainer.updates, trainer.version, run.published_version, batch, stats,
+                                   wait=t1 - t0, train=t2 - t1)
                 step.update(self.accounting.step(wait=t1 - t0, train=t2 - t1))
                 accuracy = await evaluation.stepped(trainer.version, published, last)
                 if accuracy is not None:
                     step["eval_accuracy"] = accuracy
                 record.show(step, evaluation.last)
-                if self.checkpoint_every and trainer.version % self.checkpoint_every == 0 and not last:
+                if self.checkpoint_every and trainer.updates % self.checkpoint_every == 0 and not last:
                     await self.checkpoint()
             await evaluation.finish(trainer.version)
         finally:

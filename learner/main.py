@@ -18,6 +18,7 @@ from pathlib import Path
 
 from echo.config import ConfigError, add_config_args, dump_toml
 from learner.config import load_learner_config
+from echo.procs import die_with_my_parent
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
 from learner.rundir import RunDir
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.preflight or (cfg.run.nproc > 1 and not under_torchrun()):
         return launch(cfg, argv, args.json, check_only=args.preflight)
+    if under_torchrun():  # torchrun puts ranks in sessions of their own: end with it, whatever killed it
+        die_with_my_parent(signal.SIGKILL)
     world = init_world(cfg.model.device)
     if not check_rank(cfg, world, args.json):
         close(world)

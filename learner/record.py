@@ -36,7 +36,7 @@ class RunRecord:
         """Training is over: the progress bar goes."""
         self.display.stop()
 
-    def step(self, version: int, published_version: int, batch: BatchInfo, stats: dict, *,
+    def step(self, updates: int, version: int, published_version: int, batch: BatchInfo, stats: dict, *,
              wait: float, train: float) -> dict:
         """The step's run-log record (the gauges of /metrics set alongside)."""
         self.waited += wait
@@ -53,7 +53,7 @@ class RunRecord:
         m.reward.set(stats["reward_mean"])
         m.idle.set(idle)
         return {
-            "step": version, "time": round(time.time(), 3), "version": version,
+            "step": updates, "time": round(time.time(), 3), "version": version,
             "published_version": published_version,
             **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
             "avg_staleness": batch.avg_staleness, "max_staleness": batch.max_staleness,
@@ -80,7 +80,7 @@ class RunRecord:
                     for s in m.samples if s.name.endswith("_total")}
         workers, verifier = self.registry.workers.values(), self.registry.verifier
         return {
-            "run_dir": str(run_dir), "steps": steps,
+            "run_dir": str(run_dir), "steps": steps, "version_end": self.registry.run.version,
             "eval_accuracy_start": first_accuracy,
             "eval_accuracy_end": last_eval.accuracy if last_eval else None,
             "eval_version_end": last_eval.version if last_eval else None,

@@ -106,6 +106,6 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         await asyncio.to_thread(provider.close)  # waits for processes: not on the event loop
     await publisher.stop()
     await api.stop()
-    record.finish(run_dir, record.summary(run_dir, run.version, evaluation.first_accuracy, evaluation.last,
+    record.finish(run_dir, record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last,
                                           cost.summary()))
     return 0

@@ -166,7 +166,8 @@ class Trainer:
         # fp16 overflows without loss scaling (bf16 has fp32's range and needs none).
         self.scaler = torch.amp.GradScaler(self.world.device.type) if t.compute_dtype == "float16" else None
         self.num_parameters = count_parameters(self.policy)
-        self.version = 0  # number of updates applied
+        self.version = 0  # the name of the weights held: a resumed run skips numbers a crash lost
+        self.updates = 0  # optimizer updates applied to them, over every crash and resume: what [run] steps counts
         self.skipped_steps = 0  # optimizer steps skipped because the gradient norm was not finite
         self._eval_copy: Policy | None = None  # the weights of the version being evaluated on workers
         self.resumed = self.load_checkpoint(checkpoint) if checkpoint else {}
@@ -207,6 +208,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.version += 1
+        self.updates += 1
         stats = LossStats.from_vector(world.all_reduce(sums))
         group_gaps = world.all_reduce(gaps.sums).tolist()
         norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]
@@ -350,7 +352,7 @@ class Trainer:
             torch.save({"scheduler": self.scheduler.state_dict(),
                         "scaler": self.scaler.state_dict() if self.scaler else None}, path / "schedule.pt")
             (path / "learner_state.json").write_text(json.dumps(
-                {"version": self.version, "ranks": self.world.size, **extra}, indent=2))
+                {"version": self.version, "updates": self.updates, "ranks": self.world.size, **extra}, indent=2))
             # Point `latest` at it atomically: a learner killed here still has a checkpoint to resume.
             staging = Path(directory) / f".latest-{os.getpid()}"
             staging.unlink(missing_ok=True)
@@ -377,6 +379,7 @@ class Trainer:
             self.scaler.load_state_dict(saved["scaler"])
         learner_state = json.loads((path / "learner_state.json").read_text())
         self.version = int(learner_state["version"])
+        self.updates = int(learner_state.get("updates", self.version))
         return learner_state
 
     def export(self, directory: Path) -> Path | None:

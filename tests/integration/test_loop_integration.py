@@ -388,3 +388,78 @@ def test_a_multi_turn_task_trains_through_real_workers(learner_factory, chat_mod
     assert not summary["quarantined"]
     evals = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals and all(e["where"] == "learner" for e in evals)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc: parentage survives new sessions)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    import os
+
+    alive = set()
+    for pid in pids:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def test_a_two_rank_learner_killed_twice_applies_exactly_its_steps_and_nothing_outlives_it(learner_factory):
+    """`kill -9` of the launcher takes torchrun, both ranks and the spawned worker with it; each
+    resume continues from the last checkpoint with later version numbers (the crash lost some)
+    yet counts updates, so the run applies exactly `steps` of them and the cosine schedule ends
+    where an uninterrupted run's does. ~2-3 min."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, WATCHED
+
+    steps, lr, floor = 9, 3e-4, 0.1
+    lp = learner_factory(run={"steps": steps, "nproc": 2, "checkpoint_every": 3},
+                         trainer={"schedule": "cosine", "lr": lr, "min_lr_ratio": floor},
+                         workers={"spawn": 1, "overrides": ["--worker.max_rollouts_per_s", "30"]})
+    launcher = lp.proc
+    for crash, at in enumerate((4, 7)):
+        lp.wait_until(lambda: max((r["version"] for r in lp.records()), default=0) >= at + crash, 240,
+                      f"crash {crash}: step {at}")
+        tree = _descendants(launcher.pid)
+        assert len(tree) >= 4  # torchrun, two ranks, the spawned worker
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while _alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(tree), f"outlived their launcher: {_alive(tree)}"
+        log = open(lp.run_dir.parent / f"resume{crash}.log", "w")
+        launcher = subprocess.Popen([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--json"],
+                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=WATCHED)
+        lp.proc = launcher
+    assert launcher.wait(300) == 0, (lp.run_dir.parent / "resume1.log").read_text()[-3000:]
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    state = json.loads((lp.run_dir / "checkpoints" / "latest" / "learner_state.json").read_text())
+    assert summary["steps"] == state["updates"] == steps
+    assert state["version"] > steps  # versions a crash lost are never reused
+    last = lp.records()[-1]
+    assert last["step"] == steps and last["lr"] == pytest.approx(lr * floor, rel=1e-6)  # the schedule's end
