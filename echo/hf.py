@@ -141,21 +141,27 @@ def sample(
 
 @dataclass
 class TokenBatch:
-    """Right-padded prompt+completion rows and where their completion tokens are.
+    """Prompt+completion sequences and where their completion tokens are: right-padded rows, or
+    (`packed`) one row of the sequences end to end with no padding, each restarting its
+    position ids at 0 — transformers then masks attention to each sequence's own tokens
+    (a block-diagonal causal mask; varlen kernels under flash attention).
 
     `positions[k]` is the flat index (row·width + column) of the hidden state that predicts
-    completion token `k`, `targets[k]` that token; completion tokens are listed row by row.
+    completion token `k`, `targets[k]` that token; completion tokens are listed sequence by sequence.
     """
 
     input_ids: torch.Tensor  # [rows, width]
-    attention_mask: torch.Tensor  # [rows, width]
+    attention_mask: torch.Tensor | None  # [rows, width]; None when packed
     positions: torch.Tensor  # [tokens]
     targets: torch.Tensor  # [tokens]
-    lengths: list[int]  # completion tokens per row
+    lengths: list[int]  # completion tokens per sequence
+    position_ids: torch.Tensor | None = None  # [1, width] when packed
 
     @classmethod
     def build(cls, prompts: list[list[int]], completions: list[list[int]], pad_id: int,
-              device: torch.device | str = "cpu") -> TokenBatch:
+              device: torch.device | str = "cpu", packed: bool = False) -> TokenBatch:
+        if packed:
+            return cls.pack(prompts, completions, device)
         width = max(len(p) + len(c) for p, c in zip(prompts, completions))
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -169,8 +175,22 @@ class TokenBatch:
         return cls(input_ids.to(device), attention.to(device), torch.tensor(positions, dtype=torch.long, device=device),
                    torch.tensor(targets, dtype=torch.long, device=device), [len(c) for c in completions])
 
+    @classmethod
+    def pack(cls, prompts: list[list[int]], completions: list[list[int]], device: torch.device | str = "cpu") -> TokenBatch:
+        ids, position_ids, positions, targets, start = [], [], [], [], 0
+        for p, c in zip(prompts, completions):
+            ids += p + c
+            position_ids += range(len(p) + len(c))
+            positions += range(start + len(p) - 1, start + len(p) - 1 + len(c))
+            targets += c
+            start += len(p) + len(c)
+        tensor = lambda xs: torch.tensor([xs], dtype=torch.long, device=device)  # noqa: E731
+        return cls(tensor(ids), None, tensor(positions)[0], tensor(targets)[0], [len(c) for c in completions],
+                   position_ids=tensor(position_ids))
+
     @property
     def padded_tokens(self) -> int:
+        """Tokens the forward computes (padding included)."""
         return self.input_ids.numel()
 
 
@@ -216,7 +236,7 @@ def policy_logprobs(model, batch: TokenBatch, *, temperature: float, top_p: floa
                     chunk_tokens: int = 0) -> torch.Tensor:
     """log π of every completion token of `batch` (flat, row by row) under an HF causal LM."""
     hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              use_cache=False).last_hidden_state
+                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
     hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
     return head_logprobs(hidden, model.get_output_embeddings(), batch.targets, temperature=temperature,
                          top_p=top_p, chunk_tokens=chunk_tokens)
@@ -227,7 +247,7 @@ def greedy_gaps(model, batch: TokenBatch, chunk_tokens: int = 0) -> torch.Tensor
     """For every completion token of `batch`: how far its logit lies below the largest (0 for the
     argmax). A greedy completion has 0 everywhere, up to the engines' numerics."""
     hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              use_cache=False).last_hidden_state
+                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
     hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
     head = model.get_output_embeddings()
     step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)

@@ -106,6 +106,7 @@ class TrainerSection(Section):
     asymre_shift: float = Field(-0.1, ge=-1.0, le=1.0, description="[trainer] asymre_shift: δV, the AsymRE baseline is mean(group rewards) + δV (the replay paper: -0.1)")
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[trainer] compute_dtype: autocast dtype of forward and backward; parameters and optimizer state stay fp32 ('bfloat16' on GPUs)")
     micro_batch_tokens: int = Field(16384, ge=16, le=1 << 24, description="[trainer] micro_batch_tokens: padded tokens (rows × longest row) per forward/backward; gradients accumulate over micro-batches, so this bounds activation memory, not the batch")
+    packing: bool = Field(True, description="[trainer] packing: micro-batches as sequences end to end with no padding (position ids restart per sequence; attention stays within each); false: right-padded rows")
     activation_checkpointing: bool = Field(False, description="[trainer] activation_checkpointing: keep only each decoder layer's input and recompute its activations in the backward pass")
     logprob_chunk_tokens: int = Field(0, ge=0, le=1 << 20, description="[trainer] logprob_chunk_tokens: completion tokens per chunk of the output head (0: as many as keep 32M logits)")
     check_memory: bool = Field(True, description="[trainer] check_memory: stop at start-up when the predicted memory per rank exceeds what the device has")

@@ -18,15 +18,29 @@ def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
-    """Micro-batches of indices whose padded size (rows × longest row) stays within `budget`.
+def pack(lengths: list[int], budget: int, padded: bool = True) -> list[list[int]]:
+    """Micro-batches of indices within `budget` tokens: padded, rows × longest row; unpadded
+    (sequences end to end in one row), the sum of their lengths.
 
-    Rows are taken longest first, so each micro-batch pads to its own longest row; a row longer
-    than the budget goes alone (it cannot be split without changing what the model sees).
+    Longest first, so each padded micro-batch pads to its own longest row, and unpadded ones
+    fill first-fit; a sequence longer than the budget goes alone (it cannot be split without
+    changing what the model sees).
     """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
+    if not padded:
+        room: list[int] = []
+        for i in order:
+            k = next((k for k, r in enumerate(room) if lengths[i] <= r), None)
+            if k is None:
+                batches.append([i])
+                room.append(budget - lengths[i])
+            else:
+                batches[k].append(i)
+                room[k] -= lengths[i]
+        return batches
     width = 0
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for i in order:
         if batches and (len(batches[-1]) + 1) * width <= budget:
             batches[-1].append(i)
         else:

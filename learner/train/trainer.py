@@ -196,6 +196,7 @@ class Trainer:
         t, world = self.cfg.trainer, self.world
         samples = _Samples.of(batch, t.adv_eps, t.asymre_shift if t.loss == "asymre" else None)
         shares, slice_tokens = self._shares(samples)
+        self._computed = torch.zeros(2, dtype=torch.float64)  # tokens the update's forwards computed; real ones
         mine = [i for share in shares for i in share]
         old = self._score(self.policy, samples, mine) if t.minibatches > 1 else None
         gaps = _Gaps(batch, samples, mine, world.device)
@@ -210,6 +211,7 @@ class Trainer:
         self.version += 1
         self.updates += 1
         stats = LossStats.from_vector(world.all_reduce(sums))
+        computed, real = world.all_reduce(self._computed.to(world.device)).tolist()
         group_gaps = world.all_reduce(gaps.sums).tolist()
         norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]
         k = len(slice_tokens)  # each slice's loss is a mean over its own tokens: the batch's is their mean
@@ -229,6 +231,7 @@ class Trainer:
             "kl_excluded": stats.kl_excluded,  # tokens outside π_θ's or the reference's nucleus, not in the KL
             "skipped_steps": self.skipped_steps,  # optimizer steps skipped for a non-finite gradient, so far
             "tokens": samples.total_tokens,
+            "padded_token_share": 1 - real / max(1.0, computed),  # of what the update's forwards computed
             **samples.turn_fields(),
             "lr": self.scheduler.get_last_lr()[0],
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
@@ -254,7 +257,8 @@ class Trainer:
         """`indices` packed into micro-batches of ≤ micro_batch_tokens; padded with empty ones to
         the most any rank has, since every forward and backward of a sharded model is a collective."""
         lengths = [samples.lengths[i] for i in indices]
-        packed = [[indices[j] for j in mb] for mb in pack(lengths, self.cfg.trainer.micro_batch_tokens)]
+        packed = [[indices[j] for j in mb] for mb in pack(lengths, self.cfg.trainer.micro_batch_tokens,
+                                                          padded=not self.cfg.trainer.packing)]
         count = torch.tensor([len(packed)], device=self.world.device)
         self.world.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
         return packed + [[] for _ in range(int(count) - len(packed))]  # [] = an empty micro-batch
@@ -264,7 +268,7 @@ class Trainer:
         if not indices:  # one pad token scoring one pad token: the collectives run, nothing is learned
             return TokenBatch.build([[self._pad]], [[self._pad]], self._pad, device)
         return TokenBatch.build([samples.prompts[i] for i in indices], [samples.completions[i] for i in indices],
-                                self._pad, device)
+                                self._pad, device, packed=self.cfg.trainer.packing)
 
     def _update(self, samples: _Samples, share: list[int], slice_tokens: int, old: dict | None, ref: dict | None,
                 gaps: _Gaps, sums: torch.Tensor) -> torch.Tensor:
@@ -275,6 +279,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for indices in self._micro_batches(samples, share):
             tb = self._token_batch(samples, indices)
+            self._computed += torch.tensor([tb.padded_tokens, sum(samples.lengths[i] for i in indices)],
+                                           dtype=torch.float64)
             with self._autocast():
                 logp = self.policy(tb)
             if not indices:

@@ -249,3 +249,19 @@ def test_asymre_advantages_are_rewards_minus_the_shifted_group_mean():
     batch = BatchInfo([Group("p", 0, [1], [[5], [6], [7], [8]], [[-1.0]] * 4, [1.0, 0.0, 0.0, 1.0])], 0, [0])
     assert _Samples.of(batch, 1e-6, -0.1).advantages == pytest.approx([0.6, -0.4, -0.4, 0.6])
     assert _Samples.of(batch, 1e-6).advantages == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+
+
+def test_packed_micro_batches_give_the_padded_loss_and_gradient_with_fewer_computed_tokens(tiny_model):
+    """Sequences end to end in one row, position ids restarting per sequence: the same loss and
+    gradient as right-padded rows (≤ 1e-5), and no padding computed."""
+    batch = synthetic_batch(0, 19)
+    grads, stats = {}, {}
+    for packing in ("true", "false"):
+        trainer = _trainer(tiny_model, "--trainer.packing", packing, "--trainer.micro_batch_tokens", "64")
+        trainer.optimizer.step = lambda: None  # keep the weights: compare the gradients themselves
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        stats[packing] = trainer.step(batch)
+        grads[packing] = torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])
+    assert stats["true"]["loss"] == pytest.approx(stats["false"]["loss"], abs=1e-5)
+    assert (grads["true"] - grads["false"]).abs().max() < 1e-5
+    assert stats["true"]["padded_token_share"] == 0 < stats["false"]["padded_token_share"]
