@@ -120,7 +120,7 @@ class BufferSection(Section):
     backpressure: bool = Field(True, description="[buffer] backpressure: lease no prompts while q·G groups are queued, so workers idle instead of generating rollouts that would be dropped")
     reuse: int = Field(1, ge=1, le=64, description="[buffer] reuse: times one group may be trained while within S (1: no replay); a step then needs ceil(G / reuse) fresh groups and samples the rest from the replay pool (needs max_staleness >= 1)")
     replay_size: int = Field(0, ge=0, le=1_000_000, description="[buffer] replay_size: N, trained groups the replay pool keeps (0: q·G)")
-    positive_bias: float = Field(0.0, ge=0.0, lt=1.0, description="[buffer] positive_bias: δ; the replay pool keeps the freshest (1 - δ)N groups plus the freshest δN groups with a correct sample not among them (0: freshest only)")
+    positive_bias: float = Field(0.0, ge=0.0, lt=1.0, description="[buffer] positive_bias: δ; the replay pool keeps the freshest (1 - δ)N groups plus the freshest δN groups with a correct sample not among them (0: freshest only). Only groups whose rewards vary enter the pool (equal rewards: no advantage, no gradient), freshest by the version that generated them")
 
     @model_validator(mode="after")
     def _replay_possible(self) -> "BufferSection":

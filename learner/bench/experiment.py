@@ -335,7 +335,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="results directory (default runs/experiment-staleness-TIME)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
     parser.add_argument("--smoke", action="store_true", help="seconds-long check of the harness: 6 steps, 1 seed, sync and "
-                        "S = 1 with replay (takes no measurement lock)")
+                        "S = 2 with replay (takes no measurement lock)")
     parser.add_argument("--results", type=Path, metavar="DIR",
                         help="run nothing: analyse every run of an earlier sweep directory again (all its seeds, "
                              "also those added with --first-seed, or of a sweep cut short), e.g. with another --target")
@@ -352,7 +352,7 @@ def cli(argv: list[str]) -> int:
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.smoke:
-        arms = [Arm(0, 1), Arm(1, 1, 2, args.positive_bias)]
+        arms = [Arm(0, 1), Arm(2, 1, 2, args.positive_bias)]  # S = 2: a group trained one version stale is replayable
         args.seeds, args.steps = 1, args.steps or 6
         extra = ["--run.eval_every", "3", "--eval.limit", "40", "--rollout.group_size", "4",
                  "--trainer.batch_prompts", "4", *extra]
