@@ -8,7 +8,8 @@ with a long timeout: followers may wait for hours while rank 0 waits for rollout
 compute group's watchdog (nccl: minutes) must not mistake for a hang.
 
 Without torchrun (`WORLD_SIZE` unset) the learner is one plain process: no process group, no
-FSDP, the same trainer code.
+FSDP, the same trainer code — except in bf16, where one rank shards over a process group of
+one (`sharded_alone`), so that it computes with FSDP2's mixed precision exactly as N ranks do.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class World:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     commands: Any = None  # the gloo group rank 0 announces calls on (None: one process)
+    sharded: bool = False  # parameters held by FSDP2 (N > 1 ranks, or one rank in bf16)
 
     @property
     def distributed(self) -> bool:
@@ -72,24 +74,41 @@ def init_world(device: str) -> World:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    return World(rank, size, local, dev, commands)
+    return World(rank, size, local, dev, commands, sharded=size > 1)
 
 
-def shard(policy: torch.nn.Module, layers: list[torch.nn.Module], world: World) -> torch.nn.Module:
+def sharded_alone(world: World) -> World:
+    """`world`, sharded: one rank gets a process group of its own if it has none (an in-process
+    store: nothing listens), so FSDP2 can hold its parameters as it does for N ranks."""
+    if not dist.is_initialized():
+        cuda = world.device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=world.device if cuda else None)
+    return World(world.rank, world.size, world.local_rank, world.device, world.commands, sharded=True)
+
+
+def shard(policy: torch.nn.Module, layers: list[torch.nn.Module], world: World,
+          compute: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2: each decoder layer one unit, the rest (embeddings, final norm, head) the root.
 
-    Parameters stay fp32 (the master weights) and are gathered in fp32; autocast casts them
-    for the matmuls. FSDP averages gradients over ranks; the batch gradient is their *sum*
-    (the loss is already normalised by the batch's token count), so the trainer scales each
-    rank's loss by the world size (gloo cannot reduce with a divide factor of 1).
+    The sharded parameters are what they were built in (fp32: the master weights). With
+    `compute` (bf16), FSDP2's mixed precision gathers each unit in that dtype for its forward
+    and backward and reduces gradients in fp32 into the fp32 shards: the whole forward runs in
+    bf16, as vLLM's does, and only one unit at a time exists unsharded — where autocast would
+    cache a bf16 copy of every layer until the forward ends. FSDP averages gradients over
+    ranks; the batch gradient is their *sum* (the loss is already normalised by the slice's
+    token count), so the trainer scales each rank's loss by the world size (gloo cannot reduce
+    with a divide factor of 1).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(world.device.type, (world.size,))
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute is not None else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(policy, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(policy, mesh=mesh, **kwargs)
     return policy
 
 
@@ -132,7 +151,7 @@ class Lockstep:
 
 
 def close(world: World) -> None:
-    if world.distributed and dist.is_initialized():
+    if (world.distributed or world.sharded) and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as e:  # tearing down after a failure: say so, do not mask the failure

@@ -8,7 +8,9 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
                                    their greedy answers against ([eval] where = "workers")
     gathered     8·(P_root + 2·P_layer)  while computing (N > 1): the FSDP root (embeddings,
                                    norm, head) and two layers (one prefetched) unsharded in
-                                   fp32, with their unsharded gradients before reduce-scatter
+                                   fp32, with their unsharded gradients before reduce-scatter;
+                 (2b+4)·(…)         in bf16 mixed precision (any N): gathered and differentiated
+                                   in b, the gradient reduced in fp32
     activations  T·(L·4H + A)      checkpointed: each layer's fp32 input kept, one layer's
                  or T·L·A          working set A recomputed at a time; without: every layer's A
     head         c·V·(16 [+16])    one chunk of c tokens: logits, their grad and softmax in
@@ -16,8 +18,9 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
     runtime      1 GiB on a GPU    CUDA context and workspaces; 0.4 GiB on a CPU (the
                                    interpreter with torch and transformers imported)
 
-with `A = (8 + 16·b)·H + 2·b·H_kv + 8·b·I` bytes per token for a pre-norm decoder layer with
-SwiGLU in compute dtype `b`: the fp32 residual stream, about sixteen hidden-sized tensors
+with `A = (2r + 16·b)·H + 2·b·H_kv + 8·b·I` bytes per token for a pre-norm decoder layer with
+SwiGLU in compute dtype `b`: the residual stream (`r` = 4 in fp32, `b` in bf16 mixed precision:
+autocast would keep it fp32), about sixteen hidden-sized tensors
 autograd keeps (norm statistics and outputs, q and its rotary copy, attention in and out,
 projections), two key/value-sized ones and eight intermediate-sized ones (gate, up, their
 activation and product, with allocator slack); SDPA keeps no attention matrix. Counted from a
@@ -93,20 +96,26 @@ class MemoryPlan:
 
 
 def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_bytes: int, checkpointing: bool,
-            reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False, eval_copy: bool = False) -> MemoryPlan:
+            reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False, eval_copy: bool = False,
+            mixed: bool = False) -> MemoryPlan:
+    """`mixed`: bf16 through FSDP2's mixed precision (any rank count): units gathered in the
+    compute dtype, gradients reduced in fp32, the residual stream in the compute dtype."""
     P, N, T, H = shape.params, ranks, micro_batch_tokens, shape.hidden
     b = compute_bytes
-    per_token_layer = (8 + 16 * b) * H + 2 * b * shape.kv_dim + 8 * b * shape.intermediate
+    r = b if mixed else 4  # bytes of one residual-stream value: fp32 under autocast or fp32 compute
+    per_token_layer = (2 * r + 16 * b) * H + 2 * b * shape.kv_dim + 8 * b * shape.intermediate
     if checkpointing:
         activations = T * (shape.layers * 4 * H + 2 * per_token_layer)  # the layer's work and its grads
     else:
         activations = T * shape.layers * per_token_layer
-    activations += 3 * 4 * T * H  # final hidden states, normed, and their gradient
+    activations += 3 * r * T * H  # final hidden states, normed, and their gradient
+    unit = shape.root_params + 2 * shape.layer_params  # unsharded at once: the root and two layers (one prefetched)
     return MemoryPlan(
         state=16 * P / N,
         reference=b * P / N if reference else 0.0,
         eval_copy=b * P / N if eval_copy else 0.0,
-        gathered=8 * (shape.root_params + 2 * shape.layer_params) if N > 1 else 0.0,
+        # fp32: the unit's parameters and gradients; mixed: both in the compute dtype plus the fp32 gradient reduced
+        gathered=(2 * b + 4) * unit if mixed else 8 * unit if N > 1 else 0.0,
         activations=float(activations),
         head=float(chunk_tokens * shape.vocab * (16 + (16 if top_p < 1 else 0))),
         runtime=GiB if gpu else 0.4 * GiB,

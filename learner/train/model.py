@@ -78,8 +78,9 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
 
 def build_policy(model_dir: Path, world: World, *, temperature: float, top_p: float, chunk_tokens: int,
                  activation_checkpointing: bool, dtype: torch.dtype = torch.float32,
-                 trainable: bool = True, greedy: bool = False) -> Policy:
-    """Load `model_dir` in `dtype` (fp32: the master weights), wrap, checkpoint, shard or move."""
+                 trainable: bool = True, greedy: bool = False, compute: torch.dtype | None = None) -> Policy:
+    """Load `model_dir` in `dtype` (fp32: the master weights), wrap, checkpoint, shard or move;
+    `compute`: the dtype FSDP2 computes in (mixed precision; the world must be sharded)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -90,8 +91,8 @@ def build_policy(model_dir: Path, world: World, *, temperature: float, top_p: fl
         for layer in layers:
             checkpoint_activations(layer)
     policy = Policy(hf, temperature=temperature, top_p=top_p, chunk_tokens=chunk_tokens, greedy=greedy).eval()
-    if world.distributed:
-        return shard(policy, layers, world)
+    if world.sharded:
+        return shard(policy, layers, world, compute)
     return policy.to(world.device)
 
 

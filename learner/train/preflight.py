@@ -63,14 +63,15 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
     chunk = min(chunk_tokens_for(shape.vocab, t.logprob_chunk_tokens), micro)
     plan = predict(shape, ranks=ranks, micro_batch_tokens=micro, compute_bytes=DTYPES[compute].itemsize,
                    checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
-                   top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"), eval_copy=cfg.eval.where == "workers")
+                   top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"), eval_copy=cfg.eval.where == "workers",
+                   mixed=compute == "bfloat16")
     available, where = available_bytes(device, ranks)
     lines = [
         f"model {path}: {shape.params / 1e6:.1f}M parameters ({arch}, {shape.layers} layers, hidden {shape.hidden}, "
         f"vocab {shape.vocab}; tokenizer {tokens if tokens is not None else 'not in the directory'}"
         f"{' tokens' if tokens is not None else ''}), tied embeddings: {'yes' if shape.tied else 'no'}",
         f"  weights: fp32 master + AdamW state; forward/backward {compute}"
-        f"{' autocast' if compute != 'float32' else ''}; snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)",
+        f"{' (FSDP2 mixed precision)' if compute == 'bfloat16' else ' autocast' if compute != 'float32' else ''}; snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)",
         f"  memory: {ranks} rank{'s' if ranks > 1 else ''} on {device}, micro-batches of {micro} tokens, "
         f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, head chunks of {chunk} tokens: "
         f"predicted {plan.describe()}; {where}",

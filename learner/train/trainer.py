@@ -39,7 +39,7 @@ from echo.hf import TokenBatch, sample
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo
 from learner.config import LearnerConfig
-from learner.train.dist import World
+from learner.train.dist import World, sharded_alone
 from learner.train.losses import LossStats, group_advantages, grpo_loss
 from learner.train.microbatch import pack, split_by_tokens
 from learner.train.model import DTYPES, Policy, build_policy, count_parameters, saved_dtype, write_safetensors
@@ -139,6 +139,8 @@ class Trainer:
 
         self.cfg = cfg
         self.world = world or World(device=torch.device(cfg.model.device))
+        if cfg.trainer.compute_dtype == "bfloat16" and not self.world.sharded:  # FSDP2's mixed precision, one rank too
+            self.world = sharded_alone(self.world)
         torch.manual_seed(cfg.run.seed)
         t, r = cfg.trainer, cfg.rollout
         self.model_dir = Path(cfg.model.path)
@@ -150,15 +152,18 @@ class Trainer:
             template_kwargs=cfg.task.chat_template_kwargs, stop_ids=stop_ids(self.tokenizer, self.model_dir, task.stop_tokens),
             max_new_tokens=r.max_new_tokens, max_tokens=r.episode_tokens(task), max_turns=r.turns(task))
         self.encode = self.episodes.first  # a prompt's token ids
-        self.autocast_dtype = None if t.compute_dtype == "float32" else DTYPES[t.compute_dtype]
+        self.compute_dtype = None if t.compute_dtype == "float32" else DTYPES[t.compute_dtype]
+        # Autocast only for fp16 (one rank, with loss scaling): bf16 computes through FSDP2's
+        # mixed precision, which never holds more than a unit's bf16 copy.
+        self.autocast_dtype = self.compute_dtype if t.compute_dtype == "float16" else None
         self.publish_dtype = DTYPES[saved_dtype(self.model_dir) if cfg.publish.dtype == "auto" else cfg.publish.dtype]
         common = dict(temperature=r.temperature, top_p=r.top_p, chunk_tokens=t.logprob_chunk_tokens)
         self.policy = build_policy(self.model_dir, self.world, activation_checkpointing=t.activation_checkpointing,
-                                   **common)
+                                   compute=self.compute_dtype if self.world.sharded else None, **common)
         self.reference = None
         if t.kl_coef > 0:  # frozen, in the compute dtype: a second model costs b bytes per parameter
             self.reference = build_policy(self.model_dir, self.world, activation_checkpointing=False,
-                                          dtype=self.autocast_dtype or torch.float32, trainable=False, **common)
+                                          dtype=self.compute_dtype or torch.float32, trainable=False, **common)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=t.lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
@@ -414,7 +419,7 @@ class Trainer:
         reference costs: the parameters once more in the compute dtype, sharded like the policy."""
         if self._eval_copy is None:
             self._eval_copy = build_policy(self.model_dir, self.world, activation_checkpointing=False,
-                                           dtype=self.autocast_dtype or torch.float32, trainable=False,
+                                           dtype=self.compute_dtype or torch.float32, trainable=False,
                                            temperature=1.0, top_p=1.0, greedy=True,
                                            chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         # Through the state dicts: sharded (DTensor) on both sides under FSDP2, whatever the root holds now.
@@ -454,10 +459,16 @@ class Trainer:
             return [[o] * n for o in outs]
 
         total = 0.0
-        for start in range(0, len(prompts), 256):
-            chunk = prompts[start : start + 256]
-            played = episodes.play([(p, episodes.first(p)) for p in chunk], generate, n=1)
-            total += sum(group[0].reward for group in played)
+        if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
+            self.policy.unshard()
+        try:
+            for start in range(0, len(prompts), 256):
+                chunk = prompts[start : start + 256]
+                played = episodes.play([(p, episodes.first(p)) for p in chunk], generate, n=1)
+                total += sum(group[0].reward for group in played)
+        finally:
+            if self.world.sharded:
+                self.policy.reshard()
         return total / max(1, len(prompts))
 
     def rollout_params(self) -> P.RolloutParams:

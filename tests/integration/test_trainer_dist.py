@@ -28,9 +28,10 @@ def small_model(tmp_path_factory) -> Path:
     return out
 
 
-def torchrun(nproc: int, model: Path, out: Path, *args: str) -> dict:
+def torchrun(nproc: int, model: Path, out: Path, *args: str, overrides: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(ROOT / "tests" / "dist_trainer.py"), "--model", str(model), "--out", str(out), *args, "--", *LR]
+           str(ROOT / "tests" / "dist_trainer.py"), "--model", str(model), "--out", str(out), *args, "--", *LR,
+           *overrides]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads((out / "result.json").read_text())
@@ -70,3 +71,23 @@ def test_two_ranks_train_like_one_and_checkpoints_move_between_them(small_model,
     assert resumed_on_two["losses"] == pytest.approx(one["losses"][2:], abs=1e-5)
     assert max_diff(weights(tmp_path / "r21"), w2) <= 1e-6
     assert max_diff(weights(tmp_path / "r12"), w1) <= 1e-6
+
+
+def test_bf16_mixed_precision_trains_alike_on_one_and_two_ranks(small_model, tmp_path):
+    """FSDP2's bf16 policy (fp32 master shards, bf16 compute, fp32 reduce) on 1 rank and on 2:
+    the same losses and updates up to bf16 rounding in a different order. Stated tolerance:
+    losses within 2e-3; the two runs' weights differ by less than 10% of how far the updates
+    moved them (mean |Δ|; Adam turns a rounding-sized gradient into a step of ~lr, so a max
+    bound would only say 2·steps·lr)."""
+    from safetensors.torch import load_file
+
+    bf16 = ("--trainer.compute_dtype", "bfloat16")
+    one = torchrun(1, small_model, tmp_path / "b1", overrides=bf16)
+    two = torchrun(2, small_model, tmp_path / "b2", overrides=bf16)
+    assert one["losses"] == pytest.approx(two["losses"], abs=2e-3)
+    w0, w1, w2 = load_file(small_model / "model.safetensors"), weights(tmp_path / "b1"), weights(tmp_path / "b2")
+    mean = lambda a, b: float(sum((a[k] - b[k]).abs().sum() for k in a) / sum(a[k].numel() for k in a))  # noqa: E731
+    print(f"bf16 1 vs 2 ranks: mean |Δw| {mean(w1, w2):.2e}, mean update {mean(w1, w0):.2e}")
+    assert mean(w1, w2) < 0.1 * mean(w1, w0)
+    torchrun(1, small_model, tmp_path / "f1")
+    assert max_diff(w1, weights(tmp_path / "f1")) > 0  # it did compute in bf16

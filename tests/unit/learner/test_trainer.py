@@ -265,3 +265,20 @@ def test_packed_micro_batches_give_the_padded_loss_and_gradient_with_fewer_compu
     assert stats["true"]["loss"] == pytest.approx(stats["false"]["loss"], abs=1e-5)
     assert (grads["true"] - grads["false"]).abs().max() < 1e-5
     assert stats["true"]["padded_token_share"] == 0 < stats["false"]["padded_token_share"]
+
+
+def test_bf16_computes_through_fsdp2_mixed_precision_on_one_rank_too(tiny_model):
+    """compute_dtype = bfloat16: the master weights (and optimizer) stay fp32 in FSDP2's shards,
+    each decoder layer runs with bf16 inputs and weights — the residual stream in bf16, as a
+    bf16 vLLM worker's — and no autocast cache holds a bf16 copy of every layer."""
+    trainer = _trainer(tiny_model, "--trainer.compute_dtype", "bfloat16")
+    assert trainer.world.sharded and trainer.autocast_dtype is None
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+    seen = []
+    layer = trainer.hf.model.layers[0]
+    handle = layer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).dtype), with_kwargs=True)
+    stats = trainer.step(synthetic_batch(0, trainer.vocab_size))
+    handle.remove()
+    assert seen and set(seen) == {torch.bfloat16} and math.isfinite(stats["loss"])
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
