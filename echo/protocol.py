@@ -197,6 +197,19 @@ class RolloutParams(Message):
     chat_template_kwargs: dict[str, Any] = {}
 
 
+class LoraInfo(Message):
+    """LoRA mode (`[trainer.lora]`): every version is an adapter (`echo.lora`) on the frozen base
+    whose weight files digest to `base_sha256` (`echo.lora.base_digest`). The worker loads that
+    base once, refuses any other, and keeps the `keep` (max_staleness + 2) newest adapters loaded,
+    one per version, so a batch finishes on its own version's adapter."""
+
+    rank: Annotated[int, Field(ge=1, le=4096)]
+    alpha: Annotated[float, Field(gt=0.0, le=1e6, allow_inf_nan=False)]
+    target_modules: Annotated[list[Name], Field(min_length=1, max_length=64)]
+    base_sha256: Sha256
+    keep: Annotated[int, Field(ge=1, le=1024)] = 4
+
+
 class JoinReply(Message):
     worker_id: str
     credential: str  # `Authorization: Bearer <credential>` on every later call
@@ -207,6 +220,7 @@ class JoinReply(Message):
     task: TaskInfo
     rollout: RolloutParams
     snapshot: Snapshot | None = None
+    lora: LoraInfo | None = None  # versions are LoRA adapters on this base (None: full weights)
 
 
 class HeartbeatReply(Message):

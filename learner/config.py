@@ -88,6 +88,34 @@ class RolloutSection(Section):
         return self.max_episode_tokens or (self.max_new_tokens if turns == 1 else 2 * turns * self.max_new_tokens)
 
 
+class LoraSection(Section):
+    """`[trainer.lora]` (or `[trainer] lora = {rank = 32, ...}`): train a LoRA adapter on the
+    frozen base; every version is the adapter alone (`learner.train.lora`)."""
+
+    rank: int = Field(16, ge=1, le=4096, description="[trainer.lora] rank: r, the adapter's inner dimension")
+    alpha: float = Field(32.0, gt=0.0, le=1e6, description="[trainer.lora] alpha: the update is scaled by alpha / rank")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1, max_length=64,
+        description="[trainer.lora] target_modules: names of the linear layers that get an adapter (peft's target_modules)")
+    dropout: float = Field(0.0, description="[trainer.lora] dropout: must be 0 (π must be the very function workers sample from)")
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError(f"[trainer.lora] dropout = {v}: must be 0; with dropout the trained function differs from "
+                             "the one workers sample, and the importance ratio is no longer 1 on policy")
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if not m or len(m) > 64 or not all(c.isalnum() or c in "_." for c in m)]
+        if bad:
+            raise ValueError(f"[trainer.lora] target_modules: {bad[:3]} are not module names (letters, digits, '_', '.')")
+        return sorted(set(v))
+
+
 class TrainerSection(Section):
     batch_prompts: int = Field(8, ge=1, description="[trainer] batch_prompts: groups per update (G); B = G * group_size rollouts")
     lr: float = Field(3e-4, gt=0.0, le=1.0, description="[trainer] lr: Adam learning rate")
@@ -110,6 +138,7 @@ class TrainerSection(Section):
     activation_checkpointing: bool = Field(False, description="[trainer] activation_checkpointing: keep only each decoder layer's input and recompute its activations in the backward pass")
     logprob_chunk_tokens: int = Field(0, ge=0, le=1 << 20, description="[trainer] logprob_chunk_tokens: completion tokens per chunk of the output head (0: as many as keep 32M logits)")
     check_memory: bool = Field(True, description="[trainer] check_memory: stop at start-up when the predicted memory per rank exceeds what the device has")
+    lora: LoraSection | None = Field(None, description="[trainer.lora]: train a LoRA adapter on the frozen base instead of every weight (off when absent)")
 
 
 class BufferSection(Section):

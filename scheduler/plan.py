@@ -148,6 +148,11 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("-I", "--publish-every", type=int, help="I: publish a snapshot every I updates (default S − 1)")
     p.add_argument("--t-train", type=float, help="T_train: seconds per update (default 120)")
     p.add_argument("--t-bcast", type=float, help="T_bcast: learner-visible broadcast seconds (default 60)")
+    p.add_argument("--version-mb", type=float,
+                   help="bytes of one version in MB (a LoRA run's adapter, or the full weights): T_bcast is then "
+                        "predicted from it over the pool's links (see predict_t_bcast) unless --t-bcast is given")
+    p.add_argument("--uplink-mbit", type=float, default=1000.0,
+                   help="the learner's upload (Mbit/s), with --version-mb (default 1000)")
     p.add_argument("--install-s", type=float, help="τ: seconds a worker's engine is down installing a version (default 0)")
     p.add_argument("--rule", choices=["overlapped", "paper"],
                    help="capacity rule: 'overlapped' (training continues during the broadcast; default) or 'paper'")
@@ -177,6 +182,17 @@ _FLAG_TO_INPUT = {
 }
 
 
+def predict_t_bcast(version_bytes: float, pool: Pool, uplink_mbit: float = 1000.0) -> float:
+    """T_bcast of one version for the capacity rule: a pipelined chain delivers at its slowest hop,
+    so every worker has the version after about bytes / min(learner uplink, slowest worker
+    download, slowest relaying upload). Deltas and the planner's stripes only make it faster;
+    `broadcast.planner` refines it at run time from measured links. A LoRA version is the
+    adapter (`echo.lora`): its bytes, not the model's, go in here."""
+    down = min(w.download_mbps for w in pool.workers)
+    up = min(w.upload_mbps for w in pool.workers)
+    return 8 * version_bytes / (min(uplink_mbit, down, up) * 1e6)
+
+
 def _parse_active(text: str) -> tuple[tuple[str, int], ...]:
     pairs = []
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -197,6 +213,12 @@ def _plan_cli(argv: list[str]) -> int:
         for flag, key in _FLAG_TO_INPUT.items():
             if getattr(args, flag) is not None:
                 values[key] = getattr(args, flag)
+        if args.version_mb is not None and args.t_bcast is None:
+            pool_for_links = load_pool(_resolve(args.pool) if args.pool else pool_path or _resolve(DEFAULT_POOL))
+            values["t_bcast"] = predict_t_bcast(args.version_mb * 1e6, pool_for_links, args.uplink_mbit)
+            if not args.json:
+                print(f"version {args.version_mb:,.1f} MB: T_bcast ≈ {values['t_bcast']:.2f} s over "
+                      f"{pool_for_links.name} (pipelined chains at the slowest hop, before deltas)")
         if args.no_simulate:
             values["simulate"] = False
         if args.non_blocking:

@@ -55,6 +55,13 @@ def chat_model(tmp_path_factory) -> Path:
     return out
 
 
+def _toml(value) -> str:
+    """A TOML value: JSON for scalars and lists, an inline table for a dict."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
 def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Path:
     base = {
         "run": {"name": "t", "dir": str(run_dir), "steps": 6, "eval_every": 0, "checkpoint_every": 0},
@@ -73,7 +80,7 @@ def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Pa
     lines = []
     for name, values in base.items():
         lines.append(f"[{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

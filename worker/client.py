@@ -97,8 +97,8 @@ class LearnerClient:
                                     headers={"Content-Type": CONTENT_TYPE}) as resp:
             return P.UploadReply.model_validate(await resp.json())
 
-    async def model_files(self) -> dict[str, bytes]:
-        async with await self._call("GET", "/v1/model") as resp:
+    async def model_files(self, weights: bool = False) -> dict[str, bytes]:
+        async with await self._call("GET", "/v1/model?weights=1" if weights else "/v1/model") as resp:
             return msgpack.unpackb(await resp.read(), raw=False)
 
     async def snapshot(self, info: BlobInfo) -> bytes:

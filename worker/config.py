@@ -39,6 +39,7 @@ class EngineSection(Section):
     device: str = Field("auto", description="[engine] device: torch device ('cpu', 'cuda', 'auto')")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[engine] dtype: weights and compute dtype")
     threads: int = Field(1, ge=1, le=256, description="[engine] threads: torch CPU threads")
+    base_dir: Path | None = Field(None, description="[engine] base_dir: LoRA runs: a local copy of the learner's base model (an HF directory with its weights; checked by digest); unset: fetched from the learner (bases up to 2 GiB)")
     on_new_version: Literal["finish", "abort"] = Field("finish", description="[engine] on_new_version: a batch in flight when a newer version arrives is 'finish'ed and submitted stamped with the version that generated it, or 'abort'ed: its prompts go back to the learner for the new version")
 
 

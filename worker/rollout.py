@@ -146,10 +146,15 @@ class Worker:
                 if self.broadcast.mode == "chain":
                     await self._start_relay(client.worker_id)
                 self.task = await asyncio.to_thread(load_task, joined.task.name, joined.task.options)
-                model_dir = await self._fetch_model_dir(client)
                 e = self.cfg.engine
+                # LoRA runs: versions are adapters on the base, which this worker loads once (and
+                # make_engine checks by digest): its own copy, or the learner's.
+                lora = joined.lora
+                model_dir = (e.base_dir if lora is not None and e.base_dir is not None
+                             else await self._fetch_model_dir(client, weights=lora is not None))
                 self.engine = await asyncio.to_thread(make_engine, e.type, model_dir, e.device, e.dtype, e.threads,
-                                                      self.cfg.worker.seed * 1000 + int(client.worker_id.lstrip("w") or 0))
+                                                      self.cfg.worker.seed * 1000 + int(client.worker_id.lstrip("w") or 0),
+                                                      lora)
                 self.tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
                 r = joined.rollout
                 # The learner's rules: what ends a turn, how the environment's messages become tokens, the budgets.
@@ -240,8 +245,8 @@ class Worker:
                 await asyncio.sleep(1.0)
         raise RunFinished("stopped")
 
-    async def _fetch_model_dir(self, client: LearnerClient) -> Path:
-        files = await client.model_files()
+    async def _fetch_model_dir(self, client: LearnerClient, weights: bool = False) -> Path:
+        files = await client.model_files(weights)
         digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items()))).hexdigest()[:16]
         path = self.cfg.worker.cache_dir / f"model-{digest}"
         path.mkdir(parents=True, exist_ok=True)

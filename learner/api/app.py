@@ -54,8 +54,9 @@ class ControlApi:
                  metrics: LearnerMetrics | None = None, waiters: Waiters | None = None,
                  evals: EvalBook | None = None, on_eval=lambda result: None, rescore=None, fleet=None,
                  broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None,
-                 rollout: P.RolloutParams | None = None):
+                 rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None):
         self.cfg, self.token, self.run = cfg, token, run
+        self.lora = lora  # LoRA mode: told at join; /v1/model then serves the base's weights too
         r = cfg.rollout
         self.rollout = rollout or P.RolloutParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
                                                   temperature=r.temperature, top_p=r.top_p,
@@ -78,6 +79,7 @@ class ControlApi:
                               rescore=rescore, on_result=on_eval)
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,
                                  links=self.links, metrics=self.metrics, model_dir=model_dir, offload=self.offload,
+                                 serve_weights=lora is not None,
                                  metrics_from=[ipaddress.ip_network(n, strict=False) for n in cfg.server.metrics_from])
 
     def app(self) -> web.Application:
@@ -85,7 +87,8 @@ class ControlApi:
         app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)), middlewares=[errors_as_json])
         auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused, self.registry.addresses,
                     [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies])
-        app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, self.rollout, self.run, self.broadcast)))
+        app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, self.rollout, self.run, self.broadcast,
+                                                           self.lora)))
         app.add_routes(self.leases.routes(auth))
         app.add_routes(self.uploads.routes(auth))
         app.add_routes(self.evals.routes(auth))

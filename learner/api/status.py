@@ -28,15 +28,17 @@ from learner.buffer import AsyncBuffer
 from learner.metrics import LearnerMetrics
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+MAX_SERVED_WEIGHTS = 2 << 30  # LoRA mode: the largest base /v1/model?weights=1 sends (a worker sets base_dir beyond)
 
 
 class StatusRoom:
     def __init__(self, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom, registry: WorkerRegistry,
                  links: LinkTable, metrics: LearnerMetrics, model_dir: Path, offload: Executor,
-                 metrics_from: list | None = None):
+                 metrics_from: list | None = None, serve_weights: bool = False):
         self.run, self.buffer, self.leases, self.registry = run, buffer, leases, registry
         self.metrics_from = metrics_from or []  # networks /metrics answers without the run token
         self.links, self.metrics, self.model_dir, self.offload = links, metrics, model_dir, offload
+        self.serve_weights = serve_weights  # LoRA mode: workers without [engine] base_dir fetch the base here
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -57,9 +59,17 @@ class StatusRoom:
             "links": self.links.to_dict(),
         }
 
-    def model_files(self) -> bytes:
+    def model_files(self, weights: bool = False) -> bytes:
+        """Config and tokenizer files; with `weights` (LoRA mode only) the base's weight files too,
+        up to `MAX_SERVED_WEIGHTS` (a larger base: workers set [engine] base_dir)."""
         files = {p.name: p.read_bytes() for p in sorted(self.model_dir.iterdir())
                  if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size < (64 << 20)}
+        if weights and self.serve_weights:
+            paths = [p for p in sorted(self.model_dir.iterdir()) if p.is_file() and p.name.endswith((".safetensors", ".bin"))]
+            if sum(p.stat().st_size for p in paths) > MAX_SERVED_WEIGHTS:
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_SERVED_WEIGHTS, actual_size=sum(p.stat().st_size for p in paths),
+                                                    text="the base is too large to serve: set [engine] base_dir on the worker")
+            files.update({p.name: p.read_bytes() for p in paths})
         return msgpack.packb(files, use_bin_type=True)
 
     def add_routes(self, app: web.Application, auth: Auth) -> None:
@@ -74,7 +84,8 @@ class StatusRoom:
 
         async def model_files(request: web.Request) -> web.Response:
             auth.anyone(request)
-            data = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files)
+            weights = request.query.get("weights") == "1"
+            data = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files, weights)
             return web.Response(body=data, content_type="application/msgpack")
 
         app.router.add_get("/v1/model", model_files)

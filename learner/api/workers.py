@@ -305,12 +305,13 @@ class WorkerRegistry:
         return [web.post("/v1/join", join), web.post("/v1/heartbeat", heartbeat)]
 
 
-def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, run: Run, broadcast: P.BroadcastInfo):
+def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, run: Run, broadcast: P.BroadcastInfo,
+            lora: P.LoraInfo | None = None):
     """The join reply's maker: what a new worker needs to start (`broadcast`: how versions travel)."""
     def make(worker_id: str, credential: str) -> P.JoinReply:
         return P.JoinReply(
             worker_id=worker_id, credential=credential, broadcast=broadcast,
             heartbeat_interval=server.heartbeat_interval, lease_ttl=server.lease_ttl,
             long_poll_s=server.long_poll_s, task=P.TaskInfo(name=task.name, options=task.options),
-            rollout=rollout, snapshot=run.announcement)
+            rollout=rollout, snapshot=run.announcement, lora=lora)
     return make

@@ -48,6 +48,11 @@ class ModelShape:
     vocab: int
     kv_dim: int
     tied: bool
+    linears: tuple[tuple[str, int, int], ...] = ()  # one decoder layer's linears: (leaf name, in, out)
+
+    def adapter_params(self, rank: int, targets) -> int:
+        """Parameters of a rank-`rank` LoRA adapter on the `targets` linears of every layer."""
+        return self.layers * sum(rank * (i + o) for name, i, o in self.linears if name in set(targets))
 
     @classmethod
     def of(cls, model_dir: Path) -> ModelShape:
@@ -71,7 +76,9 @@ class ModelShape:
                    intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
                    vocab=model.get_output_embeddings().weight.shape[0],
                    kv_dim=head_dim * getattr(text, "num_key_value_heads", heads),
-                   tied=bool(getattr(config, "tie_word_embeddings", False)))
+                   tied=bool(getattr(config, "tie_word_embeddings", False)),
+                   linears=tuple((n.rsplit(".", 1)[-1], m.in_features, m.out_features)
+                                 for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)))
 
 
 @dataclass
@@ -97,9 +104,13 @@ class MemoryPlan:
 
 def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_bytes: int, checkpointing: bool,
             reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False, eval_copy: bool = False,
-            mixed: bool = False) -> MemoryPlan:
+            mixed: bool = False, adapter_params: int = 0) -> MemoryPlan:
     """`mixed`: bf16 through FSDP2's mixed precision (any rank count): units gathered in the
-    compute dtype, gradients reduced in fp32, the residual stream in the compute dtype."""
+    compute dtype, gradients reduced in fp32, the residual stream in the compute dtype.
+    `adapter_params` > 0: LoRA mode. The frozen base costs b·P/N (no gradient, no optimizer
+    state), the adapter 16·P_a/N; sharded layers are gathered in the compute dtype without
+    gradients; activations are as in full training (the backward still runs through every
+    layer to reach the adapters below it)."""
     P, N, T, H = shape.params, ranks, micro_batch_tokens, shape.hidden
     b = compute_bytes
     r = b if mixed else 4  # bytes of one residual-stream value: fp32 under autocast or fp32 compute
@@ -110,12 +121,15 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
         activations = T * shape.layers * per_token_layer
     activations += 3 * r * T * H  # final hidden states, normed, and their gradient
     unit = shape.root_params + 2 * shape.layer_params  # unsharded at once: the root and two layers (one prefetched)
+    lora = adapter_params > 0
     return MemoryPlan(
-        state=16 * P / N,
+        state=(b * P + 16 * adapter_params) / N if lora else 16 * P / N,
         reference=b * P / N if reference else 0.0,
         eval_copy=b * P / N if eval_copy else 0.0,
-        # fp32: the unit's parameters and gradients; mixed: both in the compute dtype plus the fp32 gradient reduced
-        gathered=(2 * b + 4) * unit if mixed else 8 * unit if N > 1 else 0.0,
+        # fp32: the unit's parameters and gradients; mixed: both in the compute dtype plus the fp32 gradient
+        # reduced; LoRA: the frozen base's unit in the compute dtype, no gradient
+        gathered=(b * unit if lora and (mixed or N > 1) else (2 * b + 4) * unit if mixed
+                  else 8 * unit if N > 1 else 0.0),
         activations=float(activations),
         head=float(chunk_tokens * shape.vocab * (16 + (16 if top_p < 1 else 0))),
         runtime=GiB if gpu else 0.4 * GiB,

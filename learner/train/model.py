@@ -78,15 +78,24 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
 
 def build_policy(model_dir: Path, world: World, *, temperature: float, top_p: float, chunk_tokens: int,
                  activation_checkpointing: bool, dtype: torch.dtype = torch.float32,
-                 trainable: bool = True, greedy: bool = False, compute: torch.dtype | None = None) -> Policy:
+                 trainable: bool = True, greedy: bool = False, compute: torch.dtype | None = None,
+                 lora=None) -> Policy:
     """Load `model_dir` in `dtype` (fp32: the master weights), wrap, checkpoint, shard or move;
-    `compute`: the dtype FSDP2 computes in (mixed precision; the world must be sharded)."""
+    `compute`: the dtype FSDP2 computes in (mixed precision; the world must be sharded).
+    With `lora` (`[trainer.lora]`): the base in `dtype`, frozen, with a LoRA adapter in fp32
+    that alone is trainable (`learner.train.lora`)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     hf.config.use_cache = False
     hf.eval().requires_grad_(trainable)
     layers = decoder_layers(hf)
+    if lora is not None:
+        from learner.train.lora import inject
+
+        inject(hf, lora, layers)
+        if not trainable:
+            hf.requires_grad_(False)
     if activation_checkpointing and trainable:
         for layer in layers:
             checkpoint_activations(layer)
@@ -102,16 +111,17 @@ def count_parameters(module: torch.nn.Module) -> int:
 
 
 def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
-                      dtype: torch.dtype, keep: bool) -> bytearray | None:
+                      dtype: torch.dtype, keep: bool, metadata: dict[str, str] | None = None) -> bytearray | None:
     """A safetensors blob of `tensors` cast to `dtype`, written tensor by tensor.
 
     Every rank iterates (gathering a sharded tensor is a collective); only the rank with
     `keep` allocates the buffer and copies into it. Peak memory there: the blob plus one
     tensor. The layout depends only on names, shapes and dtype, so consecutive versions of a
-    model are byte-aligned for deltas. No metadata (that would shift the layout).
+    model are byte-aligned for deltas. No metadata (that would shift the layout), but for
+    `metadata` of a fixed width (a LoRA version's, `echo.lora`).
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": dict(metadata)} if metadata else {}), 0
     for name, shape in shapes.items():
         size = itemsize * int(torch.Size(shape).numel())
         header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}

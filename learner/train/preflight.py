@@ -58,20 +58,33 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
     compute = t.compute_dtype
     publish = saved_dtype(path) if cfg.publish.dtype == "auto" else cfg.publish.dtype
     snapshot_bytes = shape.params * DTYPES[publish].itemsize + shape.tied * shape.vocab * shape.hidden * DTYPES[publish].itemsize
+    full_bytes, lora = snapshot_bytes, t.lora
+    adapter = shape.adapter_params(lora.rank, lora.target_modules) if lora else 0
+    if lora:
+        if not adapter:
+            raise PreflightError(f"[trainer.lora] target_modules {list(lora.target_modules)} match no linear of a "
+                                 f"decoder layer of {path} (its linears: {sorted({n for n, _, _ in shape.linears})})")
+        snapshot_bytes = adapter * DTYPES[publish].itemsize
     # A sequence longer than the budget is a micro-batch of its own: an episode's tokens bound it from below.
     micro = max(t.micro_batch_tokens, cfg.rollout.episode_tokens(cfg.task.build()))
     chunk = min(chunk_tokens_for(shape.vocab, t.logprob_chunk_tokens), micro)
     plan = predict(shape, ranks=ranks, micro_batch_tokens=micro, compute_bytes=DTYPES[compute].itemsize,
                    checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
                    top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"), eval_copy=cfg.eval.where == "workers",
-                   mixed=compute == "bfloat16")
+                   mixed=compute == "bfloat16", adapter_params=adapter)
     available, where = available_bytes(device, ranks)
     lines = [
         f"model {path}: {shape.params / 1e6:.1f}M parameters ({arch}, {shape.layers} layers, hidden {shape.hidden}, "
         f"vocab {shape.vocab}; tokenizer {tokens if tokens is not None else 'not in the directory'}"
         f"{' tokens' if tokens is not None else ''}), tied embeddings: {'yes' if shape.tied else 'no'}",
-        f"  weights: fp32 master + AdamW state; forward/backward {compute}"
-        f"{' (FSDP2 mixed precision)' if compute == 'bfloat16' else ' autocast' if compute != 'float32' else ''}; snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)",
+        (f"  weights: fp32 master + AdamW state; forward/backward {compute}"
+         f"{' (FSDP2 mixed precision)' if compute == 'bfloat16' else ' autocast' if compute != 'float32' else ''}; "
+         f"snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)")
+        if not lora else
+        (f"  weights: LoRA rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.target_modules)}: "
+         f"{adapter / 1e6:.1f}M adapter parameters (fp32 master + AdamW state), the base frozen in {compute}; "
+         f"versions are the adapter: {snapshot_bytes / 1e6:,.1f} MB each in {publish} "
+         f"(full weights: {full_bytes / 1e6:,.0f} MB, {full_bytes / snapshot_bytes:,.0f}× more)"),
         f"  memory: {ranks} rank{'s' if ranks > 1 else ''} on {device}, micro-batches of {micro} tokens, "
         f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, head chunks of {chunk} tokens: "
         f"predicted {plan.describe()}; {where}",

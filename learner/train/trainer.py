@@ -42,6 +42,8 @@ from learner.config import LearnerConfig
 from learner.train.dist import World, sharded_alone
 from learner.train.losses import LossStats, group_advantages, grpo_loss
 from learner.train.microbatch import pack, split_by_tokens
+from echo.lora import AdapterMeta, base_digest, probe_tokens, read_adapter_meta
+from learner.train.lora import adapter_parameters, export_merged, write_adapter_dir
 from learner.train.model import DTYPES, Policy, build_policy, count_parameters, saved_dtype, write_safetensors
 
 TOKENIZER_AND_CONFIG = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -158,19 +160,23 @@ class Trainer:
         self.autocast_dtype = self.compute_dtype if t.compute_dtype == "float16" else None
         self.publish_dtype = DTYPES[saved_dtype(self.model_dir) if cfg.publish.dtype == "auto" else cfg.publish.dtype]
         common = dict(temperature=r.temperature, top_p=r.top_p, chunk_tokens=t.logprob_chunk_tokens)
+        self.lora = t.lora  # LoRA mode: the frozen base in the compute dtype, the adapter trained (learner.train.lora)
+        self.base_sha256 = base_digest(self.model_dir) if self.lora else ""
         self.policy = build_policy(self.model_dir, self.world, activation_checkpointing=t.activation_checkpointing,
-                                   compute=self.compute_dtype if self.world.sharded else None, **common)
+                                   dtype=(self.compute_dtype or torch.float32) if self.lora else torch.float32,
+                                   compute=self.compute_dtype if self.world.sharded else None, lora=self.lora, **common)
         self.reference = None
         if t.kl_coef > 0:  # frozen, in the compute dtype: a second model costs b bytes per parameter
             self.reference = build_policy(self.model_dir, self.world, activation_checkpointing=False,
                                           dtype=self.compute_dtype or torch.float32, trainable=False, **common)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=t.lr, betas=t.betas,
+        self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=t.lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
             step, t.schedule, t.warmup_steps, cfg.run.steps, t.min_lr_ratio))
         # fp16 overflows without loss scaling (bf16 has fp32's range and needs none).
         self.scaler = torch.amp.GradScaler(self.world.device.type) if t.compute_dtype == "float16" else None
         self.num_parameters = count_parameters(self.policy)
+        self.trainable_parameters = sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
         self.version = 0  # the name of the weights held: a resumed run skips numbers a crash lost
         self.updates = 0  # optimizer updates applied to them, over every crash and resume: what [run] steps counts
         self.skipped_steps = 0  # optimizer steps skipped because the gradient norm was not finite
@@ -343,11 +349,51 @@ class Trainer:
 
         Every state-dict name is written, a tied head under both names, so an engine can never
         keep a stale head. No per-version metadata: consecutive snapshots keep one byte layout,
-        so deltas apply.
+        so deltas apply. In LoRA mode, the adapter alone (`adapter_snapshot`).
         """
+        if self.lora:
+            return self.adapter_snapshot()
         state = self.hf.state_dict()
         return write_safetensors(state.items(), {k: tuple(v.shape) for k, v in state.items()}, self.publish_dtype,
                                  keep=self.world.is_main)
+
+    def adapter_snapshot(self) -> bytearray | None:
+        """LoRA mode: the adapter's tensors (PEFT names, `[publish] dtype`) with `echo.lora`'s
+        metadata: the base's digest and the probe log-probs of this version, which a worker must
+        reproduce before it takes work with it."""
+        params = adapter_parameters(self.hf)
+        meta = AdapterMeta(base=self.base_sha256, rank=self.lora.rank, alpha=self.lora.alpha,
+                           targets=tuple(self.lora.target_modules), probe=tuple(self.probe_logprobs()))
+        return write_safetensors(params, {k: tuple(v.shape) for k, v in params}, self.publish_dtype,
+                                 keep=self.world.is_main, metadata=meta.metadata())
+
+    @torch.no_grad()
+    def probe_logprobs(self) -> list[float]:
+        """Teacher-forced log-probs (temperature 1) of the fixed probe (`echo.lora.probe_tokens`)
+        under the weights as published: the adapter rounded to `[publish] dtype` as workers get it.
+        Every rank runs it (a sharded forward is a collective)."""
+        prompt, completion = probe_tokens(self.vocab_size)
+        policy = self.policy
+        saved = policy.temperature, policy.top_p
+        rounded = [(p, p.detach().clone()) for _, p in adapter_parameters(self.hf)]
+        try:
+            policy.temperature, policy.top_p = 1.0, 1.0
+            for p, _ in rounded:
+                p.copy_(p.to(self.publish_dtype).to(p.dtype))
+            with self._autocast():
+                logp = policy(TokenBatch.build([prompt], [completion], self._pad, self.world.device)).float()
+        finally:
+            policy.temperature, policy.top_p = saved
+            for p, master in rounded:
+                p.copy_(master)
+        return logp.tolist()
+
+    def lora_info(self, keep: int) -> P.LoraInfo | None:
+        """What workers are told at join in LoRA mode (`keep`: adapters a worker holds, S + 2)."""
+        if not self.lora:
+            return None
+        return P.LoraInfo(rank=self.lora.rank, alpha=self.lora.alpha, target_modules=list(self.lora.target_modules),
+                          base_sha256=self.base_sha256, keep=keep)
 
     def save_checkpoint(self, directory: Path, extra: dict) -> Path:
         """A resumable checkpoint: model and optimizer in torch.distributed.checkpoint format
@@ -394,11 +440,20 @@ class Trainer:
         return learner_state
 
     def export(self, directory: Path) -> Path | None:
-        """The trained model as a Hugging Face directory (`[publish] dtype` weights)."""
+        """The trained model as a Hugging Face directory (`[publish] dtype` weights). In LoRA mode
+        the adapter as a PEFT directory beside it (`<directory>-adapter`, e.g. run_dir/model-adapter)
+        and `directory` the base with the adapter merged."""
         blob = self.snapshot()
         if blob is None:
             return None
         directory = Path(directory)
+        if self.lora:
+            adapter = write_adapter_dir(directory.with_name(directory.name + "-adapter"), blob,
+                                        read_adapter_meta(blob), str(self.model_dir))
+            self._copy_model_files(adapter)
+            export_merged(self.model_dir, adapter, directory, self.publish_dtype)
+            self._copy_model_files(directory)
+            return directory
         directory.mkdir(parents=True, exist_ok=True)
         self._copy_model_files(directory)
         (directory / "model.safetensors").write_bytes(blob)
@@ -419,7 +474,7 @@ class Trainer:
         reference costs: the parameters once more in the compute dtype, sharded like the policy."""
         if self._eval_copy is None:
             self._eval_copy = build_policy(self.model_dir, self.world, activation_checkpointing=False,
-                                           dtype=self.compute_dtype or torch.float32, trainable=False,
+                                           dtype=self.compute_dtype or torch.float32, trainable=False, lora=self.lora,
                                            temperature=1.0, top_p=1.0, greedy=True,
                                            chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         # Through the state dicts: sharded (DTensor) on both sides under FSDP2, whatever the root holds now.

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from echo.hf import Sample
+from echo.lora import PROBE_LEN, AdapterMeta, NotAnAdapter, base_digest, probe_tokens, read_adapter_meta
+from echo.protocol import LoraInfo
 
 if TYPE_CHECKING:
     import torch
@@ -68,8 +70,10 @@ class GenerationParams:
 class Engine(ABC):
     name: ClassVar[str]
 
-    def __init__(self, model_dir: Path, device: str, dtype: str, threads: int, seed: int):
+    def __init__(self, model_dir: Path, device: str, dtype: str, threads: int, seed: int,
+                 lora: LoraInfo | None = None):
         self.model_dir, self.device, self.dtype, self.threads, self.seed = model_dir, device, dtype, threads, seed
+        self.lora = lora  # LoRA mode: `model_dir` holds the base's weights, versions are adapters (`echo.lora`)
         self.version = -1  # nothing installed yet: generate() refuses
         self._busy = threading.Lock()  # held by generate and install: the two never overlap
 
@@ -135,6 +139,51 @@ def check_snapshot(version: int, state: Mapping[str, torch.Tensor], expected: Ma
                                    f"{tuple(expected[name])}; refusing to install (the engine keeps v{current})")
 
 
+# --- LoRA versions: an adapter on the base, proved live by the learner's probe -------------------
+
+#: Mean |engine − learner| log-prob over the probe tokens an installed adapter may show. The
+#: learner computes the probe with the very adapter it publishes; fp32 agrees to ~1e-6 with the
+#: same code (transformers), half precision only to its rounding.
+LORA_PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
+
+
+def check_base(model_dir: Path, lora: LoraInfo) -> None:
+    """Refuse to serve a LoRA run on a base other than the learner's (`echo.lora.base_digest`)."""
+    try:
+        digest = base_digest(model_dir)
+    except FileNotFoundError as e:
+        raise EngineError(f"LoRA run: {e}; set [engine] base_dir to a copy of the learner's base model") from None
+    if digest != lora.base_sha256:
+        raise EngineError(f"LoRA run: the base weights in {model_dir} digest to {digest[:16]}…, the learner trains on "
+                          f"{lora.base_sha256[:16]}…; adapters would run on the wrong model. Point [engine] base_dir "
+                          "at the learner's base model")
+
+
+def check_adapter(version: int, weights: bytes, lora: LoraInfo, current: int) -> AdapterMeta:
+    """The metadata of adapter `version`, or `SnapshotMismatch`: not an adapter (full weights in
+    a LoRA run), another base, or another rank, scale or set of target modules."""
+    try:
+        meta = read_adapter_meta(weights)
+    except NotAnAdapter as e:
+        raise SnapshotMismatch(f"v{version} is not a LoRA adapter of this run ({e}); refusing to install "
+                               f"(the engine keeps v{current})") from None
+    if meta.base != lora.base_sha256:
+        raise SnapshotMismatch(f"adapter v{version} was trained on base {meta.base[:16]}…, this engine holds "
+                               f"{lora.base_sha256[:16]}…; refusing to install (the engine keeps v{current})")
+    if (meta.rank, meta.alpha, sorted(meta.targets)) != (lora.rank, lora.alpha, sorted(lora.target_modules)):
+        raise SnapshotMismatch(f"adapter v{version} has rank {meta.rank}, alpha {meta.alpha}, targets "
+                               f"{sorted(meta.targets)}; the run announced rank {lora.rank}, alpha {lora.alpha}, "
+                               f"targets {sorted(lora.target_modules)}; refusing (the engine keeps v{current})")
+    if len(meta.probe) != PROBE_LEN:
+        raise SnapshotMismatch(f"adapter v{version} carries {len(meta.probe)} probe values, not {PROBE_LEN}")
+    return meta
+
+
+def probe_error(got: Sequence[float], meta: AdapterMeta) -> float:
+    """Mean |engine − learner| over the probe tokens (NaN-propagating: `not error <= tol` refuses NaN)."""
+    return sum(abs(a - b) for a, b in zip(got, meta.probe, strict=True)) / len(meta.probe)
+
+
 class Reference:
     """The trainer's own log-probs for a snapshot, to check what an engine computes from it.
 
@@ -144,7 +193,7 @@ class Reference:
     tied, as in the trainer) and runs `echo.hf.completion_logprobs`, the trainer's π.
     """
 
-    PROBE_LEN = 8  # prompt and completion tokens of the probe
+    PROBE_LEN = PROBE_LEN  # prompt and completion tokens of the probe
 
     def __init__(self, model_dir: Path, seed: int = 0):
         import torch
@@ -157,10 +206,8 @@ class Reference:
         self.expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
         self.model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
         vocab = skeleton.get_output_embeddings().weight.shape[0]
-        g = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, vocab, (2 * self.PROBE_LEN,), generator=g).tolist()
         # A fixed probe: random tokens exercise the whole embedding and head, not one corner.
-        self.probe = (tokens[: self.PROBE_LEN], tokens[self.PROBE_LEN :])
+        self.probe = probe_tokens(vocab, seed)
 
     def logprobs(self, state: Mapping[str, torch.Tensor], prompt: list[int], completion: list[int],
                  temperature: float = 1.0) -> list[float]:
@@ -197,7 +244,8 @@ def resolve_engine_type(kind: str, device: str) -> str:
     return "vllm" if has_gpu and vllm_ready else "transformers"
 
 
-def make_engine(kind: str, model_dir: Path, device: str, dtype: str, threads: int, seed: int) -> Engine:
+def make_engine(kind: str, model_dir: Path, device: str, dtype: str, threads: int, seed: int,
+                lora: LoraInfo | None = None) -> Engine:
     kind = resolve_engine_type(kind, device)
     if kind not in ENGINES:
         raise EngineError(f"unknown engine {kind!r}; choose one of: auto, {', '.join(ENGINES)}")
@@ -208,4 +256,6 @@ def make_engine(kind: str, model_dir: Path, device: str, dtype: str, threads: in
         hint = ("create its venv with `make vllm-venv` and run .venv-vllm/bin/echo-worker"
                 if kind == "vllm" else f"install the extra: pip install '.[{kind}]'")
         raise EngineError(f"engine {kind!r} is not installed ({e}); {hint}") from e
-    return engine_cls(model_dir, device, dtype, threads, seed)
+    if lora is not None:
+        check_base(model_dir, lora)
+    return engine_cls(model_dir, device, dtype, threads, seed, lora=lora)

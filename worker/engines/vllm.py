@@ -16,15 +16,25 @@ trainer's numbers, and behaviour log-probs of the distribution actually sampled 
   from the same tensors with transformers. That catches what a name check cannot, e.g. a tied
   head left stale by a reload. A refused snapshot leaves the old version in place; a failed
   probe leaves the engine refusing to generate until a good snapshot installs.
+- LoRA mode (`lora`): the base's weights load from the directory once (`enable_lora`), and
+  each version is an adapter written to a directory of its own and added as
+  `LoRARequest(name=f"v{version}", id=version + 1)`; the `lora.keep` (S + 2) newest stay
+  loaded (`max_loras`), and every request names its version's adapter, so a batch in flight
+  finishes on its own. An adapter is checked before (kind, base, rank, names and shapes) and
+  after loading: the learner's probe log-probs for that version (`echo.lora`) must be
+  reproduced with the adapter's request, else it is removed and the engine keeps its version.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +43,14 @@ from echo.hf import Sample
 from worker.engines.base import (
     Engine,
     EngineError,
+    LORA_PROBE_TOLERANCE,
     GenerationParams,
     InstallVerificationError,
     Reference,
+    check_adapter,
     check_snapshot,
     load_snapshot,
+    probe_error,
 )
 
 log = logging.getLogger("echo.worker.vllm")
@@ -54,8 +67,8 @@ CPU_KV_CACHE_GIB = 1  # default KV cache on CPU (vLLM would take a fraction of a
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, model_dir: Path, device: str, dtype: str, threads: int, seed: int):
-        super().__init__(model_dir, device, dtype, threads, seed)
+    def __init__(self, model_dir: Path, device: str, dtype: str, threads: int, seed: int, lora=None):
+        super().__init__(model_dir, device, dtype, threads, seed, lora)
         # In-process engine core: needed to hand tensors to reload_weights without pickling them
         # (and one process per worker is simpler to supervise). Must be set before vLLM reads it.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -77,7 +90,16 @@ class VLLMEngine(Engine):
             raise EngineError(f"engine.device={device!r} but this vllm build runs on {platform!r}; "
                               f"set --engine.device {platform} or install the matching vllm build")
         self.device = platform
-        kwargs: dict = {}
+        kwargs: dict = {"load_format": "dummy"}  # the directory has no weights: they arrive as snapshots
+        self.requests: dict = {}  # LoRA: version -> LoRARequest, oldest first
+        if lora is not None:  # the base from the directory; versions are adapters
+            ranks = [r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora.rank]
+            if not ranks:
+                raise EngineError(f"vLLM serves LoRA ranks up to 512, this run trains rank {lora.rank}")
+            kwargs = {"load_format": "auto", "enable_lora": True, "max_loras": lora.keep, "max_cpu_loras": lora.keep,
+                      "max_lora_rank": ranks[0]}
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="echo-lora-"))
+            self.lora_expected = _lora_names(self.reference.expected, lora.target_modules, lora.rank)
         if platform == "cpu":
             self._check_cpu_head_dim()
             # vLLM keeps torch at 1 thread unless OMP_NUM_THREADS is set, then disables
@@ -91,7 +113,6 @@ class VLLMEngine(Engine):
         try:
             self.llm = vllm.LLM(
                 model=str(model_dir), dtype=dtype, seed=seed,
-                load_format="dummy",  # the directory has no weights: they arrive as snapshots
                 logprobs_mode="processed_logprobs", max_logprobs=-1,  # -1: full rows for score(T != 1)
                 generation_config="vllm",  # no sampling defaults from the model dir: the learner's rule
                 enforce_eager=platform == "cpu",  # CPU graph compilation costs minutes, gains little
@@ -134,6 +155,8 @@ class VLLMEngine(Engine):
 
     def install(self, version: int, weights: bytes) -> None:
         with self._exclusive("install"):
+            if self.lora is not None:
+                return self._install_adapter(version, weights)
             t0 = time.perf_counter()
             state = load_snapshot(version, weights)
             check_snapshot(version, state, self.reference.expected, self.version)
@@ -161,6 +184,54 @@ class VLLMEngine(Engine):
                     "--engine.type transformers works meanwhile")
             self.version = version
 
+    def _install_adapter(self, version: int, weights: bytes) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from echo.lora import adapter_config
+
+        t0 = time.perf_counter()
+        meta = check_adapter(version, weights, self.lora, self.version)
+        state = load_snapshot(version, weights)
+        check_snapshot(version, state, self.lora_expected, self.version)
+        self._remove(version)  # the same version again (a resend): a clean slot
+        path = self.adapter_dir / f"v{version}"
+        path.mkdir(parents=True)
+        (path / "adapter_model.safetensors").write_bytes(weights)
+        (path / "adapter_config.json").write_text(json.dumps(adapter_config(meta.rank, meta.alpha, meta.targets)))
+        request = LoRARequest(f"v{version}", version + 1, str(path))
+        t1 = time.perf_counter()
+        try:
+            self.llm.llm_engine.add_lora(request)
+            prompt, completion = self.reference.probe
+            error = probe_error(self._score(prompt, completion, 1.0, request), meta)
+        except Exception as e:  # vLLM refused the adapter: the old version is untouched
+            self._drop(request)
+            raise EngineError(f"vLLM failed to load adapter v{version} ({type(e).__name__}: {e}); the engine keeps "
+                              f"v{self.version}") from e
+        t2 = time.perf_counter()
+        self.last_install = {"check_s": t1 - t0, "load_s": t2 - t1, "verify_s": 0.0, "probe_error": error}
+        tolerance = LORA_PROBE_TOLERANCE[self.dtype]
+        if not error <= tolerance:  # `not <=`: NaN fails too
+            self._drop(request)
+            raise InstallVerificationError(
+                f"after loading adapter v{version} the engine's probe log-probs differ from the learner's by "
+                f"{error:.3g} per token (tolerance {tolerance}): the adapter is not live as the learner trained it; "
+                f"refusing v{version}, the engine keeps v{self.version}")
+        self.requests[version] = request
+        self.version = version
+        while len(self.requests) > self.lora.keep:  # the keep newest: S + 2
+            self._remove(next(iter(self.requests)))
+
+    def _remove(self, version: int) -> None:
+        request = self.requests.pop(version, None)
+        if request is not None:
+            self._drop(request)
+
+    def _drop(self, request) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
     def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -178,16 +249,16 @@ class VLLMEngine(Engine):
                 detokenize=False,
             )
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
-                                        use_tqdm=False)
+                                        use_tqdm=False, lora_request=self.requests.get(self.version))
             if greedy:
                 return [[_sample(out.outputs[0]) for _ in range(params.n)] for out in outputs]
             return [[_sample(c) for c in out.outputs] for out in outputs]
 
     def score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
         with self._exclusive("score"):
-            return self._score(prompt, completion, temperature)
+            return self._score(prompt, completion, temperature, self.requests.get(self.version))
 
-    def _score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    def _score(self, prompt: list[int], completion: list[int], temperature: float, lora_request=None) -> list[float]:
         """Teacher-forced log-probs via vLLM's prompt_logprobs (computed at temperature 1)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -197,7 +268,8 @@ class VLLMEngine(Engine):
         sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if rescale else 0,
                                   detokenize=False)
         seq = prompt + completion
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=seq)], sampling, use_tqdm=False)[0]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=seq)], sampling, use_tqdm=False,
+                                lora_request=lora_request)[0]
         rows = out.prompt_logprobs[len(prompt) :]  # row i scores token i (row 0 is None)
         if not rescale:
             return [row[token].logprob for row, token in zip(rows, completion)]
@@ -210,11 +282,25 @@ class VLLMEngine(Engine):
         return result
 
     def close(self) -> None:
+        if self.lora is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+
+
+def _lora_names(expected: dict, targets, rank: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of an adapter (PEFT's saved names and shapes) for the model's state-dict
+    names `expected`: an A and a B for every target linear inside the decoder layers."""
+    out = {}
+    for name, shape in expected.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and len(shape) == 2 and ".layers." in f".{module}" and module.rsplit(".", 1)[-1] in targets:
+            out[f"base_model.model.{module}.lora_A.weight"] = (rank, shape[1])
+            out[f"base_model.model.{module}.lora_B.weight"] = (shape[0], rank)
+    return out
 
 
 def _sample(completion) -> Sample:

@@ -282,3 +282,51 @@ def test_bf16_computes_through_fsdp2_mixed_precision_on_one_rank_too(tiny_model)
     handle.remove()
     assert seen and set(seen) == {torch.bfloat16} and math.isfinite(stats["loss"])
     assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+
+
+def test_preflight_predicts_qwen3_8b_lora_on_one_a100_with_versions_the_adapters_size():
+    """LoRA rank 32 on every linear of Qwen3-8B: the frozen bf16 base and the adapter's fp32 state
+    fit one 80 GB A100 where full training does not; a version is ~175 MB against 16.4 GB."""
+    from pathlib import Path
+
+    from learner.train.memory import ModelShape, predict
+
+    shape = ModelShape.of(Path(__file__).resolve().parents[3] / "configs/models/Qwen3-8B")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = shape.adapter_params(32, targets)
+    assert adapter == pytest.approx(87.3e6, rel=1e-3)
+    common = dict(ranks=1, micro_batch_tokens=16384, compute_bytes=2, checkpointing=True, reference=False,
+                  chunk_tokens=220, top_p=0.95, gpu=True, eval_copy=True)
+    lora, full = predict(shape, adapter_params=adapter, **common), predict(shape, **common)
+    assert lora.total < 80e9 < full.total
+    assert lora.state == pytest.approx(2 * shape.params + 16 * adapter)
+    assert shape.params * 2 / (adapter * 2) > 50  # ≥ 50× fewer bytes per version
+
+
+def test_a_lora_trainer_trains_the_adapter_alone_and_publishes_it(tiny_model):
+    """Only the adapter is in the optimizer and moves; the snapshot is the adapter (PEFT names,
+    echo.lora metadata), its layout the same across versions, its probe the trainer's log-probs."""
+    from echo.lora import probe_tokens, read_adapter_meta
+    from learner.config import TrainerSection
+
+    with pytest.raises(ValueError, match="dropout"):
+        TrainerSection(lora={"rank": 4, "dropout": 0.1})
+    trainer = _trainer(tiny_model, "--trainer.lora", "{rank = 4, alpha = 8}", "--trainer.lr", "1e-2")
+    base = {k: v.clone() for k, v in trainer.hf.named_parameters() if "lora_" not in k}
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(
+        [n for n, _ in trainer.hf.named_parameters() if "lora_" in n])
+    v0 = bytes(trainer.snapshot())
+    trainer.step(synthetic_batch(0, 19))
+    v1 = bytes(trainer.snapshot())
+    assert len(v0) == len(v1) and v0[:8] == v1[:8] and v0 != v1
+    assert all(torch.equal(base[k], v) for k, v in trainer.hf.named_parameters() if "lora_" not in k)
+    meta = read_adapter_meta(v1)
+    assert meta.rank == 4 and meta.base == trainer.base_sha256
+    prompt, completion = probe_tokens(trainer.vocab_size)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(trainer.hf, [prompt], [completion], pad_id=trainer._pad)
+    assert list(meta.probe) == pytest.approx(logp[0].tolist(), abs=1e-6)
+    from safetensors.torch import load
+
+    names = set(load(v1))
+    assert names and all(n.startswith("base_model.model.") and ".lora_" in n for n in names)

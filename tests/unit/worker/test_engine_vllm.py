@@ -30,6 +30,10 @@ from test_engines import (  # after the skip: these import torch and transformer
     check_version_stamps,
     engine_vs_trainer,
     params,
+    LoraLearner,
+    check_lora_batch_keeps_its_version,
+    check_lora_pi_equals_mu_across_versions,
+    check_lora_refuses_what_did_not_load,
 )
 
 from worker.engines.base import EngineError, InstallVerificationError, make_engine
@@ -154,3 +158,36 @@ def test_a_vllm_worker_plays_multi_turn_episodes_on_policy(learner_factory, chat
     assert all(r["turns_mean"] > 1 and r["env_token_share"] > 0 for r in records)
     assert all(abs(r["mismatch_kl"]) < 1e-6 for r in records), [r["mismatch_kl"] for r in records]
     assert summary["rewards_mismatched"] == 0 and not summary["quarantined"]
+
+
+# --- LoRA: one LoRARequest per version, the keep newest loaded, proved live by the learner's probe --
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    pytest.importorskip("peft")  # the learner side of the check (LoraLearner) trains with PEFT
+    model_dir = build_model_dir(tmp_path_factory.mktemp("lora"), tied=False)
+    learner = LoraLearner(model_dir)
+    # LoRA mode: the worker's directory holds the base (its digest is the learner's).
+    engine = make_engine("vllm", model_dir, "cpu", "float32", 1, 0, lora=learner.info(keep=3))
+    yield engine, learner
+    engine.close()
+
+
+def test_lora_pi_equals_mu_across_versions(lora_setup):
+    engine, learner = lora_setup
+    check_lora_pi_equals_mu_across_versions(engine, learner, 1, 2)
+    kl, worst = engine_vs_trainer(engine, learner, 2, params(n=16, max_new_tokens=16))
+    print(f"vllm lora mismatch_kl={kl:.2e} max|Δ|={worst:.2e} probe_error={engine.last_install['probe_error']:.2e}")
+
+
+def test_lora_batch_keeps_its_version_and_the_newest_adapters_stay(lora_setup):
+    engine, learner = lora_setup
+    check_lora_batch_keeps_its_version(engine, learner, 3, 4)
+    engine.install(5, learner.snapshot(5))
+    engine.install(6, learner.snapshot(6))
+    assert list(engine.requests) == [4, 5, 6]  # keep = 3
+    assert engine.llm.llm_engine.list_loras() == {5, 6, 7}  # ids: version + 1
+
+
+def test_lora_refuses_what_did_not_load(lora_setup):
+    check_lora_refuses_what_did_not_load(*lora_setup, 7, 8)

@@ -18,6 +18,7 @@ from worker.engines.base import (
     EngineBusy,
     EngineError,
     GenerationParams,
+    InstallVerificationError,
     Reference,
     SnapshotMismatch,
     make_engine,
@@ -263,3 +264,192 @@ def test_vllm_engine_unavailable_says_how_to_get_it(tmp_path):
             make_engine("vllm", build_model_dir(tmp_path, tied=False), "cpu", "float32", 1, 0)
     else:
         pytest.skip("vllm is importable here: tests/unit/worker/test_engine_vllm.py covers it")
+
+
+# --- LoRA: versions are adapters on the base (echo.lora), checked against the learner itself --------
+
+class LoraLearner:
+    """The real learner in LoRA mode (`learner.train.trainer.Trainer` with `[trainer.lora]`) on a
+    model dir: version k sets the adapter to seeded values (0: PEFT's initial adapter, B = 0, the
+    base's function) and publishes `Trainer.snapshot()`; `logprobs` is the trainer's π of version k."""
+
+    RANK, ALPHA = 4, 8.0
+
+    def __init__(self, model_dir: Path):
+        from learner.config import load_learner_config
+        from learner.train.lora import adapter_parameters
+        from learner.train.trainer import Trainer as LearnerTrainer
+
+        cfg = load_learner_config(None, ["--model.path", str(model_dir), "--rollout.group_size", "4",
+                                         "--trainer.lora", f"{{rank={self.RANK}, alpha={self.ALPHA}}}"])
+        self.trainer = LearnerTrainer(cfg)
+        self.params = adapter_parameters(self.trainer.hf)
+        self.initial = {k: p.detach().clone() for k, p in self.params}
+        self.current: int | None = None
+
+    def info(self, keep: int = 3):
+        return self.trainer.lora_info(keep)
+
+    @torch.no_grad()
+    def set(self, version: int) -> None:
+        if self.current == version:
+            return
+        g = torch.Generator().manual_seed(version)
+        for k, p in self.params:
+            p.copy_(self.initial[k] + (0.5 * torch.randn(p.shape, generator=g) if version else 0))
+        self.current = version
+
+    def snapshot(self, version: int) -> bytes:
+        self.set(version)
+        return bytes(self.trainer.snapshot())
+
+    def tensors(self, version: int) -> dict[str, torch.Tensor]:
+        self.set(version)
+        return {k: p.detach().clone() for k, p in self.params}
+
+    @torch.no_grad()
+    def logprobs(self, version: int, prompt: list[int], completion: list[int], temperature: float = 1.0,
+                 top_p: float = 1.0) -> list[float]:
+        self.set(version)
+        logp, _ = completion_logprobs(self.trainer.hf, [prompt], [completion], pad_id=PAD, temperature=temperature,
+                                      top_p=top_p)
+        return logp[0, : len(completion)].tolist()
+
+
+def lora_blob(tensors: dict[str, torch.Tensor], meta) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta.metadata())
+
+
+def check_lora_pi_equals_mu_across_versions(engine, learner: LoraLearner, first: int, second: int) -> None:
+    """π = μ in fp32 (|mismatch_kl| < 1e-6 with transformers) on the initial adapter and across a
+    version change; the two versions differ (the check has teeth), and v0 is the base's function."""
+    bound = KL_BOUND[engine.name] if engine.name != "transformers" else 1e-6
+    for v in (0, first, second):
+        engine.install(v, learner.snapshot(v))
+        assert engine.version == v
+        kl, worst = engine_vs_trainer(engine, learner, v, params())
+        assert abs(kl) < bound and worst < 100 * bound, (v, kl, worst)
+    probe = PROMPTS[0], [5, 6, 2]
+    assert max(abs(a - b) for a, b in zip(learner.logprobs(first, *probe), learner.logprobs(second, *probe))) > 0.05
+    assert max(abs(a - b) for a, b in zip(learner.logprobs(0, *probe), learner.logprobs(first, *probe))) > 0.05
+
+
+def check_lora_batch_keeps_its_version(engine, learner: LoraLearner, old: int, new: int) -> None:
+    """The rollout loop's pattern with adapters: a batch stamped `old` is generated with old's
+    adapter while `new` is waiting (an install during generate is refused, never mixed); after
+    `new` installs, old's adapter stays loaded (the keep newest) and each batch is its own version's."""
+    engine.install(old, learner.snapshot(old))
+    batches: list[tuple[int, list]] = []
+    pending = learner.snapshot(new)
+
+    def rollout():
+        stamp = engine.version
+        batches.append((stamp, engine.generate(PROMPTS, params())))
+
+    worker = threading.Thread(target=rollout)
+    worker.start()
+    worker.join()
+    with engine._exclusive("generate"), pytest.raises(EngineBusy):
+        engine.install(new, pending)  # as if the batch were still in flight
+    assert engine.version == old
+    engine.install(new, pending)
+    rollout()
+    assert [stamp for stamp, _ in batches] == [old, new]
+    for stamp, groups in batches:
+        other = new if stamp == old else old
+        for prompt, group in zip(PROMPTS, groups):
+            for s in group:
+                mine = learner.logprobs(stamp, prompt, s.tokens)
+                assert max(abs(a - b) for a, b in zip(s.logprobs, mine)) < 10 * KL_BOUND[engine.name]
+                assert s.logprobs != pytest.approx(learner.logprobs(other, prompt, s.tokens), abs=1e-3)
+
+
+def check_lora_refuses_what_did_not_load(engine, learner: LoraLearner, good: int, bad: int) -> None:
+    """Full weights, an adapter of another base or shape, a corrupted blob, a wrong adapter (the
+    tensors of one version under another's probe) are refused; the engine keeps `good` and
+    generates from it, never from the base or the refused adapter."""
+    import dataclasses
+
+    from echo.lora import read_adapter_meta
+
+    engine.install(good, learner.snapshot(good))
+    blob = learner.snapshot(bad)
+    meta = read_adapter_meta(blob)
+    full = Trainer(engine.model_dir).snapshot(1)
+    with pytest.raises(SnapshotMismatch, match="not a LoRA adapter"):
+        engine.install(bad, full)
+    with pytest.raises(SnapshotMismatch, match="base"):
+        engine.install(bad, lora_blob(learner.tensors(bad), dataclasses.replace(meta, base="0" * 64)))
+    with pytest.raises(SnapshotMismatch, match="rank"):
+        engine.install(bad, lora_blob(learner.tensors(bad), dataclasses.replace(meta, rank=meta.rank * 2)))
+    short = learner.tensors(bad)
+    name = next(k for k in short if "lora_B" in k)
+    short[name] = short[name][:-1].contiguous()
+    with pytest.raises(SnapshotMismatch, match="shape"):
+        engine.install(bad, lora_blob(short, meta))
+    with pytest.raises(SnapshotMismatch):
+        engine.install(bad, blob[: len(blob) // 2])
+    with pytest.raises(InstallVerificationError, match="probe"):
+        engine.install(bad, lora_blob(learner.tensors(bad + 1), meta))  # tensors of another version
+    assert engine.version == good
+    kl, worst = engine_vs_trainer(engine, learner, good, params())
+    assert abs(kl) < KL_BOUND[engine.name] and worst < 10 * KL_BOUND[engine.name]
+
+
+# --- LoRA on the transformers engine --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    torch.set_num_threads(1)
+    model_dir = build_model_dir(tmp_path_factory.mktemp("lora"), tied=False)
+    learner = LoraLearner(model_dir)
+    engine = make_engine("transformers", model_dir, "cpu", "float32", 1, 0, lora=learner.info(keep=3))
+    yield engine, learner
+    engine.close()
+
+
+def test_lora_pi_equals_mu_across_versions(lora_setup):
+    check_lora_pi_equals_mu_across_versions(*lora_setup, 1, 2)
+
+
+def test_lora_batch_keeps_its_version_and_the_newest_adapters_stay(lora_setup):
+    engine, learner = lora_setup
+    check_lora_batch_keeps_its_version(engine, learner, 3, 4)
+    engine.install(5, learner.snapshot(5))
+    assert engine.adapters == [3, 4, 5]  # keep = 3 (S + 2 with S = 1)
+    engine.install(6, learner.snapshot(6))
+    assert engine.adapters == [4, 5, 6] and set(engine.peft.peft_config) == {"v4", "v5", "v6"}
+
+
+def test_lora_refuses_what_did_not_load(lora_setup):
+    check_lora_refuses_what_did_not_load(*lora_setup, 7, 8)
+
+
+def test_lora_a_silent_no_op_load_is_caught_and_the_worker_takes_no_work(tmp_path, monkeypatch):
+    """verl #7495: the adapter silently never arrives, the run samples the initial policy. Here
+    the load does nothing (the slot keeps PEFT's B = 0); the probe disagrees with the learner's,
+    the install raises, and the engine generates nothing: never the base model."""
+    torch.set_num_threads(1)
+    model_dir = build_model_dir(tmp_path, tied=False)
+    learner = LoraLearner(model_dir)
+    engine = make_engine("transformers", model_dir, "cpu", "float32", 1, 0, lora=learner.info())
+    monkeypatch.setattr(engine, "_load", lambda params, state: None)
+    with pytest.raises(InstallVerificationError, match="not live"):
+        engine.install(1, learner.snapshot(1))
+    assert engine.version == -1
+    with pytest.raises(EngineError, match="no snapshot installed"):
+        engine.generate(PROMPTS, params())  # the rollout loop leases nothing while version < 0
+    monkeypatch.undo()
+    engine.install(1, learner.snapshot(1))  # a load that works: live, and it is v1's function
+    kl, _ = engine_vs_trainer(engine, learner, 1, params())
+    assert abs(kl) < 1e-6
+
+
+def test_lora_engine_refuses_a_different_base(tmp_path):
+    a = build_model_dir(tmp_path / "a", tied=False)
+    learner = LoraLearner(a)
+    b = build_model_dir(tmp_path / "b", tied=False, hidden=32)
+    with pytest.raises(EngineError, match="digest"):
+        make_engine("transformers", b, "cpu", "float32", 1, 0, lora=learner.info())
