@@ -155,6 +155,7 @@ class Worker:
                 self.engine = await asyncio.to_thread(make_engine, e.type, model_dir, e.device, e.dtype, e.threads,
                                                       self.cfg.worker.seed * 1000 + int(client.worker_id.lstrip("w") or 0),
                                                       lora)
+                self.engine.sampling = (joined.rollout.temperature, joined.rollout.top_p)  # what its installs prove
                 self.tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
                 r = joined.rollout
                 # The learner's rules: what ends a turn, how the environment's messages become tokens, the budgets.

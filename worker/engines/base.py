@@ -76,6 +76,9 @@ class Engine(ABC):
         self.lora = lora  # LoRA mode: `model_dir` holds the base's weights, versions are adapters (`echo.lora`)
         self.version = -1  # nothing installed yet: generate() refuses
         self._busy = threading.Lock()  # held by generate and install: the two never overlap
+        # The run's sampling (temperature, top-p), told by the worker at join: an engine whose
+        # sampler is its own (vLLM) proves after each install that it samples μ at exactly these.
+        self.sampling: tuple[float, float] = (1.0, 1.0)
 
     @abstractmethod
     def install(self, version: int, weights: bytes) -> None:
@@ -210,7 +213,7 @@ class Reference:
         self.probe = probe_tokens(vocab, seed)
 
     def logprobs(self, state: Mapping[str, torch.Tensor], prompt: list[int], completion: list[int],
-                 temperature: float = 1.0) -> list[float]:
+                 temperature: float = 1.0, top_p: float = 1.0) -> list[float]:
         import torch
 
         from echo.hf import completion_logprobs
@@ -218,7 +221,8 @@ class Reference:
         dtype = next(t.dtype for t in state.values() if t.is_floating_point())
         model = self.model_cls.from_pretrained(None, config=self.config, state_dict=dict(state), dtype=dtype).eval()
         with torch.no_grad():
-            logp, _ = completion_logprobs(model, [prompt], [completion], pad_id=0, temperature=temperature)
+            logp, _ = completion_logprobs(model, [prompt], [completion], pad_id=0, temperature=temperature,
+                                          top_p=top_p)
         return logp[0, : len(completion)].float().tolist()
 
 

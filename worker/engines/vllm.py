@@ -173,6 +173,8 @@ class VLLMEngine(Engine):
             got = self._score(prompt, completion, 1.0)
             want = self.reference.logprobs(state, prompt, completion)
             error = sum(abs(a - b) for a, b in zip(got, want)) / len(want)
+            if self.sampling != (1.0, 1.0):  # and vLLM's own sampler at the run's temperature and top-p
+                error = max(error, self._sampler_error(state, prompt))
             t3 = time.perf_counter()
             self.last_install = {"check_s": t1 - t0, "load_s": t2 - t1, "verify_s": t3 - t2, "probe_error": error}
             if not error <= PROBE_TOLERANCE[self.dtype]:  # `not <=` so that NaN fails too
@@ -183,6 +185,29 @@ class VLLMEngine(Engine):
                     "and refuses to generate until a snapshot installs cleanly. Report this with the vllm version; "
                     "--engine.type transformers works meanwhile")
             self.version = version
+
+    def _sampler_error(self, state, prompt: list[int], samples: int = 4, tokens: int = 8) -> float:
+        """Mean |log μ − log π| over tokens vLLM samples from the probe prompt at the run's
+        temperature and top-p: μ as its sampler reports it (processed log-probs), π as the
+        trainer computes it for the same tokens. A sampler that applies top-p (or the
+        temperature) otherwise than the trainer shows here; a token outside the trainer's
+        nucleus is an infinite error."""
+        tokens_, mu = self._sample_probe(prompt, samples, tokens)
+        errors = []
+        for completion, lps in zip(tokens_, mu):
+            pi = self.reference.logprobs(state, prompt, completion, *self.sampling)
+            errors += [abs(a - b) for a, b in zip(lps, pi)]
+        return sum(errors) / max(1, len(errors))
+
+    def _sample_probe(self, prompt: list[int], samples: int, tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        temperature, top_p = self.sampling
+        sampling = SamplingParams(n=samples, temperature=temperature, top_p=top_p, max_tokens=tokens, ignore_eos=True,
+                                  logprobs=0, detokenize=False, seed=1234)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)[0]
+        return [list(c.token_ids) for c in out.outputs], [_sample(c).logprobs for c in out.outputs]
 
     def _install_adapter(self, version: int, weights: bytes) -> None:
         from vllm.lora.request import LoRARequest

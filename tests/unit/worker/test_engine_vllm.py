@@ -191,3 +191,24 @@ def test_lora_batch_keeps_its_version_and_the_newest_adapters_stay(lora_setup):
 
 def test_lora_refuses_what_did_not_load(lora_setup):
     check_lora_refuses_what_did_not_load(*lora_setup, 7, 8)
+
+
+def test_installs_prove_the_sampler_at_the_runs_temperature_and_top_p(setup, monkeypatch):
+    """With the run's sampling (T = 0.8, top-p 0.9) an install also samples the probe prompt with
+    vLLM's own sampler and compares its processed log-probs with the trainer's π for those
+    tokens. A sampler that ignored top-p (simulated: it samples at top-p 1) is caught."""
+    engine, trainer = setup
+    engine.sampling = (0.8, 0.9)
+    try:
+        engine.install(12, trainer.snapshot(12))
+        assert engine.version == 12 and engine.last_install["probe_error"] < 1e-4
+        sample = engine._sample_probe
+        monkeypatch.setattr(engine, "_sample_probe", lambda prompt, n, k: (
+            (setattr(engine, "sampling", (0.8, 1.0)), sample(prompt, n, k), setattr(engine, "sampling", (0.8, 0.9)))[1]))
+        with pytest.raises(InstallVerificationError, match="differ from the trainer"):
+            engine.install(13, trainer.snapshot(13))
+        monkeypatch.undo()
+        engine.install(13, trainer.snapshot(13))
+        assert engine.version == 13
+    finally:
+        engine.sampling = (1.0, 1.0)
