@@ -132,7 +132,7 @@ class TrainerSection(Section):
     adv_eps: float = Field(1e-6, gt=0.0, description="[trainer] adv_eps: ε in (s - mean) / (std + ε)")
     loss: Literal["grpo", "asymre"] = Field("grpo", description="[trainer] loss: 'grpo' (group-normalised advantages, truncated IS, clipped ratio) or 'asymre' (REINFORCE with the group mean shifted by asymre_shift as baseline, no importance correction: the replay paper's choice with a buffer)")
     asymre_shift: float = Field(-0.1, ge=-1.0, le=1.0, description="[trainer] asymre_shift: δV, the AsymRE baseline is mean(group rewards) + δV (the replay paper: -0.1)")
-    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[trainer] compute_dtype: autocast dtype of forward and backward; parameters and optimizer state stay fp32 ('bfloat16' on GPUs)")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="[trainer] compute_dtype: dtype of forward and backward: 'bfloat16' through FSDP2's mixed precision (on GPUs), 'float16' under autocast with loss scaling; parameters and optimizer state stay fp32")
     micro_batch_tokens: int = Field(16384, ge=16, le=1 << 24, description="[trainer] micro_batch_tokens: padded tokens (rows × longest row) per forward/backward; gradients accumulate over micro-batches, so this bounds activation memory, not the batch")
     packing: bool = Field(True, description="[trainer] packing: micro-batches as sequences end to end with no padding (position ids restart per sequence; attention stays within each); false: right-padded rows")
     activation_checkpointing: bool = Field(False, description="[trainer] activation_checkpointing: keep only each decoder layer's input and recompute its activations in the backward pass")

@@ -11,6 +11,11 @@ and optimizer state. Four tables, each against a baseline from the same run:
 2. log-probs: chunked `logit[target] − logsumexp` vs the full log-softmax, vocab 32k and 152k.
 3. ranks: per-rank parameter + gradient + optimizer bytes and step time, 1 and 2 ranks.
 4. fit: the largest model built here whose step stays within a memory limit (16 GiB).
+5. packing: a long-tailed mix of response lengths in padded vs packed micro-batches: tokens
+   computed per real token (goal ≤ 1.05 packed), peak and step time.
+6. precision: fp32 vs bf16 through FSDP2's mixed precision, on 1 and 2 ranks.
+7. lora: full fine-tuning vs a rank-16 LoRA adapter on the same model: state, peak, step time
+   and the bytes of one published version.
 """
 
 from __future__ import annotations
@@ -68,17 +73,19 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int, tied: bool = Fa
     return out
 
 
-def synthetic_batch(rows: int, vocab: int, seed: int = 0):
+def synthetic_batch(rows: int, vocab: int, seed: int = 0, long_tail: bool = False):
+    """`rows` sequences of 32 prompt + 96 completion tokens; `long_tail`: completion lengths
+    log-normal around 96 (median 48, a few 8× longer), as reasoning rollouts are."""
     import random
 
     from learner.buffer import BatchInfo, Group
 
     rng = random.Random(seed)
     groups = []
+    length = lambda: max(4, min(1024, int(rng.lognormvariate(3.9, 1.0)))) if long_tail else ROW_TOKENS - PROMPT_TOKENS  # noqa: E731
     for g in range(max(1, rows // GROUP)):
         prompt = [1] + [rng.randrange(4, 19) for _ in range(PROMPT_TOKENS - 1)]
-        completions = [[rng.randrange(4, min(vocab, 19)) for _ in range(ROW_TOKENS - PROMPT_TOKENS)]
-                       for _ in range(GROUP)]
+        completions = [[rng.randrange(4, min(vocab, 19)) for _ in range(length())] for _ in range(GROUP)]
         groups.append(Group(f"g{g}", 0, prompt, completions, [[-2.0] * len(c) for c in completions],
                             [float(i % 2) for i in range(GROUP)]))
     return BatchInfo(groups, 0, [0] * len(groups))
@@ -117,17 +124,19 @@ def child_step(spec: dict) -> dict:
                                      "--trainer.micro_batch_tokens", str(spec["micro_batch_tokens"]),
                                      *spec.get("overrides", [])])
     trainer = Trainer(cfg, world)
-    vocab = trainer.vocab_size
-    trainer.step(synthetic_batch(GROUP * max(1, world.size), vocab, seed=1))
+    vocab, tail = trainer.vocab_size, spec.get("long_tail", False)
+    trainer.step(synthetic_batch(GROUP * max(1, world.size), vocab, seed=1, long_tail=tail))
     times = []
     before = _status("VmRSS")
     _reset_peak()
     for i in range(spec.get("steps", 1)):
         t0 = time.perf_counter()
-        trainer.step(synthetic_batch(spec["rows"], vocab, seed=2 + i))
+        stats = trainer.step(synthetic_batch(spec["rows"], vocab, seed=2 + i, long_tail=tail))
         times.append(time.perf_counter() - t0)
     out = {"rank": world.rank, "ranks": world.size, "peak": _status("VmHWM"), "before": before,
-           "step_s": statistics.median(times), "state": _state_bytes(trainer), "params": trainer.num_parameters}
+           "step_s": statistics.median(times), "state": _state_bytes(trainer), "params": trainer.num_parameters,
+           "padded_token_share": stats["padded_token_share"], "loss": stats["loss"],
+           "version_bytes": len(trainer.snapshot() or b"")}
     close(world)
     return out
 
@@ -231,6 +240,32 @@ def bench_fit(models: Path, limit_gib: float, candidates: list[tuple[int, int]],
     return rows
 
 
+def bench_packing(models: Path, hidden: int, layers: int, vocab: int, rows: int, micro: int) -> list[dict]:
+    model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+    spec = {"model": str(model), "rows": rows, "micro_batch_tokens": micro, "threads": 2, "long_tail": True, "steps": 2}
+    return [{"mode": mode, **_run_child("step", {**spec, "overrides": ["--trainer.packing", packing]})[0]}
+            for mode, packing in (("padded", "false"), ("packed", "true"))]
+
+
+def bench_precision(models: Path, hidden: int, layers: int, vocab: int, rows: int, micro: int) -> list[dict]:
+    model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+    spec = {"model": str(model), "rows": rows, "micro_batch_tokens": micro, "steps": 2}
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for ranks, threads in ((1, 2), (2, 1)):
+            for r in _run_child("step", {**spec, "threads": threads, "overrides": ["--trainer.compute_dtype", dtype]},
+                                ranks=ranks):
+                out.append({"dtype": dtype, **r})
+    return out
+
+
+def bench_lora(models: Path, hidden: int, layers: int, vocab: int, rows: int, micro: int) -> list[dict]:
+    model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+    spec = {"model": str(model), "rows": rows, "micro_batch_tokens": micro, "threads": 2, "steps": 2}
+    return [{"mode": mode, **_run_child("step", {**spec, "overrides": extra})[0]}
+            for mode, extra in (("full", []), ("lora r16", ["--trainer.lora", "{rank = 16, alpha = 32}"]))]
+
+
 def _print_tables(result: dict) -> None:
     t = result.get("tokens")
     if t:
@@ -285,10 +320,50 @@ def _print_tables(result: dict) -> None:
                   f"{'yes' if r['fits'] else 'no':>5}")
 
 
+def _print_new_tables(result: dict) -> None:
+    pk = result.get("packing")
+    if pk:
+        print("5. a long-tailed mix of response lengths (log-normal, median 48, up to 1024 tokens): padded vs packed")
+        print(f"{'mode':>8} {'computed/real':>14} {'peak RSS':>10} {'step s':>7} {'× padded':>9} {'loss':>9}")
+        pad = pk[0]
+        for r in pk:
+            if "error" in r:
+                print(f"{r['mode']:>8}  failed: {r['error']}")
+                continue
+            print(f"{r['mode']:>8} {1 / (1 - r['padded_token_share']):>14.3f} {r['peak'] / MiB:>8.0f}Mi "
+                  f"{r['step_s']:>7.2f} {r['step_s'] / pad['step_s']:>9.2f} {r['loss']:>9.5f}")
+        print()
+    pr = result.get("precision")
+    if pr:
+        print("6. fp32 vs bf16 (FSDP2 mixed precision: fp32 master shards, bf16 compute), 1 and 2 ranks on 2 cores")
+        print(f"{'dtype':>9} {'ranks':>5} {'rank':>4} {'state':>9} {'peak RSS':>10} {'step s':>7} {'× fp32':>7}")
+        for r in pr:
+            if "error" in r:
+                print(f"{r['dtype']:>9}  failed: {r['error']}")
+                continue
+            base = next(x for x in pr if x.get("dtype") == "float32" and x.get("ranks") == r["ranks"]
+                        and x.get("rank") == r["rank"])
+            print(f"{r['dtype']:>9} {r['ranks']:>5} {r['rank']:>4} {r['state'] / MiB:>7.0f}Mi {r['peak'] / MiB:>8.0f}Mi "
+                  f"{r['step_s']:>7.2f} {r['step_s'] / base['step_s']:>7.2f}")
+        print()
+    lo = result.get("lora")
+    if lo:
+        print("7. full fine-tuning vs LoRA (rank 16 on every linear of the decoder layers), same model and batch")
+        print(f"{'mode':>9} {'state':>9} {'peak RSS':>10} {'step s':>7} {'version bytes':>14} {'× fewer':>8}")
+        full = lo[0]
+        for r in lo:
+            if "error" in r:
+                print(f"{r['mode']:>9}  failed: {r['error']}")
+                continue
+            print(f"{r['mode']:>9} {r['state'] / MiB:>7.0f}Mi {r['peak'] / MiB:>8.0f}Mi {r['step_s']:>7.2f} "
+                  f"{r['version_bytes']:>14,} {full['version_bytes'] / r['version_bytes']:>8.1f}")
+
+
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-rl bench learner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="tokens,logprobs,ranks,fit", help="tables to run (default: all four)")
+    p.add_argument("--only", default="tokens,logprobs,ranks,fit,packing,precision,lora",
+                   help="tables to run, comma-separated (default: all seven)")
     p.add_argument("--micro", type=int, default=512, help="micro_batch_tokens of table 1 (default 512)")
     p.add_argument("--fit-gib", type=float, default=16.0, help="memory limit of table 4 (default 16)")
     p.add_argument("--models", type=Path, default=Path(".echo-cache/bench-models"),
@@ -314,10 +389,18 @@ def cli(argv: list[str]) -> int:
         candidates = [(64, 1)] if quick else [(1024, 16), (1536, 20), (2048, 14), (2048, 16)]
         result["fit"] = bench_fit(models, args.fit_gib, candidates, 512 if quick else 32000, 512)
         result["fit_limit_gib"], result["fit_micro"] = args.fit_gib, 512
+    small = dict(hidden=64 if quick else 512, layers=1 if quick else 4, vocab=512 if quick else 32000)
+    if "packing" in only:
+        result["packing"] = bench_packing(models, **small, rows=GROUP if quick else 4 * GROUP, micro=1024 if quick else 4096)
+    if "precision" in only:
+        result["precision"] = bench_precision(models, **small, rows=GROUP if quick else 2 * GROUP, micro=1024)
+    if "lora" in only:
+        result["lora"] = bench_lora(models, **small, rows=GROUP if quick else 2 * GROUP, micro=1024)
     if args.json:
         print(json.dumps(result))
     else:
         _print_tables(result)
+        _print_new_tables(result)
     return 0
 
 
