@@ -190,6 +190,50 @@ class Episodes:
         return play(self.task, self.chat, prompts, generate, n=n, max_new_tokens=self.max_new_tokens,
                     max_tokens=self.max_tokens, max_turns=self.max_turns, decode=self.decode)
 
+    def greedy_returns(self, model, prompts: Sequence[Prompt], pad_id: int, batch: int = 256) -> list[float]:
+        """Each prompt's return with `model` (an HF causal LM) playing greedily, as a worker plays
+        an eval lease: the learner's eval and `echo-rl eval poker` both go through here."""
+        import torch
+
+        from echo.hf import sample
+
+        def generate(contexts: list[list[int]], n: int, max_new_tokens: int) -> list[list]:
+            outs = sample(model, contexts, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, pad_id=pad_id,
+                          temperature=0.0)
+            return [[o] * n for o in outs]
+
+        returns: list[float] = []
+        with torch.no_grad():
+            for start in range(0, len(prompts), batch):
+                chunk = prompts[start : start + batch]
+                played = self.play([(p, self.first(p)) for p in chunk], generate, n=1)
+                returns += [group[0].reward for group in played]
+        return returns
+
+    def demonstrations(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
+        """(context ids, action ids) for every decision of the environment's own expert
+        (`Environment.expert_action`) through `prompts`, rendered exactly as workers render
+        episodes: a supervised warm start that sees the contexts RL will see."""
+        tokenizer = self.chat.tokenizer
+        end = sorted(self.chat.stop_ids)[:1]  # the turn's end token, trained as the policy's
+        if self.chat.templated:
+            end = [i for i in self.chat.stop_ids if i != tokenizer.eos_token_id][:1] or end
+        pairs = []
+        for prompt in prompts:
+            env = self.task.environment(prompt)
+            context = self.chat.first(env.reset(prompt.seed))
+            for _ in range(self.max_turns):
+                expert = getattr(env, "expert_action", None)
+                if expert is None:
+                    raise NotImplementedError(f"task {self.task.name!r} has no expert to demonstrate")
+                action = tokenizer(expert(), add_special_tokens=False)["input_ids"] + end
+                pairs.append((list(context), action))
+                step = env.step(self.decode(action))
+                if step.done:
+                    break
+                context += action + self.chat.observation(step.messages)
+        return pairs
+
     def replay(self, prompt: Prompt, tokens: Sequence[int], mask: Sequence[int]) -> Replay:
         return replay(self.task, self.chat, prompt, tokens, mask, self.decode, max_new_tokens=self.max_new_tokens,
                       max_tokens=self.max_tokens, max_turns=self.max_turns)

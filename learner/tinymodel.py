@@ -12,6 +12,7 @@ the case where weight installs silently go stale in some engines.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -98,6 +99,14 @@ def build_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, s
 def warm_start(model, tokenizer, examples: list[tuple[str, str]], *, steps: int, lr: float,
                batch: int, seed: int, progress=None) -> list[float]:
     """Supervised steps on (prompt, completion) pairs, loss on completion tokens only."""
+    pairs = [(tokenizer(p)["input_ids"], tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+             for p, c in examples]
+    return warm_start_ids(model, tokenizer, pairs, steps=steps, lr=lr, batch=batch, seed=seed, progress=progress)
+
+
+def warm_start_ids(model, tokenizer, pairs: list[tuple[list[int], list[int]]], *, steps: int, lr: float,
+                   batch: int, seed: int, progress=None) -> list[float]:
+    """Supervised steps on (context ids, target ids) pairs, loss on the target tokens only."""
     import torch
 
     rng = random.Random(seed)
@@ -105,9 +114,9 @@ def warm_start(model, tokenizer, examples: list[tuple[str, str]], *, steps: int,
     model.train()
     losses = []
     for _ in range(steps):
-        chunk = rng.sample(examples, min(batch, len(examples)))
-        prompts = [tokenizer(p)["input_ids"] for p, _ in chunk]
-        targets = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, c in chunk]
+        chunk = rng.sample(pairs, min(batch, len(pairs)))
+        prompts = [p for p, _ in chunk]
+        targets = [t for _, t in chunk]
         seqs = [p + t for p, t in zip(prompts, targets)]
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
@@ -138,6 +147,18 @@ def greedy_accuracy(model, tokenizer, task, prompts, max_new_tokens: int) -> flo
     return sum(task.reward(p, t) for p, t in zip(prompts, texts)) / max(1, len(prompts))
 
 
+def _episodes(cfg, task, tokenizer, model_dir: Path):
+    """The run's episode rules for `model_dir`, as the trainer builds them."""
+    from echo.chat import stop_ids
+    from echo.episodes import Episodes
+
+    r = cfg.rollout
+    return Episodes.of(task, tokenizer, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt,
+                       template_kwargs=cfg.task.chat_template_kwargs,
+                       stop_ids=stop_ids(tokenizer, model_dir, task.stop_tokens), max_new_tokens=r.max_new_tokens,
+                       max_tokens=r.episode_tokens(task), max_turns=r.turns(task))
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="echo-rl build-model",
@@ -150,6 +171,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory exists")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    parser.add_argument("--positions", type=int, default=0,
+                        help="longest sequence (default: 128, or 1024 for multi-turn tasks)")
     parser.add_argument("--warmup-steps", type=int, default=30, help="supervised warm-start steps (default 30)")
     parser.add_argument("--warmup-lr", type=float, default=3e-3, help="warm-start learning rate (default 3e-3)")
     parser.add_argument("--warmup-batch", type=int, default=64, help="warm-start batch size (default 64)")
@@ -177,19 +200,37 @@ def cli(argv: list[str]) -> int:
     torch.set_num_threads(2)
     task = cfg.task.build()
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, hidden=args.hidden, layers=args.layers, seed=args.seed)
+    # Multi-turn tasks get the byte-level chat tokenizer (a turn ends on <|im_end|>, as in Qwen)
+    # and a warm start on the environment's expert, rendered as the workers render episodes.
+    tokenizer = build_chat_tokenizer() if task.episodic else build_tokenizer()
+    positions = args.positions or (1024 if task.episodic else 128)
+    model = build_model(tokenizer, hidden=args.hidden, layers=args.layers, seed=args.seed, positions=positions)
     n_params = sum(p.numel() for p in model.parameters())
-    evals = task.eval_prompts()
-    max_new = cfg.rollout.max_new_tokens
-    acc_random = greedy_accuracy(model, tokenizer, task, evals, max_new)
-    examples = task.warmup_examples(max(1000, args.warmup_steps * args.warmup_batch), seed=args.seed + 7919)
-    with Progress(transient=True, disable=args.json) as bar:
-        job = bar.add_task("warm start", total=args.warmup_steps)
-        losses = warm_start(model, tokenizer, examples, steps=args.warmup_steps, lr=args.warmup_lr,
-                            batch=args.warmup_batch, seed=args.seed,
-                            progress=lambda loss: bar.update(job, advance=1, description=f"warm start loss {loss:.3f}"))
-    acc = greedy_accuracy(model, tokenizer, task, evals, max_new)
+    evals = task.eval_prompts()[: cfg.eval.limit or None]
+    progress = lambda bar, job: lambda loss: bar.update(job, advance=1, description=f"warm start loss {loss:.3f}")  # noqa: E731
+    if task.episodic:
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)  # the generation config's end ids are what Episodes reads
+        tokenizer.save_pretrained(out)
+        episodes = _episodes(cfg, task, tokenizer, out)
+        score = lambda: sum(episodes.greedy_returns(model.eval(), evals, tokenizer.pad_token_id)) / max(1, len(evals))  # noqa: E731
+        acc_random = score()
+        pairs = episodes.demonstrations(list(itertools.islice(task.train_prompts(args.seed + 7919),
+                                                                max(300, args.warmup_steps * args.warmup_batch // 3))))
+        with Progress(transient=True, disable=args.json) as bar:
+            job = bar.add_task("warm start", total=args.warmup_steps)
+            losses = warm_start_ids(model, tokenizer, pairs, steps=args.warmup_steps, lr=args.warmup_lr,
+                                    batch=args.warmup_batch, seed=args.seed, progress=progress(bar, job))
+        acc = score()
+    else:
+        max_new = cfg.rollout.max_new_tokens
+        acc_random = greedy_accuracy(model, tokenizer, task, evals, max_new)
+        examples = task.warmup_examples(max(1000, args.warmup_steps * args.warmup_batch), seed=args.seed + 7919)
+        with Progress(transient=True, disable=args.json) as bar:
+            job = bar.add_task("warm start", total=args.warmup_steps)
+            losses = warm_start(model, tokenizer, examples, steps=args.warmup_steps, lr=args.warmup_lr,
+                                batch=args.warmup_batch, seed=args.seed, progress=progress(bar, job))
+        acc = greedy_accuracy(model, tokenizer, task, evals, max_new)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from echo.tasks import arith, calculator, math  # noqa: F401  (importing them registers them)
+from echo.tasks import arith, calculator, math, poker  # noqa: F401  (importing them registers them)
 from echo.tasks.base import _REGISTRY, Task, TaskError
 
 

@@ -35,7 +35,7 @@ import torch
 from echo import protocol as P
 from echo.chat import stop_ids
 from echo.episodes import Episodes
-from echo.hf import TokenBatch, sample
+from echo.hf import TokenBatch
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo
 from learner.config import LearnerConfig
@@ -506,25 +506,15 @@ class Trainer:
         """Mean greedy return on `prompts` (a one-turn task's accuracy), played here as the workers
         play them ([eval] where = 'learner')."""
         episodes = dataclasses.replace(self.episodes, task=task)
-
-        def generate(contexts: list[list[int]], n: int, max_new_tokens: int) -> list[list]:
-            with self._autocast():
-                outs = sample(self.hf, contexts, max_new_tokens=max_new_tokens, stop_ids=episodes.stop_ids,
-                              pad_id=self._pad, temperature=0.0)
-            return [[o] * n for o in outs]
-
-        total = 0.0
         if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
             self.policy.unshard()
         try:
-            for start in range(0, len(prompts), 256):
-                chunk = prompts[start : start + 256]
-                played = episodes.play([(p, episodes.first(p)) for p in chunk], generate, n=1)
-                total += sum(group[0].reward for group in played)
+            with self._autocast():
+                returns = episodes.greedy_returns(self.hf, prompts, self._pad)
         finally:
             if self.world.sharded:
                 self.policy.reshard()
-        return total / max(1, len(prompts))
+        return sum(returns) / max(1, len(prompts))
 
     def rollout_params(self) -> P.RolloutParams:
         """How every worker plays this run's episodes (sent at join)."""
