@@ -39,6 +39,7 @@ class Loop:
         self.run_dir, self.driver, self.buffer, self.run, self.ledger = run_dir, driver, buffer, run, ledger
         self.leases, self.registry, self.publishing = leases, registry, publishing
         self.evaluation, self.accounting, self.record = evaluation, accounting, record
+        self.stopped = ""  # why the run ended before [run] steps (its budget), else ''
 
     async def begin(self) -> None:
         await self.publishing.publish()
@@ -76,7 +77,14 @@ class Loop:
                 record.show(step, evaluation.last)
                 if self.checkpoint_every and trainer.version % self.checkpoint_every == 0 and not last:
                     await self.checkpoint()
-            await evaluation.finish(trainer.version)
+                if not last and (why := self.accounting.exhausted()):
+                    self.stopped = why  # end() checkpoints; the scheduler releases every machine now
+                    record.display.note(f"stopping: {why}")
+                    if self.accounting.fleet is not None:
+                        self.accounting.fleet.release_all(time.monotonic(), why)
+                    break
+            if not self.stopped:  # a spent budget buys no final eval round
+                await evaluation.finish(trainer.version)
         finally:
             record.stop()
             run.finished = True
