@@ -72,8 +72,9 @@ async def schedule(fleet: Fleet, registry: WorkerRegistry, tick_s: float, log, n
             await asyncio.sleep(tick_s)
             continue
         for key, why in st.lost:  # preempted, vanished, never joined: its leases go back at once
-            log({"event": "scheduler", "action": "lost", "worker": key, "reason": why})
-            note(f"scheduler: lost {key} ({why}); {registry.lost(key, why)} leased prompts re-issued")
+            reissued = registry.lost(key, why)
+            log({"event": "scheduler", "action": "lost", "worker": key, "reason": why, "reissued": reissued})
+            note(f"scheduler: lost {key} ({why}); {reissued} leased prompts re-issued")
         for w in registry.workers.values():
             w.active = fleet.is_active(w.fleet_key)
         if st.infeasible and st.infeasible != said:

@@ -55,6 +55,15 @@ def chat_model(tmp_path_factory) -> Path:
     return out
 
 
+def toml_value(v) -> str:
+    """A TOML value: JSON's spelling for scalars and lists, an inline table for a dict."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return json.dumps(v)
+
+
 def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Path:
     base = {
         "run": {"name": "t", "dir": str(run_dir), "steps": 6, "eval_every": 0, "checkpoint_every": 0},
@@ -73,7 +82,7 @@ def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Pa
     lines = []
     for name, values in base.items():
         lines.append(f"[{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -1,0 +1,5 @@
+"""SkyPilot: to be written."""
+
+
+class SkyMarket:
+    name = "sky"
