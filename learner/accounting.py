@@ -9,6 +9,7 @@ received a version), τ (the workers' install time), and the fleet's capacity. W
 from __future__ import annotations
 
 import math
+from collections import deque
 import statistics
 import time
 
@@ -22,7 +23,8 @@ class Accounting:
     def __init__(self, cost: CostMeter, done_fraction: float, *, registry: WorkerRegistry,
                  publisher, metrics: LearnerMetrics, fleet=None, budget: Budget = Budget()):
         self.cost, self.budget = cost, budget
-        self.last_step_dollars = 0.0
+        self.recent_steps: deque[float] = deque(maxlen=20)  # $ of the last steps (time + bandwidth)
+        self.hourly = cost.learner_price  # $/h of the fleet at the last step
         self.done_fraction, self.registry, self.publisher = done_fraction, registry, publisher
         self.metrics, self.fleet = metrics, fleet
         self.published_at: dict[int, float] = {}  # versions whose T_bcast is not measured yet
@@ -43,7 +45,8 @@ class Accounting:
             wires[version] = self.publisher.wire_bytes.pop(version)
             bandwidth += self.bandwidth(wires[version])
         cost = self.cost.step(train, wait, prices, bandwidth)
-        self.last_step_dollars = cost.dollars
+        self.recent_steps.append(cost.dollars)
+        self.hourly = cost.learner_price + cost.workers_price
         out = {"dollars_step": round(cost.dollars, 8), "dollars_total": round(cost.cumulative, 6),
                "workers_price_per_hour": round(cost.workers_price, 4), "bubble": round(cost.bubble, 4)}
         if bandwidth:
@@ -92,7 +95,12 @@ class Accounting:
 
     def exhausted(self) -> str:
         """Why the run must stop now for its budget ('' = it may go on)."""
-        return self.budget.exhausted(self.cost.dollars, self.last_step_dollars)
+        return self.budget.exhausted(self.cost.dollars, self.recent_steps)
+
+    def affordable_wait_s(self) -> float | None:
+        """How long the learner may wait for its next batch within the budget (None: no limit)."""
+        wait = self.budget.affordable_wait_s(self.cost.dollars, self.recent_steps, self.hourly)
+        return None if math.isinf(wait) else wait
 
     def broadcast_times(self) -> dict[int, float]:
         """T_bcast of each version that `done_fraction` of the active workers have received

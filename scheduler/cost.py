@@ -38,17 +38,28 @@ def bandwidth_dollars(traffic: dict[str, tuple[float, float]], rates: dict[str, 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """`[scheduler] max_total_dollars`: stop before a step would pass it (0 = no budget)."""
+    """`[scheduler] max_total_dollars` (0 = no budget). The run never passes it: it stops
+    before a step that could (`exhausted`), and a learner waiting for rollouts stops waiting
+    when the wait alone would leave too little for that step (`affordable_wait_s`)."""
 
     max_total: float = 0.0
+    margin: float = 2.0  # a step is assumed to cost up to `margin` × the dearest recent one
 
-    def exhausted(self, spent: float, last_step: float) -> str:
-        """Why the run must stop now ('' = it may go on): one more step like the last would
-        pass the budget, so it is not taken."""
-        if self.max_total and spent + last_step > self.max_total:
-            return (f"budget: ${spent:.4f} spent, one more step (~${last_step:.4f}) would pass "
+    def exhausted(self, spent: float, recent_steps: Iterable[float]) -> str:
+        """Why the run must stop now ('' = it may go on)."""
+        worst = self.margin * max(recent_steps, default=0.0)
+        if self.max_total and spent + worst > self.max_total:
+            return (f"budget: ${spent:.4f} spent; the next step (up to ~${worst:.4f}) could pass "
                     f"max_total_dollars = ${self.max_total:g}")
         return ""
+
+    def affordable_wait_s(self, spent: float, recent_steps: Iterable[float], dollars_per_hour: float) -> float:
+        """Seconds the learner may still wait for a batch at `dollars_per_hour` and then afford
+        its step (inf without a budget)."""
+        if not self.max_total or dollars_per_hour <= 0:
+            return math.inf
+        left = self.max_total - spent - self.margin * max(recent_steps, default=0.0)
+        return max(0.0, left / dollars_per_hour * 3600.0)
 
 
 @dataclass(frozen=True, slots=True)
