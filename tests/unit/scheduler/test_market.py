@@ -254,3 +254,32 @@ def test_the_vast_sdk_searches_creates_follows_and_destroys(tmp_path):
         assert ("PUT", "/api/v0/asks/18421003/") in fake.requests and ("DELETE", f"/api/v0/instances/{iid}/") in fake.requests
     finally:
         fake.stop()
+
+
+def test_plan_offers_prices_the_live_market_with_bandwidth(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("vastai", reason="the Vast.ai SDK is not installed (pip install 'echo-rl[market]')")
+    import json
+
+    from vast_fake import FakeVast
+
+    from scheduler.plan import cli
+
+    fake = FakeVast(tmp_path, api_key="k").start()
+    monkeypatch.setenv("VAST_API_KEY", "k")
+    try:
+        args = ["--offers", "vast", "--vast-url", fake.url, "--gpus", "RTX 4090=3.0,RTX 3090=1.8,RTX 5090=4.2",
+                "--batch", "256", "--t-train", "60", "--no-simulate", "--json"]
+        assert cli([*args, "--snapshot-gb", "0"]) == 0
+        free = json.loads(capsys.readouterr().out)
+        assert cli([*args, "--snapshot-gb", "3"]) == 0
+        billed = json.loads(capsys.readouterr().out)
+    finally:
+        fake.stop()
+    assert len(free["offers"]["considered"]) == 5  # 3090s, 4090s, the 5090; not the unreliable one
+    assert free["cost"]["bandwidth_per_version"] == 0
+    # Free traffic: the two 4090s. At 3 GB a version their $0.003-0.005/GB costs ~$0.45/h each:
+    # the plan moves to the Oregon 3090 (free traffic) and the 5090.
+    assert free["offers"]["chosen"] == ["vast-18421001", "vast-18421002"]
+    assert billed["offers"]["chosen"] == ["vast-18421004", "vast-18421005"]
+    assert billed["cost"]["bandwidth_per_version"] > 0
+    assert billed["cost"]["dollars_per_step"] > billed["cost"]["bandwidth_per_version"] / billed["inputs"]["publish_every"]
