@@ -44,8 +44,10 @@ def test_the_dockerfile_install_steps_work_in_a_fresh_venv(tmp_path):
     work.mkdir()
     for op, arg in instructions():
         if op == "COPY":
-            src, dst = arg.split()
-            (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(ROOT / src, work / dst)
+            *srcs, dst = arg.split()
+            for src in srcs:
+                target = work / dst / src if dst.endswith("/") else work / dst
+                (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(ROOT / src, target)
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False).create(env_dir)
     bin_dir = env_dir / "bin"
