@@ -11,7 +11,7 @@ include mk/vllm.mk
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0    # the CPU wheel; any other torch is a multi-GB CUDA build
-	$(BIN)/pip install -q -e '.[dev,p2p]'  # p2p: so the py-libp2p relay transport is tested too
+	$(BIN)/pip install -q -e '.[dev,p2p,market]'  # p2p: the py-libp2p relay transport is tested too; market: Vast.ai
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -9,18 +9,22 @@ received a version), τ (the workers' install time), and the fleet's capacity. W
 from __future__ import annotations
 
 import math
+from collections import deque
 import statistics
 import time
 
 from learner.api.workers import WorkerRegistry
 from learner.metrics import LearnerMetrics
-from scheduler.cost import CostMeter
+from scheduler.cost import Budget, CostMeter, bandwidth_dollars
+from scheduler.market import version_traffic
 
 
 class Accounting:
     def __init__(self, cost: CostMeter, done_fraction: float, *, registry: WorkerRegistry,
-                 publisher, metrics: LearnerMetrics, fleet=None):
-        self.cost = cost
+                 publisher, metrics: LearnerMetrics, fleet=None, budget: Budget = Budget()):
+        self.cost, self.budget = cost, budget
+        self.recent_steps: deque[float] = deque(maxlen=20)  # $ of the last steps (time + bandwidth)
+        self.hourly = cost.learner_price  # $/h of the fleet at the last step
         self.done_fraction, self.registry, self.publisher = done_fraction, registry, publisher
         self.metrics, self.fleet = metrics, fleet
         self.published_at: dict[int, float] = {}  # versions whose T_bcast is not measured yet
@@ -36,11 +40,19 @@ class Accounting:
             prices = fleet.active_prices()
         else:
             prices = [w.price_per_hour for w in self.registry.active(time.monotonic())]
-        cost = self.cost.step(train, wait, prices)
+        bandwidth, wires = 0.0, {}
+        for version in sorted(self.publisher.wire_bytes):  # bytes on the wire of what was published
+            wires[version] = self.publisher.wire_bytes.pop(version)
+            bandwidth += self.bandwidth(wires[version])
+        cost = self.cost.step(train, wait, prices, bandwidth)
+        self.recent_steps.append(cost.dollars)
+        self.hourly = cost.learner_price + cost.workers_price
         out = {"dollars_step": round(cost.dollars, 8), "dollars_total": round(cost.cumulative, 6),
                "workers_price_per_hour": round(cost.workers_price, 4), "bubble": round(cost.bubble, 4)}
-        for version in sorted(self.publisher.wire_bytes):  # bytes on the wire of what was published
-            out["snapshot_bytes"] = {"version": version, **self.publisher.wire_bytes.pop(version)}
+        if bandwidth:
+            out["dollars_bandwidth"] = round(bandwidth, 8)
+        for version, wire in wires.items():
+            out["snapshot_bytes"] = {"version": version, **wire}
         bcast = self.broadcast_times()
         if bcast:
             out["t_bcast"] = round(max(bcast.values()), 4)
@@ -61,6 +73,34 @@ class Accounting:
             out.update(r_req=round(st.r_req, 3), r_eff=round(st.r_eff, 3), active_workers=len(st.active),
                        binding=st.binding)
         return out
+
+    def bandwidth(self, wire: dict) -> float:
+        """$ the market bills for one published version's traffic (`scheduler.market.version_traffic`:
+        every worker downloads it, relays upload it again); star mode: every active worker downloads it whole."""
+        fleet = self.fleet
+        if fleet is None:
+            return 0.0
+        rates = fleet.gb_rates()
+        if not rates:
+            return 0.0
+        keys = {w.id: w.fleet_key for w in self.registry.workers.values()}
+        traffic = version_traffic(wire)
+        if not traffic:
+            traffic = {w.id: (float(wire.get("raw") or 0), 0.0) for w in self.registry.active(time.monotonic())}
+        by_key = {keys.get(w, w): t for w, t in traffic.items()}
+        sizes = [d for d, _ in traffic.values() if d]
+        if sizes:
+            fleet.published(max(sizes))
+        return bandwidth_dollars(by_key, rates)
+
+    def exhausted(self) -> str:
+        """Why the run must stop now for its budget ('' = it may go on)."""
+        return self.budget.exhausted(self.cost.dollars, self.recent_steps)
+
+    def affordable_wait_s(self) -> float | None:
+        """How long the learner may wait for its next batch within the budget (None: no limit)."""
+        wait = self.budget.affordable_wait_s(self.cost.dollars, self.recent_steps, self.hourly)
+        return None if math.isinf(wait) else wait
 
     def broadcast_times(self) -> dict[int, float]:
         """T_bcast of each version that `done_fraction` of the active workers have received

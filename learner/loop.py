@@ -39,6 +39,7 @@ class Loop:
         self.run_dir, self.driver, self.buffer, self.run, self.ledger = run_dir, driver, buffer, run, ledger
         self.leases, self.registry, self.publishing = leases, registry, publishing
         self.evaluation, self.accounting, self.record = evaluation, accounting, record
+        self.stopped = ""  # why the run ended before [run] steps (its budget), else ''
 
     async def begin(self) -> None:
         await self.publishing.publish()
@@ -56,7 +57,13 @@ class Loop:
         try:
             while trainer.updates < self.steps:  # not the version: a resume may skip version numbers
                 t0 = time.monotonic()
-                batch = await self.buffer.get_batch(trainer.version)
+                try:  # the budget bounds the wait too: a learner idling for rollouts still bills
+                    batch = await asyncio.wait_for(self.buffer.get_batch(trainer.version),
+                                                   self.accounting.affordable_wait_s())
+                except asyncio.TimeoutError:
+                    self.stop_for(f"budget: waiting longer for rollouts would leave too little of max_total_dollars "
+                                  f"for the next step (${self.accounting.cost.dollars:.4f} spent)")
+                    break
                 t1 = time.monotonic()
                 stats = await trainer.call("step", batch)
                 t2 = time.monotonic()
@@ -77,13 +84,24 @@ class Loop:
                 record.show(step, evaluation.last)
                 if self.checkpoint_every and trainer.updates % self.checkpoint_every == 0 and not last:
                     await self.checkpoint()
-            await evaluation.finish(trainer.version)
+                if not last and (why := self.accounting.exhausted()):
+                    self.stop_for(why)
+                    break
+            if not self.stopped:  # a spent budget buys no final eval round
+                await evaluation.finish(trainer.version)
         finally:
             record.stop()
             run.finished = True
             self.leases.changed()
             for task in background:
                 task.cancel()
+
+    def stop_for(self, why: str) -> None:
+        """The budget is spent: end() checkpoints; the scheduler releases every machine now."""
+        self.stopped = why
+        self.record.display.note(f"stopping: {why}")
+        if self.accounting.fleet is not None:
+            self.accounting.fleet.release_all(time.monotonic(), why)
 
     async def end(self) -> None:
         await self.checkpoint()

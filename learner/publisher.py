@@ -137,6 +137,8 @@ class ChainPublisher(StarPublisher):
             self.pushes.add(task)
             task.add_done_callback(self.pushes.discard)
             plans[key] = {**plan.summary(), "chains": [list(c) for c in plan.chains], "pull": list(plan.pull),
+                          "bytes": manifest.wire_size, "parents": [list(p) for p in plan.parents],
+                          "shares": list(plan.shares),
                           "links_mbit": {p.id: [round(p.down / MBIT, 1), round(p.up / MBIT, 1)] for p in peers},
                           "uplink_mbit": round(self.links.uplink.rate / MBIT, 1)}
         self.wire_bytes[version] = {"raw": len(blob), "chunk": chunk, "full": full.manifest.wire_size,

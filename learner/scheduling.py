@@ -38,15 +38,25 @@ def machine_tokens(pool: Pool, token: str, path: Path) -> None:
     path.chmod(0o600)
 
 
+def version_bytes_prior(cfg: LearnerConfig) -> float:
+    """Bytes of one version on the wire until measured: `[scheduler] snapshot_gb`, else the
+    model's weights on disk (a full version; deltas are smaller, so this errs dear)."""
+    if cfg.scheduler.snapshot_gb:
+        return cfg.scheduler.snapshot_gb * 1e9
+    model = Path(cfg.model.path)
+    return float(sum(p.stat().st_size for p in model.glob("*.safetensors"))) if model.is_dir() else 0.0
+
+
 def make_fleet(cfg: LearnerConfig, provider: Provider, token: str, run_dir: Path) -> Fleet:
     sc = cfg.scheduler
-    pool = load_pool(sc.pool) if sc.pool else None
+    market = provider.offers() is not None  # a market's live offers are the candidates, not a pool file
+    pool = load_pool(sc.pool) if sc.pool and not market else None
     if pool is not None and not provider.launches_machines:
         machine_tokens(pool, token, run_dir / "machine-tokens.toml")
     return Fleet(pool, provider, sc.controller_params(), batch=cfg.batch_rollouts,
                  publish_every=cfg.publish_every, max_staleness=cfg.buffer.max_staleness,
                  t_train_prior=sc.t_train_s, t_bcast_prior=sc.t_bcast_s, install_prior=sc.install_s,
-                 launch_timeout_s=sc.launch_timeout_s, rule=sc.rule)
+                 launch_timeout_s=sc.launch_timeout_s, rule=sc.rule, version_bytes=version_bytes_prior(cfg))
 
 
 async def schedule(fleet: Fleet, registry: WorkerRegistry, tick_s: float, log, note) -> None:
@@ -61,6 +71,10 @@ async def schedule(fleet: Fleet, registry: WorkerRegistry, tick_s: float, log, n
             note(f"scheduler error: {e}")
             await asyncio.sleep(tick_s)
             continue
+        for key, why in st.lost:  # preempted, vanished, never joined: its leases go back at once
+            reissued = registry.lost(key, why)
+            log({"event": "scheduler", "action": "lost", "worker": key, "reason": why, "reissued": reissued})
+            note(f"scheduler: lost {key} ({why}); {reissued} leased prompts re-issued")
         for w in registry.workers.values():
             w.active = fleet.is_active(w.fleet_key)
         if st.infeasible and st.infeasible != said:

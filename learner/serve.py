@@ -31,7 +31,7 @@ from learner.scheduling import make_fleet, make_provider, schedule
 from learner.status import StatusDisplay, banner
 from learner.train.dist import World
 from learner.verify import Rescorer
-from scheduler.cost import CostMeter
+from scheduler.cost import Budget, CostMeter
 
 
 async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: LocalWorkers, as_json: bool) -> int:
@@ -86,7 +86,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         display.note(recovery.note(trainer.version, checkpoint))
 
     accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
-                            fleet=fleet)
+                            fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars))
     record = RunRecord(log, display, as_json, metrics=metrics, buffer=buffer, leases=book, registry=api.registry)
     publishing = Publishing(publisher, driver=driver, run=run, registry=api.registry, ledger=ledger,
                             accounting=accounting, metrics=metrics)
@@ -107,6 +107,10 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         await asyncio.to_thread(provider.close)  # waits for processes: not on the event loop
     await publisher.stop()
     await api.stop()
-    record.finish(run_dir, record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last,
-                                          cost.summary()))
+    summary = record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last, cost.summary())
+    if loop.stopped:
+        summary["stopped"] = loop.stopped
+    if provider is not None and hasattr(provider, "destroyed"):
+        summary["instances_destroyed"] = list(provider.destroyed)
+    record.finish(run_dir, summary)
     return 0

@@ -13,6 +13,7 @@ The old flat spelling (`provider = "local"`, `launch_command = ...` beside it in
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -54,7 +55,46 @@ class CommandProviderConfig(_ProviderConfig):
     release_command: str = Field("", description="[scheduler.provider] release_command: shell command that tears machine {id} down (same placeholders); empty = never torn down")
 
 
-ProviderConfig = Annotated[Union[StaticProviderConfig, LocalProviderConfig, CommandProviderConfig],
+DEFAULT_ONSTART = "echo-worker join {url} --token {token} --worker.name {id} --worker.gpu {gpu}"
+DEFAULT_IMAGE = "ghcr.io/echo-rl/echo-worker:latest"  # docker/worker.Dockerfile
+
+
+class _MarketProviderConfig(_ProviderConfig):
+    """What every marketplace provider shares: which GPUs, at what expected rate, how to start."""
+
+    gpus: dict[str, float] = Field(default_factory=dict, description="[scheduler.provider] gpus: GPU model → expected rollouts/s of one such GPU, e.g. {\"RTX 4090\" = 3.0}; only offers of these GPUs are candidates")
+    image: str = Field(DEFAULT_IMAGE, description="[scheduler.provider] image: the worker container image (docker/worker.Dockerfile)")
+    onstart: str = Field(DEFAULT_ONSTART, description="[scheduler.provider] onstart: command the machine runs at boot (placeholders {url} {token} {id} {gpu}, shell-quoted); extra worker flags go at its end")
+    learner_url: str = Field("", description="[scheduler.provider] learner_url: the address rented machines reach the learner at (default: the one it listens on)")
+    refresh_s: float = Field(30.0, gt=0.0, le=3600.0, description="[scheduler.provider] refresh_s: seconds between offer searches and instance-state checks")
+    disk_gb: float = Field(40.0, gt=0.0, le=10_000.0, description="[scheduler.provider] disk_gb: disk of each machine (GB)")
+
+
+class VastProviderConfig(_MarketProviderConfig):
+    """Vast.ai through its `vastai` SDK: live offers are the candidates."""
+
+    type: Literal["vast"] = Field("vast", description="[scheduler.provider] type = 'vast': rent machines on Vast.ai (`pip install 'echo-rl[market]'`)")
+    query: str = Field("reliability>0.98 num_gpus=1 inet_down>=200 verified=true", description="[scheduler.provider] query: Vast search filters (`vastai search offers` syntax); gpu_name is added from `gpus`")
+    interruptible: bool = Field(False, description="[scheduler.provider] interruptible: rent interruptible (bid) instances: cheaper, preempted when outbid")
+    bid_margin: float = Field(0.1, ge=0.0, le=10.0, description="[scheduler.provider] bid_margin: an interruptible bid is the offer's min_bid × (1 + margin)")
+    max_offers: int = Field(64, ge=1, le=1000, description="[scheduler.provider] max_offers: offers asked for per search")
+    api_url: str = Field("", description="[scheduler.provider] api_url: the Vast API server (default: the SDK's, https://console.vast.ai; $VAST_URL)")
+    api_key_env: str = Field("VAST_API_KEY", description="[scheduler.provider] api_key_env: environment variable holding the API key (else the SDK's key file)")
+
+
+class SkyProviderConfig(_MarketProviderConfig):
+    """SkyPilot's Python SDK: one cluster per machine, on whichever cloud SkyPilot picks."""
+
+    type: Literal["skypilot"] = Field("skypilot", description="[scheduler.provider] type = 'skypilot': launch machines with SkyPilot (`pip install skypilot`)")
+    clouds: list[str] = Field(default_factory=list, description="[scheduler.provider] clouds: SkyPilot clouds to consider (e.g. [\"runpod\", \"lambda\", \"vast\"]); empty = any enabled")
+    prices: dict[str, float] = Field(default_factory=dict, description="[scheduler.provider] prices: GPU model → $/h the controller plans with (SkyPilot picks the cloud; it has no live offer list)")
+    use_spot: bool = Field(False, description="[scheduler.provider] use_spot: spot/interruptible instances")
+    per_gpu_count: int = Field(4, ge=1, le=64, description="[scheduler.provider] per_gpu_count: candidates per GPU model")
+    dollars_per_gb: float = Field(0.0, ge=0.0, le=10.0, description="[scheduler.provider] dollars_per_gb: egress $/GB planned for each machine")
+
+
+ProviderConfig = Annotated[Union[StaticProviderConfig, LocalProviderConfig, CommandProviderConfig,
+                                 VastProviderConfig, SkyProviderConfig],
                            Field(discriminator="type")]
 _COMMAND_KEYS = ("launch_command", "release_command")  # the command provider's keys, once flat in [scheduler]
 
@@ -77,6 +117,9 @@ class SchedulerSection(Section):
 
     provider: ProviderConfig = Field(default_factory=StaticProviderConfig, description="[scheduler] provider: how machines come and go, a table picked by `type`: 'local' spawns worker processes here, 'command' runs launch/release commands, 'static' only uses workers that joined by themselves (`provider = \"local\"` is short for `type = \"local\"`)")
     launch_timeout_s: float = Field(180.0, gt=0.0, description="[scheduler] launch_timeout_s: a launched machine that has not joined by then counts as unavailable")
+    max_dollars_per_hour: float = Field(0.0, ge=0.0, le=1e6, description="[scheduler] max_dollars_per_hour: the run's burn-rate cap, learner + workers + bandwidth ($/h); the controller activates nothing past it and releases the dearest workers when prices rise above it (0 = no cap)")
+    max_total_dollars: float = Field(0.0, ge=0.0, le=1e9, description="[scheduler] max_total_dollars: the run's budget ($); before a step would pass it, the run checkpoints, releases every machine and stops cleanly (0 = no budget)")
+    snapshot_gb: float = Field(0.0, ge=0.0, le=10_000.0, description="[scheduler] snapshot_gb: bytes of one published version on the wire (GB) the bandwidth bill is planned with until measured (0 = the model's size on disk)")
     tick_s: float = Field(1.0, gt=0.0, le=3600.0, description="[scheduler] tick_s: seconds between controller evaluations")
 
     @model_validator(mode="before")
@@ -103,8 +146,17 @@ class SchedulerSection(Section):
     def _empty_is_none(cls, value):
         return None if value == "" else value  # `--scheduler.pool ""` turns a config's pool off
 
+    @model_validator(mode="after")
+    def _budget_leaves_room(self) -> "SchedulerSection":
+        if self.max_dollars_per_hour and self.max_dollars_per_hour <= self.learner_price_per_hour:
+            raise ValueError(f"[scheduler] max_dollars_per_hour = {self.max_dollars_per_hour:g} leaves nothing for workers: "
+                             f"the learner alone costs learner_price_per_hour = {self.learner_price_per_hour:g} $/h")
+        return self
+
     def controller_params(self) -> ControllerParams:
+        cap = self.max_dollars_per_hour - self.learner_price_per_hour if self.max_dollars_per_hour else math.inf
         return ControllerParams(
             alpha=self.alpha, window_s=self.window_s, release_margin=self.release_margin,
             heartbeat_timeout_s=self.heartbeat_timeout_s, ewma=self.ewma, warmup_s=self.warmup_s,
+            max_price_per_hour=cap,
         )

@@ -10,6 +10,8 @@ It keeps `R_eff = Σ_{i active} a_i·r̂_i` at or above the target `α·R_req`:
 - below target for `window_s` → activate the cheapest available workers (unit cost
   `c_i/r̂_i`) until the target is covered; losing an active worker, or having none, acts at
   once (that deficit is a fact, not noise);
+- never more than `max_price_per_hour` (the budget, for the workers) active: activation skips
+  a machine that would pass it, and prices that rose past it release the dearest first;
 - above `(1 + release_margin)·target` for `window_s` → release the active worker with the
   highest unit cost whose removal leaves `R_eff ≥ (1 + release_margin/2)·target`, one per
   window (gradual, and never back into the activation zone: no flapping).
@@ -38,6 +40,7 @@ class ControllerParams:
     heartbeat_timeout_s: float = 10.0  # no beat for this long → unavailable
     ewma: float = 0.2  # weight of each new throughput report in r̂
     warmup_s: float = 30.0  # a freshly activated worker counts at its prior this long
+    max_price_per_hour: float = math.inf  # Σ c_i of the active workers never exceeds it (the budget)
 
     def __post_init__(self) -> None:
         if not self.alpha >= 1:
@@ -46,6 +49,8 @@ class ControllerParams:
             raise SchedulerError("window_s and warmup_s must be ≥ 0 and heartbeat_timeout_s > 0")
         if self.release_margin < 0:
             raise SchedulerError(f"release_margin must be ≥ 0, got {self.release_margin!r}")
+        if not self.max_price_per_hour > 0:
+            raise SchedulerError(f"max_price_per_hour must be > 0, got {self.max_price_per_hour!r}")
         if not 0 < self.ewma <= 1:
             raise SchedulerError(f"ewma must be in (0, 1], got {self.ewma!r}")
 
@@ -127,6 +132,19 @@ class Controller:
                 and rollouts_per_s >= 0):
             w.rate += self.p.ewma * (rollouts_per_s - w.rate)
 
+    def set_price(self, worker_id: str, price: float) -> None:
+        """The worker's $/h changed (its bandwidth bill moved with the step time or snapshot size)."""
+        w = self._workers.get(worker_id)
+        if w is not None and price >= 0:
+            w.price = price
+
+    def release_all(self, reason: str) -> list[Decision]:
+        """Release every active worker (the run stops: its budget is spent)."""
+        out = [Decision("release", w.id, reason) for w in self._workers.values() if w.active]
+        for w in self._workers.values():
+            w.active = False
+        return out
+
     def forget(self, worker_id: str) -> None:
         """The worker left the pool for good (no decision is emitted for it)."""
         w = self._workers.pop(worker_id, None)
@@ -149,6 +167,7 @@ class Controller:
                 w.active = False
                 self._urgent = True
                 decisions.append(Decision("release", w.id, f"unavailable: no heartbeat for {now - w.last_beat:.0f} s"))
+        decisions += self._within_budget()
         r_eff = self.r_eff
         active = [w for w in self._workers.values() if w.active]
 
@@ -175,17 +194,34 @@ class Controller:
             self._shortfall = 0.0
 
         assert all(w.alive for w in self._workers.values() if w.active)
+        assert math.fsum(w.price for w in self._workers.values() if w.active) <= self.p.max_price_per_hour + 1e-9
         self._last = self._status(now, r_req, target)
         return decisions
+
+    def _within_budget(self) -> list[Decision]:
+        """Prices rose past `max_price_per_hour`: release the dearest by unit cost until under it."""
+        out: list[Decision] = []
+        cap = self.p.max_price_per_hour
+        for w in sorted((w for w in self._workers.values() if w.active), key=lambda w: (-w.unit_cost, w.id)):
+            spent = math.fsum(x.price for x in self._workers.values() if x.active)
+            if spent <= cap:
+                break
+            w.active = False
+            out.append(Decision("release", w.id, f"budget: active workers cost ${spent:.3f}/h > max ${cap:.3f}/h"))
+        return out
 
     def _activate(self, now: float, deficit: float, target: float) -> list[Decision]:
         idle = sorted((w for w in self._workers.values() if w.alive and not w.active),
                       key=lambda w: (w.unit_cost, -w.rate, w.id))
         out: list[Decision] = []
         added = 0.0
+        spent = math.fsum(w.price for w in self._workers.values() if w.active)
         for w in idle:
             if added >= deficit:
                 break
+            if spent + w.price > self.p.max_price_per_hour:
+                continue  # the budget: a dearer machine never, a cheaper one may still fit
+            spent += w.price
             w.active, w.active_since = True, now
             added += w.rate
             out.append(Decision("activate", w.id, f"R_eff below target {target:.3g}/s by {deficit:.3g}/s"))

@@ -23,6 +23,7 @@ from scheduler.capacity import requirement
 from scheduler.controller import Controller, ControllerParams, Decision
 from scheduler.errors import InfeasibleOverlap
 from scheduler.pool import Pool
+from scheduler.market import bandwidth_per_hour
 from scheduler.providers import Machine, Provider
 
 
@@ -35,6 +36,7 @@ class _Candidate:
     machine: Machine
     launched_at: float | None = None  # by our provider
     joined: bool = False
+    offered: bool = False  # a market's live offer (it may vanish); else a pool entry
     last_seen: float = -math.inf
 
 
@@ -51,12 +53,14 @@ class FleetStatus:
     binding: str = ""  # which condition of the rule sets R_req
     infeasible: str = ""
     decisions: list[Decision] = field(default_factory=list)
+    lost: list[tuple[str, str]] = field(default_factory=list)  # (machine id, why): the learner re-issues their leases
 
 
 class Fleet:
     def __init__(self, pool: Pool | None, provider: Provider, params: ControllerParams, *, batch: int,
                  publish_every: int, max_staleness: int, t_train_prior: float, t_bcast_prior: float,
-                 launch_timeout_s: float, rule: str = "overlapped", install_prior: float = 0.0):
+                 launch_timeout_s: float, rule: str = "overlapped", install_prior: float = 0.0,
+                 version_bytes: float = 0.0):
         self.provider = provider
         self.controller = Controller(params)
         self.batch, self.publish_every, self.max_staleness, self.rule = batch, publish_every, max_staleness, rule
@@ -67,14 +71,90 @@ class Fleet:
         self._bcast_times: deque[float] = deque(maxlen=5)
         self._install_times: deque[float] = deque(maxlen=5)
         self.status: FleetStatus | None = None
+        self.version_bytes = version_bytes  # one published version on the wire (prior, then measured)
+        self.stopped = ""  # why every machine was released for good (the budget)
         if pool is not None:  # a static provider's pool entries become available when they join
             for c in pool.candidates():
                 kind = pool.kind_of(c.id)
-                self._add(0.0, Machine(c.id, kind.gpu, kind.price_per_hour, kind.rollouts_per_s))
+                self._add(0.0, Machine(c.id, kind.gpu, kind.price_per_hour, kind.rollouts_per_s,
+                                       down_mbps=kind.download_mbps, up_mbps=kind.upload_mbps,
+                                       dollars_per_gb_down=kind.dollars_per_gb_down,
+                                       dollars_per_gb_up=kind.dollars_per_gb_up))
+        self._refresh_offers(0.0)
 
-    def _add(self, now: float, machine: Machine) -> None:
-        self.candidates[machine.id] = _Candidate(machine)
-        self.controller.join(now, machine.id, machine.price_per_hour, machine.rollouts_per_s)
+    def _add(self, now: float, machine: Machine, offered: bool = False) -> None:
+        self.candidates[machine.id] = _Candidate(machine, offered=offered)
+        self.controller.join(now, machine.id, self.effective_price(machine), machine.rollouts_per_s)
+
+    def _forget(self, key: str) -> None:
+        self.candidates.pop(key, None)
+        self.controller.forget(key)
+
+    # --- the bill -----------------------------------------------------------------------------
+
+    @property
+    def versions_per_hour(self) -> float:
+        return 3600.0 / (self.publish_every * max(self.t_train, 1e-3))
+
+    def effective_price(self, machine: Machine) -> float:
+        """$/h the controller ranks a machine by: its rent plus its bandwidth bill (it downloads
+        every version, and may relay it once)."""
+        return machine.price_per_hour + bandwidth_per_hour(machine, self.version_bytes, self.versions_per_hour)
+
+    def published(self, wire_bytes: float) -> None:
+        """A version went out: `wire_bytes` is what one worker downloads of it."""
+        if wire_bytes > 0:
+            self.version_bytes = float(wire_bytes)
+
+    def gb_rates(self) -> dict[str, tuple[float, float]]:
+        """Fleet key → ($/GB down, $/GB up) of every candidate that is billed for traffic."""
+        return {k: (c.machine.dollars_per_gb_down, c.machine.dollars_per_gb_up) for k, c in self.candidates.items()
+                if c.machine.dollars_per_gb_down or c.machine.dollars_per_gb_up}
+
+    def link_of(self, key: str) -> tuple[float, float] | None:
+        """The (down, up) Mbit/s a market's offer (or the pool) says for a machine; None = unknown.
+        The learner seeds its broadcast link table with it instead of the worker's own word."""
+        cand = self.candidates.get(key)
+        if cand is None or not (cand.machine.down_mbps or cand.machine.up_mbps):
+            return None
+        return cand.machine.down_mbps, cand.machine.up_mbps
+
+    # --- the market ---------------------------------------------------------------------------
+
+    def _refresh_offers(self, now: float) -> None:
+        """A market's candidates follow its live offers: new ones join the pool, vanished ones
+        that we neither launched nor use leave it."""
+        offered = self.provider.offers()
+        if offered is None:
+            return
+        ids = set()
+        for m in offered:
+            ids.add(m.id)
+            if m.id not in self.candidates:
+                self._add(now, m, offered=True)
+        for key, cand in list(self.candidates.items()):
+            if (cand.offered and key not in ids and cand.launched_at is None and not cand.joined
+                    and key not in self.controller.active):
+                self._forget(key)
+
+    def _lost(self, now: float) -> list[tuple[str, str]]:
+        """Machines the provider lost (preempted, offer vanished): forgotten at once, so the
+        controller replaces them at this tick and the learner re-issues their leases."""
+        lost = [(key, why) for key, why in self.provider.poll() if key in self.candidates]
+        for key, _ in lost:
+            self._forget(key)
+        return lost
+
+    def release_all(self, now: float, reason: str) -> list[Decision]:
+        """Release every machine for good (the budget is spent): nothing is activated after."""
+        self.stopped = reason
+        decisions = self.controller.release_all(reason)
+        for cand in self.candidates.values():
+            if cand.launched_at is not None or cand.joined:
+                if self.provider.releases_machines:
+                    self.provider.release(cand.machine)
+                cand.joined, cand.launched_at = False, None
+        return decisions
 
     # --- what the learner reports --------------------------------------------------------
 
@@ -133,13 +213,21 @@ class Fleet:
         return name in self.controller.active
 
     def tick(self, now: float) -> FleetStatus:
-        """Refresh availability, re-evaluate the capacity rule, act on the decisions."""
-        for cand in self.candidates.values():
+        """Refresh offers and availability, re-evaluate the capacity rule, act on the decisions."""
+        self._refresh_offers(now)
+        lost = self._lost(now)
+        for key, cand in list(self.candidates.items()):
+            self.controller.set_price(key, self.effective_price(cand.machine))
             if cand.joined:
                 continue  # heartbeats speak for it; the controller times it out
             waiting = cand.launched_at is not None and now - cand.launched_at > self.launch_timeout_s
+            if waiting and self.provider.abandon(cand.machine, f"did not join within {self.launch_timeout_s:g} s"):
+                lost.append((key, f"never joined within {self.launch_timeout_s:g} s: destroyed"))
+                self._forget(key)
+                continue
             # A machine the provider can still bring up is available; one that never joined is not.
-            self.controller.observe(now, cand.machine.id, alive=self.provider.launches_machines and not waiting)
+            self.controller.observe(now, cand.machine.id,
+                                    alive=self.provider.launches_machines and not waiting and not self.stopped)
         infeasible, binding = "", ""
         try:  # learner-visible broadcast: reception by the workers, then their install
             req = requirement(self.rule, batch=self.batch, t_train=self.t_train, t_bcast=self.t_bcast + self.install_s,
@@ -148,7 +236,8 @@ class Fleet:
             r_req, binding = req.r_req, req.binding
         except InfeasibleOverlap as e:  # says what to change: I, S and the broadcast time together
             infeasible, r_req = str(e), math.inf
-        decisions = self.controller.tick(now, r_req if math.isfinite(r_req) else 1e12)
+        # After release_all (the budget) nothing is activated again: the target is zero.
+        decisions = self.controller.tick(now, 0.0 if self.stopped else r_req if math.isfinite(r_req) else 1e12)
         for d in decisions:
             cand = self.candidates[d.worker_id]
             if d.action == "activate" and not cand.joined and self.provider.launches_machines:
@@ -164,7 +253,7 @@ class Fleet:
         self.status = FleetStatus(r_req=r_req, target=st.target, r_eff=st.r_eff, active=active,
                                   active_price=st.active_price, t_train=self.t_train, t_bcast=self.t_bcast,
                                   install_s=self.install_s, binding=binding, infeasible=infeasible,
-                                  decisions=decisions)
+                                  decisions=decisions, lost=lost)
         return self.status
 
     def active_prices(self) -> list[float]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
     values.update(
         alpha=sched.alpha, activation=sched.activation, learner_price=sched.learner_price_per_hour,
         t_train=sched.t_train_s, t_bcast=sched.t_bcast_s, length_sigma=sched.length_sigma,
-        rule=sched.rule, install_s=sched.install_s,
+        rule=sched.rule, install_s=sched.install_s, snapshot_gb=sched.snapshot_gb,
     )
     pool = _resolve(sched.pool, Path(path).parent) if sched.pool else None
     return values, pool
@@ -161,6 +162,15 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--non-blocking", action="store_true",
                    help="simulate slots that never wait (the blog's model); default: the learner's back-pressure")
     p.add_argument("--learner-price", type=float, help="learner node $/h (default 3.06)")
+    p.add_argument("--snapshot-gb", type=float,
+                   help="GB of one published version on the wire, for the bandwidth bill (default 0: none)")
+    p.add_argument("--offers", choices=["vast"],
+                   help="price the live market instead of a pool file: search its offers (needs [scheduler.provider] "
+                        "gpus, or --gpus) and plan over them")
+    p.add_argument("--gpus", metavar="NAME=RATE,...",
+                   help="with --offers: GPU model = expected rollouts/s of one, e.g. 'RTX 4090=3.0,RTX 3090=1.8'")
+    p.add_argument("--vast-url", help="with --offers vast: the API server (default the SDK's; a test server)")
+    p.add_argument("--query", help="with --offers vast: search filters (default [scheduler.provider] query)")
     p.add_argument("--alpha", type=float, help="safety factor α: activation covers α·R_req (default 1.2)")
     p.add_argument("--queue-factor", type=float, help="q: queue-drop capacity in batches (default 1)")
     p.add_argument("--buffer", choices=["queue-drop", "queue-max"], help="buffer policy (default queue-drop)")
@@ -179,6 +189,7 @@ _FLAG_TO_INPUT = {
     "learner_price": "learner_price", "alpha": "alpha", "queue_factor": "queue_factor",
     "buffer": "buffer", "length_sigma": "length_sigma", "activation": "activation",
     "sim_steps": "sim_steps", "seed": "seed", "install_s": "install_s", "rule": "rule",
+    "snapshot_gb": "snapshot_gb",
 }
 
 
@@ -207,9 +218,12 @@ def _plan_cli(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     values: dict[str, Any] = {}
     pool_path: Path | None = None
+    provider: dict = {}
     try:
         if args.config:
             values, pool_path = _from_config(args.config)
+            provider = read_toml(args.config).get("scheduler", {}).get("provider", {})
+            provider = provider if isinstance(provider, dict) else {}
         for flag, key in _FLAG_TO_INPUT.items():
             if getattr(args, flag) is not None:
                 values[key] = getattr(args, flag)
@@ -227,17 +241,89 @@ def _plan_cli(argv: list[str]) -> int:
             values["active"] = _parse_active(args.active)
         pool_path = _resolve(args.pool) if args.pool else pool_path or _resolve(DEFAULT_POOL)
         inputs = PlanInputs(**values)
-        pool = load_pool(pool_path)
+        offers = None
+        if args.offers:
+            pool, offers = market_pool(args, provider)
+            pool_path = f"live {args.offers} offers"
+        else:
+            pool = load_pool(pool_path)
         plan = make_plan(inputs, pool)
+        if offers is not None:
+            plan["offers"] = offers_section(plan, offers)
     except InfeasibleOverlap as e:
         return _fail(str(e), args.json, condition=e.condition, smallest_feasible_period=e.smallest_feasible_period,
                      largest_feasible_period=e.largest_feasible_period,
                      smallest_feasible_staleness=e.smallest_feasible_staleness)
     except (SchedulerError, ConfigError) as e:
         return _fail(str(e), args.json)
+    except ImportError as e:
+        return _fail(str(e), args.json)
     plan["inputs"]["pool_file"] = str(pool_path)
-    print(json.dumps(plan, indent=2, ensure_ascii=False) if args.json else render_plan(plan))
+    out = render_plan(plan)
+    if "offers" in plan and not args.json:
+        out = render_offers(plan["offers"]) + "\n\n" + out
+    print(json.dumps(plan, indent=2, ensure_ascii=False) if args.json else out)
     return 0
+
+
+def _parse_gpus(text: str) -> dict[str, float]:
+    gpus = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, rate = item.partition("=")
+        try:
+            gpus[name.strip()] = float(rate)
+        except ValueError:
+            raise ConfigError(f"--gpus {text!r}: expected NAME=RATE pairs, e.g. 'RTX 4090=3.0'") from None
+    return gpus
+
+
+def market_pool(args: argparse.Namespace, provider: dict) -> tuple[Pool, list[dict]]:
+    """The live market as a pool: one entry per offer (its $/h, links and $/GB; the rate of
+    its GPU from `gpus`). Returns the pool and the offers considered."""
+    from scheduler.market import offer_machine
+    from scheduler.pool import parse_pool
+    from scheduler.vast import VastMarket
+
+    gpus = _parse_gpus(args.gpus) if args.gpus else dict(provider.get("gpus") or {})
+    if not gpus:
+        raise ConfigError("--offers needs the GPUs to consider and their expected rollouts/s: --gpus "
+                          "'RTX 4090=3.0,RTX 3090=1.8' or [scheduler.provider] gpus in --config")
+    market = VastMarket(gpus=gpus, query=args.query if args.query is not None else
+                        provider.get("query", "reliability>0.98 num_gpus=1 inet_down>=200 verified=true"),
+                        image="", interruptible=bool(provider.get("interruptible", False)),
+                        api_url=args.vast_url or provider.get("api_url", ""),
+                        api_key=os.environ.get(provider.get("api_key_env", "VAST_API_KEY")))
+    offers = market.search()
+    workers, rows = [], []
+    for o in offers:
+        m = offer_machine(market.name, o, gpus)
+        if m.rollouts_per_s <= 0:
+            continue
+        rows.append({**o.row(), "machine": m.id, "rollouts_per_s": m.rollouts_per_s})
+        workers.append({"name": m.id, "gpu": o.gpu, "price_per_hour": o.price_per_hour,
+                        "rollouts_per_s": m.rollouts_per_s, "download_mbps": max(o.down_mbps, 1.0),
+                        "upload_mbps": max(o.up_mbps, 1.0), "dollars_per_gb_down": o.dollars_per_gb_down,
+                        "dollars_per_gb_up": o.dollars_per_gb_up})
+    if not workers:
+        raise ConfigError(f"the market offers no machine with the GPUs asked for ({', '.join(gpus)})")
+    return parse_pool({"name": f"{market.name}-offers", "description": market.query, "workers": workers}), rows
+
+
+def offers_section(plan: dict, offers: list[dict]) -> dict:
+    chosen = plan["activation"][plan["activation"]["used"]]["workers"]
+    return {"considered": offers, "chosen": sorted(chosen)}
+
+
+def render_offers(section: dict) -> str:
+    lines = [f"offers     {len(section['considered'])} considered (* chosen)",
+             f"  {'':2}{'machine':<16}{'gpu':<12}{'$/h':>7}{'r/s':>7}{'down':>7}{'up':>7}{'$/GB↓':>7}{'$/GB↑':>7}"
+             f"{'rel':>7}  location"]
+    for o in section["considered"]:
+        mark = "*" if o["machine"] in section["chosen"] else " "
+        lines.append(f"  {mark} {o['machine']:<16}{o['gpu']:<12}{o['price_per_hour']:>7.3f}{o['rollouts_per_s']:>7.2f}"
+                     f"{o['down_mbps']:>7.0f}{o['up_mbps']:>7.0f}{o['dollars_per_gb_down']:>7.3f}"
+                     f"{o['dollars_per_gb_up']:>7.3f}{o['reliability']:>7.3f}  {o['location']}")
+    return "\n".join(lines)
 
 
 def render_plan(plan: dict) -> str:
@@ -271,8 +357,10 @@ def render_plan(plan: dict) -> str:
          f"C = {pipe['concurrency']} slots (C/B = {pipe['c_over_b']:.2f})"),
         (f"           paper's overlap I·B/R + T_b ≤ I·T: {'holds' if pipe['overlap_holds'] else 'fails'}; predicted "
          f"wait ({capd['rule']} rule) {pipe['wait_per_period_s']:.3g} s per period, bubble {pipe['bubble']:.1%}"),
-        (f"cost       ${cost['dollars_per_step']:.4f}/step = (T + wait/I)·${cost['dollars_per_hour']:.3f}/h / 3600 "
-         f"(learner {cost['learner_per_hour']:.2f} + workers {cost['workers_per_hour']:.3f})"),
+        (f"cost       ${cost['dollars_per_step']:.4f}/step = (T + wait/I)·${cost['learner_per_hour'] + cost['workers_per_hour']:.3f}/h / 3600 "
+         f"(learner {cost['learner_per_hour']:.2f} + workers {cost['workers_per_hour']:.3f})"
+         f" + bandwidth ${cost['bandwidth_per_version']:.4f}/version / I"
+         f" (${cost['bandwidth_per_hour']:.3f}/h at {inp['snapshot_gb']:g} GB a version)"),
         "",
         (f"staleness  worst case s_max ≤ I − 1 + ⌈(T_b + B/R)/T⌉ = {stale['bound']} "
          f"(under overlap: I + ⌈(1 − 1/I)·T_b/T⌉ = {stale['bound_under_overlap']}; budget S = {S})"),

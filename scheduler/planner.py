@@ -41,6 +41,7 @@ class PlanInputs:
     buffer: Literal["queue-drop", "queue-max"] = "queue-drop"
     length_sigma: float = 0.6  # σ of the response-length model
     activation: Literal["greedy", "exact"] = "exact"  # which choice the predictions use
+    snapshot_gb: float = 0.0  # one published version on the wire (GB): the bandwidth bill
     simulate: bool = True
     sim_steps: int = 600
     seed: int = 0
@@ -85,12 +86,19 @@ def make_plan(inp: PlanInputs, pool: Pool) -> dict:
     I = inp.period
     B, T, Tb = inp.batch, inp.t_train, inp.t_bcast
     req, infeasible = _requirement(inp)
-    cmp = act.compare(pool.candidates(), inp.alpha * req.r_req) if req is not None else None
+    traffic = bandwidth_per_version(inp, pool)  # $ per version by candidate id
+    per_hour = 3600.0 / (I * T)  # versions per hour
+    # Activation ranks by rent + traffic ($/GB × what each machine moves per version × versions/h).
+    priced = [act.Candidate(c.id, c.rate, c.price + traffic[c.id] * per_hour) for c in pool.candidates()]
+    cmp = act.compare(priced, inp.alpha * req.r_req) if req is not None else None
     if inp.active:
         used = given_fleet(pool, inp.active)
     else:
         used = cmp.exact if inp.activation == "exact" else cmp.greedy
     R = used.capacity
+    rent = {c.id: c.price for c in pool.candidates()}
+    workers_rent = sum(rent[c.id] for c in used.chosen)
+    bandwidth = sum(traffic[c.id] for c in used.chosen)
     slots = [pool.kind_of(c.id).slots for c in used.chosen]
     concurrency = sum(slots)
     rho = R * T / B
@@ -120,9 +128,11 @@ def make_plan(inp: PlanInputs, pool: Pool) -> dict:
             "closed_form_with_lag": closed.total + snapshot_lag,
         },
         "cost": {
-            "learner_per_hour": inp.learner_price, "workers_per_hour": used.cost,
-            "dollars_per_hour": inp.learner_price + used.cost,
-            "dollars_per_step": dollars_per_step(T, wait, I, inp.learner_price, [c.price for c in used.chosen]),
+            "learner_per_hour": inp.learner_price, "workers_per_hour": workers_rent,
+            "bandwidth_per_version": bandwidth, "bandwidth_per_hour": bandwidth * 3600.0 / (I * t_eff),
+            "dollars_per_hour": inp.learner_price + workers_rent + bandwidth * 3600.0 / (I * t_eff),
+            "dollars_per_step": dollars_per_step(T, wait, I, inp.learner_price, [rent[c.id] for c in used.chosen],
+                                                 bandwidth_per_version=bandwidth),
         },
     }
     sim = _simulate_fleet(inp, [c.rate for c in used.chosen], slots) if inp.simulate else None
@@ -174,6 +184,14 @@ def _simulate_fleet(inp: PlanInputs, rates: list[float], slots: list[int]) -> Si
         steps=inp.sim_steps, warmup_steps=max(10, inp.sim_steps // 10), seed=inp.seed,
         blocking_groups=max(groups, round(inp.queue_factor * inp.batch / inp.group_size)) if inp.blocking else None,
     ))
+
+
+def bandwidth_per_version(inp: PlanInputs, pool: Pool) -> dict[str, float]:
+    """$ each candidate's traffic costs per published version: it downloads the snapshot and,
+    as a relay in a chain, uploads it once (the planner's chains; a leaf uploads nothing, so
+    this errs dear by one upload)."""
+    return {c.id: inp.snapshot_gb * (pool.kind_of(c.id).dollars_per_gb_down + pool.kind_of(c.id).dollars_per_gb_up)
+            for c in pool.candidates()}
 
 
 def given_fleet(pool: Pool, counts: tuple[tuple[str, int], ...]) -> act.Activation:

@@ -46,6 +46,8 @@ class WorkerKind(_Strict):
     download_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="[[workers]] download_mbps: downlink bandwidth (Mbit/s) snapshots arrive over")
     upload_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="[[workers]] upload_mbps: uplink bandwidth (Mbit/s) used to relay snapshots down a chain")
     rtt_ms: float = Field(1.0, ge=0.0, le=10_000.0, description="[[workers]] rtt_ms: round-trip time to the learner (ms)")
+    dollars_per_gb_down: float = Field(0.0, ge=0.0, le=100.0, description="[[workers]] dollars_per_gb_down: what the market bills per GB downloaded ($/GB)")
+    dollars_per_gb_up: float = Field(0.0, ge=0.0, le=100.0, description="[[workers]] dollars_per_gb_up: what the market bills per GB uploaded ($/GB; relays upload)")
 
     @property
     def unit_cost(self) -> float:

@@ -5,6 +5,8 @@
   rollouts/s and announcing the pool's price (the demo and tests).
 - `command`: user-given shell commands, e.g. a cloud CLI (`launch_command = "mycloud up
   --name {id} --gpu '{gpu}' -- echo-worker join {url} --token {token}"`).
+- `vast`: Vast.ai through its `vastai` SDK: live offers are the candidates (`scheduler.vast`).
+- `skypilot`: SkyPilot's Python SDK (RunPod, Lambda, Vast, clouds; `scheduler.sky`).
 
 A machine a provider brings up joins with its own **machine token** (`machine_token`: the run
 token's HMAC of the machine id), which binds it to its pool entry: the pool's price and rate are
@@ -28,7 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.config import CommandProviderConfig, LocalProviderConfig, ProviderConfig, StaticProviderConfig
+from scheduler.config import (CommandProviderConfig, LocalProviderConfig, ProviderConfig, SkyProviderConfig,
+                              StaticProviderConfig, VastProviderConfig)
 
 
 MACHINE_PREFIX = "machine:"
@@ -55,6 +58,11 @@ class Machine:
     gpu: str
     price_per_hour: float
     rollouts_per_s: float
+    down_mbps: float = 0.0  # what the offer (or pool entry) says; 0 = unknown
+    up_mbps: float = 0.0
+    dollars_per_gb_down: float = 0.0  # bandwidth the market bills
+    dollars_per_gb_up: float = 0.0
+    interruptible: bool = False
 
 
 class Provider:
@@ -70,6 +78,19 @@ class Provider:
 
     def close(self) -> None:
         """Stop everything this provider started."""
+
+    def offers(self) -> list[Machine] | None:
+        """The machines a market offers now (candidates come and go); None: the pool file's."""
+        return None
+
+    def poll(self) -> list[tuple[str, str]]:
+        """(machine id, why) of machines lost since the last call (preempted, offer vanished)."""
+        return []
+
+    def abandon(self, machine: Machine, reason: str) -> bool:
+        """A launched machine never joined: give it up. True: it is gone for good (forget it);
+        False (the default): it stays a candidate that counts as unavailable."""
+        return False
 
 
 class LocalProvider(Provider):
@@ -145,4 +166,22 @@ def make_provider(spec: ProviderConfig, *, url: str, token: str, log_dir: Path, 
             return CommandProvider(spec.launch_command, spec.release_command, url, token, log_dir)
         case StaticProviderConfig():
             return Provider()
+        case VastProviderConfig():
+            from scheduler.market import MarketProvider
+            from scheduler.vast import VastMarket
+
+            market = VastMarket(gpus=spec.gpus, query=spec.query, image=spec.image, disk_gb=spec.disk_gb,
+                                interruptible=spec.interruptible, bid_margin=spec.bid_margin, limit=spec.max_offers,
+                                api_url=spec.api_url, api_key=os.environ.get(spec.api_key_env))
+            return MarketProvider(market, url=spec.learner_url or url, token=token, gpus=spec.gpus,
+                                  onstart=spec.onstart, refresh_s=spec.refresh_s)
+        case SkyProviderConfig():
+            from scheduler.market import MarketProvider
+            from scheduler.sky import SkyMarket
+
+            market = SkyMarket(gpus=spec.gpus, prices=spec.prices, clouds=spec.clouds, image=spec.image,
+                               disk_gb=spec.disk_gb, use_spot=spec.use_spot, per_gpu=spec.per_gpu_count,
+                               dollars_per_gb=spec.dollars_per_gb)
+            return MarketProvider(market, url=spec.learner_url or url, token=token, gpus=spec.gpus,
+                                  onstart=spec.onstart, refresh_s=spec.refresh_s)
     raise TypeError(f"unknown provider config {spec!r}")

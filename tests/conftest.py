@@ -55,11 +55,13 @@ def chat_model(tmp_path_factory) -> Path:
     return out
 
 
-def _toml(value) -> str:
-    """A TOML value: JSON for scalars and lists, an inline table for a dict."""
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)
+def toml_value(v) -> str:
+    """A TOML value: JSON's spelling for scalars and lists, an inline table for a dict."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return json.dumps(v)
 
 
 def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Path:
@@ -80,7 +82,7 @@ def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Pa
     lines = []
     for name, values in base.items():
         lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -30,7 +30,23 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--token", default=os.environ.get("ECHO_TOKEN", ""),
                       help="run token printed by echo-learner (default: $ECHO_TOKEN)")
     add_config_args(join, DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    doctor = sub.add_parser("doctor", help="check this machine: GPU, engine, disk, the learner's link, clock, a generation",
+                            description="Check this machine: one PASS/FAIL/SKIP line per check (paste them into a bug report).")
+    doctor.add_argument("url", nargs="?", help="the learner's URL (its checks are skipped without it)")
+    doctor.add_argument("--token", default=os.environ.get("ECHO_TOKEN", ""),
+                        help="run or machine token (default: $ECHO_TOKEN)")
+    doctor.add_argument("--min-disk-gb", type=float, default=20.0, help="free disk the cache needs (default 20 GB)")
+    add_config_args(doctor, DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     args, overrides = parser.parse_known_args(argv)
+    if args.command == "doctor":
+        from worker.doctor import run
+
+        try:
+            cfg = load_worker_config(args.config, overrides)
+        except ConfigError as e:
+            print(f"echo-worker: {e}", file=sys.stderr)
+            return 2
+        return run(args.url, args.token, cfg.worker.cache_dir, args.min_disk_gb, print_line=lambda s: print(s, flush=True))
     try:
         cfg = load_worker_config(args.config, overrides)
     except ConfigError as e:

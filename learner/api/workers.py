@@ -199,7 +199,10 @@ class WorkerRegistry:
         self._links(w, r)
 
     def _links(self, w: WorkerInfo, r: P.Report) -> None:
-        self.links.declare(w.id, w.download_mbit * MBIT, w.upload_mbit * MBIT)
+        # A market's offer says the machine's links: that seeds the table, not the worker's word.
+        offered = self.fleet.link_of(w.fleet_key) if self.fleet is not None else None
+        down, up = offered if offered is not None else (w.download_mbit, w.upload_mbit)
+        self.links.declare(w.id, down * MBIT, up * MBIT)
         if r.rtt_ms is not None:
             self.links.observe_rtt(w.id, r.rtt_ms / 1e3)
         try:
@@ -274,6 +277,15 @@ class WorkerRegistry:
         task = asyncio.get_running_loop().create_task(run())
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
+
+    def lost(self, fleet_key: str, why: str) -> int:
+        """The scheduler lost a machine (preempted, destroyed): its workers stop counting and
+        their leases are re-issued now, not at the lease TTL. Returns the prompts re-issued."""
+        leased = 0
+        for w in [w for w in self.workers.values() if w.fleet_key == fleet_key]:
+            w.active = False
+            leased += self.leases.release_worker(w.id)
+        return leased
 
     def reap(self, now: float) -> None:
         """Forget long-silent workers: their credentials stop working, their leases go back."""

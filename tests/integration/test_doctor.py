@@ -1,0 +1,41 @@
+"""`echo-worker doctor` on this (CPU) machine against a real learner on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT, WATCHED
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.main", "doctor", *args, "--min-disk-gb", "0.1"], cwd=ROOT,
+                          capture_output=True, text=True, env=WATCHED, timeout=120)
+
+
+def test_doctor_passes_on_a_cpu_machine_and_says_there_is_no_gpu(learner_factory):
+    lp = learner_factory(run={"steps": 1000})
+    from scheduler.providers import machine_token
+
+    for token in (lp.token, machine_token(lp.token, "vast-1")):  # the run token, or a provider's machine token
+        out = doctor(lp.url, "--token", token)
+        lines = out.stdout.splitlines()
+        assert out.returncode == 0, out.stdout + out.stderr
+        names = [line.split()[1] for line in lines[:-1]]
+        assert names == ["gpu", "engine", "disk", "learner", "download", "clock", "generate"]
+        assert lines[-1] == "echo-worker doctor: PASS"
+        status = {line.split()[1]: line.split()[0] for line in lines[:-1]}
+        gpu = next(line for line in lines if line.split()[1] == "gpu")
+        if "no GPU" in gpu:
+            assert status["gpu"] == "SKIP"
+        assert all(status[n] == "PASS" for n in ("engine", "disk", "learner", "download", "clock", "generate")), lines
+        assert "round trip" in lines[3] and "Mbit/s" in lines[4] and "skew" in lines[5]
+
+
+def test_doctor_fails_plainly_on_a_wrong_token_or_no_learner(learner_factory):
+    lp = learner_factory(run={"steps": 1000})
+    out = doctor(lp.url, "--token", "wrong")
+    assert out.returncode == 1 and "FAIL download" in out.stdout and "check --token" in out.stdout
+    assert out.stdout.splitlines()[-1] == "echo-worker doctor: FAIL (download)"
+    out = doctor("http://127.0.0.1:9", "--token", "x")  # nothing listens on port 9
+    assert out.returncode == 1 and "FAIL learner   cannot reach" in out.stdout
