@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo model test test-slow bench clean
+.PHONY: install demo model poker test test-slow bench clean
 
 include mk/vllm.mk
 
@@ -21,6 +21,11 @@ model: install           ## build the tiny demo model (skipped when it exists)
 
 demo: model              ## learner + 3 local workers learn arithmetic with GRPO on this machine
 	$(BIN)/echo-learner --config configs/demo.toml
+
+poker: install           ## the poker demo (ECHO-2 App. D): build and warm-start the model, train, score it
+	$(BIN)/echo-rl build-model --config configs/poker.toml --warmup-steps 400 --warmup-batch 32
+	$(BIN)/echo-learner --config configs/poker.toml
+	$(BIN)/echo-rl eval poker models/tiny-poker $$(ls -td runs/poker-* | head -1) --hands 400
 
 test: install            ## the default suite, then the vLLM engine tests in .venv-vllm (slow scenarios excluded)
 	$(BIN)/python -m pytest

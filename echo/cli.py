@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("scheduler.plan:cli", "predict staleness, capacity and cost of a configuration"),
     "bench": ("echo.bench:cli", "run a benchmark and print its table"),
     "experiment": ("learner.bench.experiment:cli", "measure sync vs bounded staleness (and replay) end to end"),
+    "eval": ("learner.evaluate:cli", "play a model against the poker table's opponents (ECHO-2 Table 4)"),
 }
 
 
