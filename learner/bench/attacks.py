@@ -38,6 +38,7 @@ import asyncio
 import itertools
 import json
 import random
+import resource
 import secrets
 import sys
 import time
@@ -360,6 +361,11 @@ class Attacker:
                     fleet.weight_bytes += len(body)
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _status(outcome: str) -> int:
     return int(outcome) if outcome.isdigit() else 0  # a client error's name: no reply at all
 
@@ -415,8 +421,12 @@ def cli(argv: list[str]) -> int:
     from learner.tinymodel import build_tokenizer
 
     fleet = HostileFleet(args.url, args.token, args.workers, args.ramp_s, build_tokenizer(), args.classes.split(","))
+    # Built (imports, tokenizer, bombs: seconds of CPU): start when told, not during the measured run's ramp.
+    print("ready", flush=True)
+    sys.stdin.readline()
+    cpu0 = _cpu()
     asyncio.run(fleet.run(args.seconds))
-    args.out.write_text(json.dumps(fleet.summary()))
+    args.out.write_text(json.dumps({**fleet.summary(), "cpu_cores": (_cpu() - cpu0) / args.seconds}))
     return 0
 
 

@@ -337,6 +337,7 @@ class Measured:
     server: dict
     client_cpu: float
     attacks: dict | None
+    load: float  # the machine's 1-minute load average at the end
 
 
 async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
@@ -361,10 +362,20 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
                                       "--workers", str(hostile), "--seconds", str(args.seconds), "--ramp-s",
                                       str(args.ramp_s), "--out", str(d / "attacks.json"),
                                       *([] if args.attacks == "all" else ["--classes", args.attacks])],
-                                     stderr=(d / "attacks.log").open("w")) if hostile else None
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(d / "attacks.log").open("w"),
+                                     text=True) if hostile else None
+        if attackers is not None:  # it says when it is ready to start (its start-up would load the ramp)
+            if await asyncio.to_thread(attackers.stdout.readline) != "ready\n":
+                print(f"echo-rl bench control-plane: the attackers failed:\n{(d / 'attacks.log').read_text()}",
+                      file=sys.stderr)
+                learner.terminate()
+                return None
+            attackers.stdin.write("go\n")
+            attackers.stdin.flush()
         cpu0 = _cpu()
         await fleet.run()
         client_cpu = (_cpu() - cpu0) / args.seconds
+        load = os.getloadavg()[0]  # the machine's, others' work included: a busy one moves every latency
         attacks = None
         if attackers is not None:  # the learner's counts are read once the attackers are done
             await asyncio.to_thread(attackers.wait, 60)
@@ -381,7 +392,7 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
             print("\n".join(slow[:20]), file=sys.stderr)
     if attackers is not None and attacks is None:
         return None
-    return Measured(fleet, server, client_cpu, attacks)
+    return Measured(fleet, server, client_cpu, attacks, load)
 
 
 async def _drive(args) -> int:
@@ -424,7 +435,7 @@ def _results(args, m: Measured) -> dict:
                                             "quarantined_by_kind", "leased_by_kind", "max_leased_by_kind",
                                             "max_inflight_prompts", "lease_first_prompts", "relays_probed",
                                             "auth_refused")},
-        "client_cpu_cores": m.client_cpu, "client_errors": fleet.errors, "uploads_refused": fleet.refused,
+        "client_cpu_cores": m.client_cpu, "machine_load_1min": m.load, "client_errors": fleet.errors, "uploads_refused": fleet.refused,
         "ledger": {"acknowledged_to_workers": fleet.acked, "accepted_by_learner": buf["accepted"],
                    "trained": buf["trained"], "dropped": dropped, "queued": buf["queue_size"],
                    "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet.acked - buf["accepted"],
@@ -467,6 +478,11 @@ def compare(args, benign: dict, hostile: dict) -> dict:
             "benign": benign, "hostile": hostile}
 
 
+def _rss(run: dict) -> str:
+    r = run["learner"]["rss_mb"]
+    return f"{r['first']:.0f} / {r['half']:.0f} / {r['last']:.0f}"
+
+
 def _ratio(pair: list[float]) -> float | None:
     return pair[1] / pair[0] if pair[0] else None
 
@@ -503,9 +519,11 @@ def compared_table(out: dict) -> str:
         table(["route", "benign p50", "benign p99", "hostile p50", "hostile p99", "p99 ratio", "within 10%"], rows),
         f"trained groups/min: {pair('trained_groups_per_min')}  {yes[checks['groups_within_10pct']['ok']]}",
         f"groups acknowledged to honest workers/min: {pair('honest_groups_acknowledged_per_min')}",
-        f"learner peak RSS MB: {pair('learner_rss_peak_mb')}  {yes[checks['rss_bounded']['ok']]}",
+        f"learner peak RSS MB: {pair('learner_rss_peak_mb')}  {yes[checks['rss_bounded']['ok']]}; at start, half "
+        f"time and end: benign {_rss(b)}, hostile {_rss(h)}",
         f"learner CPU cores: benign {b['learner']['cpu_cores']:.2f}, hostile {lh['cpu_cores']:.2f}; event-loop lag max "
-        f"ms: benign {b['learner']['loop_lag_max_ms']:.0f}, hostile {lh['loop_lag_max_ms']:.0f}",
+        f"ms: benign {b['learner']['loop_lag_max_ms']:.0f}, hostile {lh['loop_lag_max_ms']:.0f}; the machine's load "
+        f"(1-min average, all its work) at the end: benign {b['machine_load_1min']:.1f}, hostile {h['machine_load_1min']:.1f}",
         "attacks (outcomes: HTTP status x count, or the client error's name):",
         table(["class", "sent", "outcomes", "longest reply B", "required"], attack_rows),
         f"weight bytes served without the read right: {a['weight_bytes_without_credential']}  "
@@ -519,8 +537,8 @@ def compared_table(out: dict) -> str:
            f"{_pct(acked, 0.5):.0f} forged groups acknowledged each before (their rewards recomputed all the same)"
            if caught else "")
         + f"; honest workers quarantined: {lh['quarantined_by_kind'].get('sim', 0)}",
-        f"relay URLs the learner probed: {sum(lh['relays_probed'].values())}; attacker process failures: "
-        f"{len(a['failures'])}",
+        f"relay URLs the learner probed: {sum(lh['relays_probed'].values())}; the attackers' process: "
+        f"{a['cpu_cores']:.2f} cores, {len(a['failures'])} failures",
         "goals: " + "; ".join(f"{k} {yes[c['ok']]} ({c['detail']})" for k, c in checks.items()),
         "PASS" if out["passed"] else "FAIL",
     ]
