@@ -94,7 +94,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
-                                results=results)
+                                results=results, links=control.links)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
         runner = web.AppRunner(control.app())
@@ -560,3 +560,20 @@ def test_a_deeply_nested_body_is_a_400_and_metrics_stay_local(tokenizer, tmp_pat
             assert resp.status == 200
 
     run_api(tokenizer, test, tmp_path, **{"server.metrics_from": ["10.0.0.0/8"]})
+
+
+def test_a_refused_report_leaves_nothing_behind(tokenizer, tmp_path):
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        claims = {"gpu": "H100", "price_per_hour": 0.01, "download_mbit": 900.0}
+        for wrong, status in (({"relay_url": "http://10.1.2.3:8700"}, 422), ({"links": [{"key": 1}]}, 400)):
+            got, body, _ = await api.call("/v1/heartbeat", {**claims, **wrong}, token=cred)
+            assert got == status
+            assert (api.state.workers[wid].gpu, api.state.workers[wid].price_per_hour) == ("", 0.0)  # none of it taken
+            for i in range(3):  # a join refused for it: no worker, and no record kept of one
+                got, body, _ = await api.call("/v1/join", {"name": f"x{i}", **claims, **wrong})
+                assert got == status
+        assert list(api.state.workers) == [wid]
+        assert set(api.state.verifier.evidence) <= {wid} and set(api.state.links.to_dict()["peers"]) <= {wid}
+
+    run_api(tokenizer, test, tmp_path)
