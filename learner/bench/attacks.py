@@ -5,23 +5,23 @@ Each hostile worker holds the run token, as every rented worker does, and joins 
 one attack every 1-2 s, it cycles through what the learner defends against
 (docs/untrusted-workers.md), each an ordinary HTTP request:
 
-    zstd-declared     an upload whose zstd frame declares 1 GiB (32 KiB sent)                4xx
-    zstd-undeclared   80 MiB of zeros in a frame that declares no size (3 KiB sent)           4xx
-    msgpack-bomb      900,000 empty lists nested under msgpack's length limits (1 KiB sent)   4xx
+    zstd-declared     an upload whose zstd frame declares 1 GiB (32 KiB sent)               4xx
+    zstd-undeclared   80 MiB of zeros in a frame that declares no size (3 KiB sent)         4xx
+    msgpack-bomb      900,000 empty lists nested under msgpack's length limits (135 B)      4xx
     long-lease-id     a 1 MiB or 200 KiB lease_id to /v1/release, 64 KiB in an upload       4xx, a short reply
-    deep-json         a 100,000-deep JSON array as its heartbeat                             4xx
-    relay-url         a heartbeat whose relay_url is someone else's: 10.0.0.1, the cloud
-                      metadata address, the learner's own port, a LAN router               4xx, no probe
-    bad-credentials   a burst of 25 wrong run tokens and guessed credentials, from a fresh
-                      address each burst (127.2.x.y)                                       401/429
-    weights           the star store's snapshots and the broadcast source's manifest, chunks,
-                      status and route feed, with no credential, a wrong one, or a worker's
-                      own credential in place of the read capability (fresh 127.4.x.y)      0 bytes
+    deep-json         a 100,000-deep JSON array as its heartbeat                            4xx
+    relay-url         a heartbeat or a join whose relay_url is someone else's: 10.0.0.1,
+                      the cloud metadata address, the learner's own port, a LAN router      4xx, no probe
+    bad-credentials   a burst of 25 wrong run tokens and guessed credentials, from a
+                      fresh address each burst (127.2.x.y)                                  401/429
+    weights           the star store's snapshots and the broadcast source's manifest,
+                      chunks, status and route feed, with no credential, a wrong one, or a
+                      worker's own credential for the read capability (fresh 127.4.x.y)     0 bytes
 
 Alongside, without pause, each hoards (`hoard`): a long-polled lease request for 1024 prompts
 always parked at the learner, none ever answered (its heartbeats keep the leases alive), to be
 held to a few prompts. And each runs a forger (`forger-<n>`, 127.3.x.y): it leases one prompt at
-a time and uploads its group at once with every reward claimed 1.0, until the learner
+a time and uploads its group, every reward claimed 1.0, one upload every 1-2 s until the learner
 quarantines it; then it joins again from the same address (`rejoin`: banned, 403) and moves on
 to a new address.
 
@@ -326,10 +326,15 @@ class Attacker:
                 await asyncio.sleep(random.uniform(*ATTACK_EVERY_S))
 
     async def relay_url(self) -> None:
+        turn = self.turn("relay-url", 8)
         target = ("http://10.0.0.1:80", "http://169.254.169.254:80", f"http://127.0.0.1:{self.port}",
-                  "http://192.168.0.1:22")[self.turn("relay-url", 4)]
-        await self.fleet.send("relay-url", self.session, "POST", self.url + "/v1/heartbeat", self.client.credential,
-                              json={"name": f"hostile-{self.n}", "version": self.version, "relay_url": target})
+                  "http://192.168.0.1:22")[turn % 4]
+        report = {"name": f"hostile-{self.n}", "version": self.version, "relay_url": target}
+        if turn < 4:  # in its heartbeat
+            await self.fleet.send("relay-url", self.session, "POST", self.url + "/v1/heartbeat",
+                                  self.client.credential, json=report)
+        else:  # in a join with the run token: a second identity that must not come to be
+            await self.fleet.send("relay-url", self.session, "POST", self.url + "/v1/join", self.fleet.token, json=report)
 
     async def bad_credentials(self) -> None:
         fleet = self.fleet
