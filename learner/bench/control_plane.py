@@ -109,7 +109,8 @@ async def _serve(args) -> int:
         "--server.token", BENCH_TOKEN, "--server.heartbeat_interval", str(args.heartbeat_s),
         "--server.join_rate", str(max(20.0, args.workers / 10)), "--server.join_burst", str(args.workers),
         "--server.max_workers", str(4 * args.workers), "--rollout.group_size", "4", "--rollout.max_new_tokens", "4",
-        # The simulated fleet shares one address (loopback): per-address limits would count it as one machine.
+        # The honest simulated fleet shares one address (127.0.0.1): per-address limits would count it as one
+        # machine. Attackers (--hostile) come from addresses of their own, where the defaults apply.
         "--server.max_workers_per_address", str(4 * args.workers),
         "--trainer.batch_prompts", str(args.batch_prompts), "--buffer.max_staleness", "2", "--publish.every", "1",
         "--broadcast.mode", args.broadcast])
@@ -369,6 +370,7 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
                 print(f"echo-rl bench control-plane: the attackers failed:\n{(d / 'attacks.log').read_text()}",
                       file=sys.stderr)
                 learner.terminate()
+                await asyncio.to_thread(learner.wait, 60)
                 return None
             attackers.stdin.write("go\n")
             attackers.stdin.flush()
@@ -435,7 +437,8 @@ def _results(args, m: Measured) -> dict:
                                             "quarantined_by_kind", "leased_by_kind", "max_leased_by_kind",
                                             "max_inflight_prompts", "lease_first_prompts", "relays_probed",
                                             "auth_refused")},
-        "client_cpu_cores": m.client_cpu, "machine_load_1min": m.load, "client_errors": fleet.errors, "uploads_refused": fleet.refused,
+        "client_cpu_cores": m.client_cpu, "machine_load_1min": m.load, "client_errors": fleet.errors,
+        "uploads_refused": fleet.refused,
         "ledger": {"acknowledged_to_workers": fleet.acked, "accepted_by_learner": buf["accepted"],
                    "trained": buf["trained"], "dropped": dropped, "queued": buf["queue_size"],
                    "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet.acked - buf["accepted"],
@@ -448,6 +451,7 @@ def _results(args, m: Measured) -> dict:
 def compare(args, benign: dict, hostile: dict) -> dict:
     """The honest fleet's latency and throughput, the learner's memory, benign against hostile;
     the attackers' outcomes judged (`learner.bench.attacks.safety`)."""
+    from echo.table import fmt
     from learner.bench.attacks import safety
 
     def per_min(run: dict, groups: int) -> float:
@@ -455,15 +459,15 @@ def compare(args, benign: dict, hostile: dict) -> dict:
 
     routes = {r: {"benign_p50_ms": benign["routes"][r]["p50_ms"], "benign_p99_ms": benign["routes"][r]["p99_ms"],
                   "hostile_p50_ms": x["p50_ms"], "hostile_p99_ms": x["p99_ms"],
-                  "p99_ratio": x["p99_ms"] / benign["routes"][r]["p99_ms"]}
+                  "p99_ratio": _ratio([benign["routes"][r]["p99_ms"], x["p99_ms"]])}
               for r, x in hostile["routes"].items() if r in benign["routes"]}
     trained = [per_min(run, run["ledger"]["trained"]) for run in (benign, hostile)]
     acked = [per_min(run, run["ledger"]["acknowledged_to_workers"]) for run in (benign, hostile)]
     rss = [run["learner"]["rss_mb"]["peak"] for run in (benign, hostile)]
     g = HOSTILE_GOALS
     checks = {
-        "p99_within_10pct": {"ok": all(r["p99_ratio"] <= g["p99_ratio"] for r in routes.values()),
-                             "detail": ", ".join(f"{k} {r['p99_ratio']:.2f}" for k, r in routes.items())},
+        "p99_within_10pct": {"ok": all((r["p99_ratio"] or 0.0) <= g["p99_ratio"] for r in routes.values()),
+                             "detail": ", ".join(f"{k} {fmt(r['p99_ratio'], '.2f')}" for k, r in routes.items())},
         "groups_within_10pct": {"ok": trained[1] >= g["groups_ratio"] * trained[0],
                                 "detail": f"{trained[1]:.0f} / {trained[0]:.0f} trained groups/min"},
         "rss_bounded": {"ok": rss[1] <= g["rss_ratio"] * rss[0], "detail": f"peak {rss[1]:.0f} / {rss[0]:.0f} MB"},
@@ -490,7 +494,7 @@ def _ratio(pair: list[float]) -> float | None:
 def compared_table(out: dict) -> str:
     from echo.table import fmt, table
 
-    from learner.bench.attacks import REFUSED
+    from learner.bench.attacks import CLASSES, REFUSED
 
     b, h = out["benign"], out["hostile"]
     a, lh = h["attacks"], h["learner"]
@@ -498,7 +502,7 @@ def compared_table(out: dict) -> str:
     yes = {True: "yes", False: "NO"}
     checks = out["goals"]["checks"]
     rows = [[route, fmt(r["benign_p50_ms"]), fmt(r["benign_p99_ms"]), fmt(r["hostile_p50_ms"]), fmt(r["hostile_p99_ms"]),
-             fmt(r["p99_ratio"], ".2f"), yes[r["p99_ratio"] <= HOSTILE_GOALS["p99_ratio"]]]
+             fmt(r["p99_ratio"], ".2f"), yes[(r["p99_ratio"] or 0.0) <= HOSTILE_GOALS["p99_ratio"]]]
             for route, r in out["routes"].items()]
 
     def pair(key: str, spec: str = ".0f") -> str:
@@ -514,7 +518,8 @@ def compared_table(out: dict) -> str:
     lines = [
         f"control plane under a hostile fleet: {out['workers']} workers, {out['seconds']:.0f} s per run, the benign run "
         f"then the hostile one on this machine; hostile: {out['workers'] - n} honest + {n} attackers "
-        f"({out['hostile_share']:.0%}), one attack each every 1-2 s, and a forger each",
+        f"({out['hostile_share']:.0%}), one attack each every 1-2 s, and a forger each"
+        + (f" (only these attacks: {', '.join(a['classes_run'])})" if len(a["classes_run"]) < len(CLASSES) else ""),
         "honest fleet, per route (ms; lease: the route's own time, the long-poll wait subtracted):",
         table(["route", "benign p50", "benign p99", "hostile p50", "hostile p99", "p99 ratio", "within 10%"], rows),
         f"trained groups/min: {pair('trained_groups_per_min')}  {yes[checks['groups_within_10pct']['ok']]}",
