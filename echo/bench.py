@@ -15,7 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "simspeed": ("scheduler.bench.planning:speed_cli", "simulator throughput in simulated rollouts/s"),
     "engines": ("worker.bench.engines:cli", "rollout engines: generation tokens/s, install ms and mismatch_kl, transformers vs vLLM"),
     "overlap": ("learner.bench.overlap:cli", "the overlap capacity rule on the real system: bubble vs pool size and S"),
-    "control-plane": ("learner.bench.control_plane:cli", "the control API under many simulated workers with churn: latency per route, loop lag, ledger"),
+    "control-plane": ("learner.bench.control_plane:cli", "the control API under many simulated workers with churn: latency per route, loop lag, ledger; --hostile F: a share of them attacking, against a benign run"),
     "learner": ("learner.bench.trainer:cli", "trainer memory and time: batch tokens, chunked log-probs, ranks, largest model"),
 }
 

@@ -172,7 +172,15 @@ class WorkerRegistry:
 
     def update(self, w: WorkerInfo, r: P.Report) -> None:
         """Take a join's or heartbeat's report. Rates are claims: the capacity the scheduler sees is
-        capped by what the learner measured (learner.verify); link samples are checked by the table."""
+        capped by what the learner measured (learner.verify); link samples are checked by the table.
+        A report refused (its relay URL, a malformed link sample) is refused before anything of it
+        is taken: a refused join leaves no record of a worker that never joined."""
+        if r.relay_url != w.relay_url:
+            check_relay_host(r.relay_url, w.address, self.server.relay_any_public)
+        try:
+            samples = [LinkSample.from_dict(d) for d in r.links]
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=str(e)) from None
         w.version, w.rollouts_per_s, w.price_per_hour = r.version, r.rollouts_per_s, r.price_per_hour
         w.download_mbit, w.upload_mbit = r.download_mbit, r.upload_mbit
         w.device, w.gpu, w.engine = r.device, r.gpu, r.engine
@@ -183,7 +191,6 @@ class WorkerRegistry:
         if self.verifier.evidence[w.id].claims_clamped > clamped:
             self.metrics.claims_clamped.labels("capacity").inc()
         if r.relay_url != w.relay_url:
-            check_relay_host(r.relay_url, w.address, self.server.relay_any_public)
             w.relay_url, w.reachable = r.relay_url, None
             if w.relay_url and w.last_seen - w.probed_at >= PROBE_EVERY_S:
                 w.probed_at = w.last_seen
@@ -196,20 +203,16 @@ class WorkerRegistry:
                                    item.install_s))
                 known = item.version
         del w.installs[:-64]
-        self._links(w, r)
+        self._links(w, r, samples)
 
-    def _links(self, w: WorkerInfo, r: P.Report) -> None:
+    def _links(self, w: WorkerInfo, r: P.Report, samples: list[LinkSample]) -> None:
         # A market's offer says the machine's links: that seeds the table, not the worker's word.
         offered = self.fleet.link_of(w.fleet_key) if self.fleet is not None else None
         down, up = offered if offered is not None else (w.download_mbit, w.upload_mbit)
         self.links.declare(w.id, down * MBIT, up * MBIT)
         if r.rtt_ms is not None:
             self.links.observe_rtt(w.id, r.rtt_ms / 1e3)
-        try:
-            parsed = [LinkSample.from_dict(d) for d in r.links]
-        except ValueError as e:
-            raise web.HTTPBadRequest(text=str(e)) from None
-        for sample in parsed:
+        for sample in samples:
             if sample.parent and sample.down:  # the other end's evidence about its parent's upload
                 self.verifier.upload_seen(sample.parent, sample.down)
             if sample.up:  # a worker's word on its own upload, believed as far as its children saw

@@ -14,6 +14,14 @@ Reported: p50/p99 latency per route (a lease's intentional long-poll wait, which
 reports, is subtracted: what remains is the route's own time), the learner's CPU, its largest
 event-loop lag, memory, and the ledger: every group a worker saw acknowledged was trained,
 dropped with a reason, or is still queued; none lost.
+
+`--hostile F` (issue #18): a benign run, then the same run with a share `F` of the workers
+attacking the learner instead of training (`learner.bench.attacks`, a third process, each
+attacker from loopback addresses of its own as a rented machine would be). Versions are then
+served in chain mode in both runs, so the broadcast source's routes are there to be attacked.
+The table compares the honest fleet's p99 per route and the trained groups per minute with the
+benign run's, and the learner's peak RSS; and judges the attacks' outcomes: refused, never a
+5xx, no weight byte without the read right, hoarders held to their window, forgers quarantined.
 """
 
 from __future__ import annotations
@@ -31,10 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 BENCH_TOKEN = "control-plane-bench-token"  # a run token of the strength the learner requires
 GOALS = {"p99_ms": 250.0, "loop_lag_ms": 100.0}
+# --hostile: what the honest fleet may lose to the attackers, against the benign run just before (issue #18)
+HOSTILE_GOALS = {"p99_ratio": 1.10, "groups_ratio": 0.90, "rss_ratio": 1.10}
 
 
 def cli(argv: list[str]) -> int:
@@ -51,9 +62,23 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--gen-s", type=float, default=12.0,
                    help="modelled generation time of one single-prompt lease (default 12 s, +-50%%)")
     p.add_argument("--ramp-s", type=float, default=5.0, help="the first workers join spread over this many seconds")
+    p.add_argument("--hostile", type=float, default=0.0,
+                   help="share of the workers that attack the learner (learner.bench.attacks) instead of training, "
+                        "e.g. 0.05; a benign run of the same size comes first, and the table compares the two")
+    p.add_argument("--attacks", default="all",
+                   help="with --hostile: the attack classes to run, comma-separated (default all: "
+                        "see learner/bench/attacks.py), e.g. to tell what one of them costs")
+    p.add_argument("--broadcast", choices=("star", "chain"),
+                   help="how versions are served: star (the default) or chain, where the broadcast source runs "
+                        "too (the default with --hostile, so that its routes are attacked)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: run the learner side in DIR
     args = p.parse_args(argv)
+    from learner.bench.attacks import CLASSES
+
+    unknown = set(args.attacks.split(",")) - {*CLASSES, "all"}
+    if unknown:
+        p.error(f"--attacks: unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
     _more_files()
     if args.serve:
         return asyncio.run(_serve(args))
@@ -67,15 +92,15 @@ async def _serve(args) -> int:
     from aiohttp import web
 
     from echo.config import load_config
-    from echo import protocol as P
     from echo.tasks import load_task
     from learner.buffer import AsyncBuffer, StalenessBuffer
     from learner.config import LearnerConfig
     from learner.leases import LeaseBook, WorkerCap
     from learner.ledger import Ledger
     from broadcast.star import BlobStore
-    from learner.api import ControlApi, Run
+    from learner.api import ControlApi, Run, link_table
     from learner.ledger import unique_ids as _unique_ids
+    from learner.publisher import make_publisher
     from learner.verify import Rescorer
 
     d: Path = args.serve
@@ -84,9 +109,11 @@ async def _serve(args) -> int:
         "--server.token", BENCH_TOKEN, "--server.heartbeat_interval", str(args.heartbeat_s),
         "--server.join_rate", str(max(20.0, args.workers / 10)), "--server.join_burst", str(args.workers),
         "--server.max_workers", str(4 * args.workers), "--rollout.group_size", "4", "--rollout.max_new_tokens", "4",
-        # The simulated fleet shares one address (loopback): per-address limits would count it as one machine.
+        # The honest simulated fleet shares one address (127.0.0.1): per-address limits would count it as one
+        # machine. Attackers (--hostile) come from addresses of their own, where the defaults apply.
         "--server.max_workers_per_address", str(4 * args.workers),
-        "--trainer.batch_prompts", str(args.batch_prompts), "--buffer.max_staleness", "2", "--publish.every", "1"])
+        "--trainer.batch_prompts", str(args.batch_prompts), "--buffer.max_staleness", "2", "--publish.every", "1",
+        "--broadcast.mode", args.broadcast])
     task = load_task("arith", {})
     ledger = Ledger(d / "ledger.jsonl")
     S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
@@ -94,18 +121,21 @@ async def _serve(args) -> int:
                        per_worker=WorkerCap.of(cfg.server))
     buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, G, on_drop=lambda g, why: leases.recycle(g.prompt)))
     run = Run(BlobStore(keep=cfg.publish.keep))
-    api = ControlApi(cfg, BENCH_TOKEN, run=run, buffer=buffer, lease_book=leases,
+    # chain (with --hostile): the broadcast source runs too, so its routes are there to be attacked
+    links = link_table(cfg.broadcast)
+    publisher = make_publisher(cfg.broadcast, run.blobs, links, key_file=d / "learner.key", host="127.0.0.1")
+    await publisher.start()
+    api = ControlApi(cfg, BENCH_TOKEN, run=run, buffer=buffer, lease_book=leases, links=links,
                      encode=lambda prompt: tokenizer(prompt.text)["input_ids"], vocab_size=len(tokenizer), model_dir=d,
-                     rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance))
-    blob = os.urandom(1 << 16)
+                     rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance), broadcast=publisher.info)
 
-    def publish(version: int) -> None:
-        info = run.blobs.add(version, blob)
-        run.announcement = P.Announcement(version=version, size=info.size, sha256=info.sha256)
+    async def publish(version: int) -> None:
+        blob = os.urandom(1 << 16)  # each version its own bytes, as weights are
+        run.announcement = await publisher.publish(version, blob, list(api.registry.workers.values()))
         ledger.published(version)
         api.leases.changed()
 
-    publish(0)
+    await publish(0)
     runner = web.AppRunner(api.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
@@ -122,6 +152,15 @@ async def _serve(args) -> int:
             await asyncio.sleep(0.02)
             lags.append(time.perf_counter() - t - 0.02)
 
+    rss: list[float] = []
+
+    async def rss_monitor() -> None:  # resident memory once a second: does an attack make it grow?
+        page = os.sysconf("SC_PAGE_SIZE")
+        while True:
+            with open("/proc/self/statm") as f:
+                rss.append(int(f.read().split()[1]) * page / (1 << 20))
+            await asyncio.sleep(1.0)
+
     steps = 0
 
     async def trainer() -> None:
@@ -132,14 +171,14 @@ async def _serve(args) -> int:
             steps += 1
             run.version += 1
             ledger.trained(run.version, [g.prompt_id for g in batch.groups])
-            publish(run.version)
+            await publish(run.version)
             await asyncio.sleep(max(0.0, 1 / args.step_rate - (time.monotonic() - t0)))
 
     from echo import loopwatch
 
     loopwatch.watch("control-plane learner")  # with $ECHO_SLOW_CALLBACK_MS: name what holds the loop
     gc.freeze()  # as echo-learner does once serving: start-up's objects stay out of full collections
-    tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), trainer())]
+    tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer())]
     cpu0, wall0 = _cpu(), time.monotonic()
     await stop.wait()
     cpu, wall = _cpu() - cpu0, time.monotonic() - wall0
@@ -147,26 +186,47 @@ async def _serve(args) -> int:
         t.cancel()
     buf = buffer.buffer.metrics()
     workers = api.registry.workers
-    rejected = {s.labels["reason"]: int(s.value) for m in api.metrics.rejected.collect() for s in m.samples
-                if s.name.endswith("_total")}
     (d / "learner.json").write_text(json.dumps({
         "cpu_cores": cpu / wall, "loop_lag_max_ms": 1e3 * max(lags, default=0.0),
         "loop_lag_p99_ms": 1e3 * _pct(lags, 0.99), "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "steps": steps, "buffer": buf, "leases": vars(leases.stats), "workers_known": len(workers),
-        "quarantined": sum(bool(w.quarantined) for w in workers.values()), "rejected": rejected,
-        "joins_refused": {s.labels["reason"]: int(s.value) for m in api.metrics.joins_refused.collect()
-                          for s in m.samples if s.name.endswith("_total")}}))
+        "quarantined": sum(bool(w.quarantined) for w in workers.values()),
+        "rejected": _counts(api.metrics.rejected, "reason"), "joins_refused": _counts(api.metrics.joins_refused, "reason"),
+        **_by_kind(workers.values(), leases.outstanding_by_worker()),
+        "max_inflight_prompts": leases.max_outstanding, "lease_first_prompts": cfg.server.lease_first_prompts,
+        "relays_probed": _counts(api.metrics.relays_probed, "result"),  # a relay URL that made the learner connect
+        "auth_refused": _counts(api.metrics.auth_refused, "credential"),
+        "rss_mb": {"first": rss[0] if rss else 0.0, "peak": max(rss, default=0.0), "last": rss[-1] if rss else 0.0,
+                   "half": rss[len(rss) // 2] if rss else 0.0}}))
+    await publisher.stop()
     await runner.cleanup()
     api.close()
     return 0
+
+
+def _counts(counter, label: str) -> dict[str, int]:
+    return {s.labels[label]: int(s.value) for m in counter.collect() for s in m.samples if s.name.endswith("_total")}
+
+
+def _by_kind(workers, held: dict[str, int]) -> dict[str, dict[str, int]]:
+    """What the hostile run is judged by, per kind of simulated worker (named `<kind>-<n>`: sim,
+    the honest; hostile; forger): who was quarantined (an honest one is a false alarm), the
+    prompts each kind holds in leases, and the most one worker of it holds."""
+    out: dict[str, dict[str, int]] = {"quarantined_by_kind": {}, "leased_by_kind": {}, "max_leased_by_kind": {}}
+    for w in workers:
+        kind, n = w.name.rsplit("-", 1)[0], held.get(w.id, 0)
+        out["quarantined_by_kind"][kind] = out["quarantined_by_kind"].get(kind, 0) + bool(w.quarantined)
+        out["leased_by_kind"][kind] = out["leased_by_kind"].get(kind, 0) + n
+        out["max_leased_by_kind"][kind] = max(out["max_leased_by_kind"].get(kind, 0), n)
+    return out
 
 
 # --- the simulated workers -------------------------------------------------------------------------
 
 
 class Fleet:
-    def __init__(self, url: str, args, tokenizer):
-        self.url, self.args, self.tokenizer = url, args, tokenizer
+    def __init__(self, url: str, args, tokenizer, size: int):
+        self.url, self.args, self.tokenizer, self.size = url, args, tokenizer, size  # size: honest workers at once
         self.latency: dict[str, list[float]] = {}
         self.acked = self.killed = self.errors = 0
         self.refused: dict[str, int] = {}
@@ -246,9 +306,9 @@ class Fleet:
                 task.add_done_callback(self._done)
                 self.tasks.append(task)
 
-            for i in range(a.workers):  # a fleet comes up over seconds, not in one millisecond
+            for i in range(self.size):  # a fleet comes up over seconds, not in one millisecond
                 start(i, random.uniform(0, a.ramp_s))
-            end, next_kill, n = time.monotonic() + a.seconds, time.monotonic() + a.churn_every, a.workers
+            end, next_kill, n = time.monotonic() + a.seconds, time.monotonic() + a.churn_every, self.size
             while time.monotonic() < end:
                 await asyncio.sleep(min(0.5, max(0.0, end - time.monotonic())))
                 if time.monotonic() >= next_kill:
@@ -270,33 +330,90 @@ class Fleet:
             print(f"simulated worker failed: {task.exception()!r}", file=sys.stderr)
 
 
-async def _drive(args) -> int:
+@dataclass
+class Measured:
+    """One run: the honest fleet's view, the learner's, and the attackers' (None in a benign run)."""
+
+    fleet: Fleet
+    server: dict
+    client_cpu: float
+    attacks: dict | None
+    load: float  # the machine's 1-minute load average at the end
+
+
+async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
+    """Serve a learner, run the honest fleet (and `hostile` attackers, a process of their own) against it."""
     with tempfile.TemporaryDirectory(prefix="echo-control-bench-") as tmp:
         d = Path(tmp)
         (d / "config.json").write_text("{}")
         log = d / "learner.log"
         learner = subprocess.Popen([sys.executable, "-m", "learner.bench.control_plane", "--serve", str(d),
-                                    *_forward(args)], stderr=log.open("w"))
+                                    "--broadcast", broadcast, *_forward(args)], stderr=log.open("w"))
         while not (d / "url").exists():
             if learner.poll() is not None:
                 print(f"echo-rl bench control-plane: the learner side failed:\n{log.read_text()}", file=sys.stderr)
-                return 1
+                return None
             await asyncio.sleep(0.1)
-        fleet = Fleet((d / "url").read_text(), args, _tokenizer())
-        print(f"{args.workers} simulated workers for {args.seconds:.0f} s against the control plane "
-              f"(the trainer is a stand-in consuming {args.step_rate:g} batches/s of {args.batch_prompts} groups)...",
-              file=sys.stderr, flush=True)
+        url = (d / "url").read_text()
+        fleet = Fleet(url, args, _tokenizer(), args.workers - hostile)
+        print(f"{args.workers - hostile} honest simulated workers{f' and {hostile} hostile ones' if hostile else ''} "
+              f"for {args.seconds:.0f} s against the control plane (the trainer is a stand-in consuming "
+              f"{args.step_rate:g} batches/s of {args.batch_prompts} groups)...", file=sys.stderr, flush=True)
+        attackers = subprocess.Popen([sys.executable, "-m", "learner.bench.attacks", "--url", url, "--token", BENCH_TOKEN,
+                                      "--workers", str(hostile), "--seconds", str(args.seconds), "--ramp-s",
+                                      str(args.ramp_s), "--out", str(d / "attacks.json"),
+                                      *([] if args.attacks == "all" else ["--classes", args.attacks])],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(d / "attacks.log").open("w"),
+                                     text=True) if hostile else None
+        if attackers is not None:  # it says when it is ready to start (its start-up would load the ramp)
+            if await asyncio.to_thread(attackers.stdout.readline) != "ready\n":
+                print(f"echo-rl bench control-plane: the attackers failed:\n{(d / 'attacks.log').read_text()}",
+                      file=sys.stderr)
+                learner.terminate()
+                await asyncio.to_thread(learner.wait, 60)
+                return None
+            attackers.stdin.write("go\n")
+            attackers.stdin.flush()
         cpu0 = _cpu()
         await fleet.run()
         client_cpu = (_cpu() - cpu0) / args.seconds
+        load = os.getloadavg()[0]  # the machine's, others' work included: a busy one moves every latency
+        attacks = None
+        if attackers is not None:  # the learner's counts are read once the attackers are done
+            await asyncio.to_thread(attackers.wait, 60)
+            if attackers.returncode != 0:
+                print(f"echo-rl bench control-plane: the attackers failed:\n{(d / 'attacks.log').read_text()}",
+                      file=sys.stderr)
+            else:
+                attacks = json.loads((d / "attacks.json").read_text())
         learner.send_signal(signal.SIGTERM)
         await asyncio.to_thread(learner.wait, 60)
         server = json.loads((d / "learner.json").read_text())
         slow = [line for line in log.read_text().splitlines() if line.startswith(("SLOW", "preempted"))]
         if slow:
             print("\n".join(slow[:20]), file=sys.stderr)
-    out = _results(args, fleet, server, client_cpu)
-    print(json.dumps(out, indent=2) if args.json else _table(out))
+    if attackers is not None and attacks is None:
+        return None
+    return Measured(fleet, server, client_cpu, attacks, load)
+
+
+async def _drive(args) -> int:
+    hostile = round(args.hostile * args.workers)
+    if not hostile:
+        measured = await _measure(args, 0, args.broadcast or "star")
+        if measured is None:
+            return 1
+        out = _results(args, measured)
+        print(json.dumps(out, indent=2) if args.json else _table(out))
+        return 0
+    # The baseline first, then the same fleet with a share of it hostile: same machine, same settings.
+    broadcast = args.broadcast or "chain"
+    benign = await _measure(args, 0, broadcast)
+    attacked = await _measure(args, hostile, broadcast) if benign is not None else None
+    if attacked is None:
+        return 1
+    out = compare(args, _results(args, benign), _results(args, attacked))
+    print(json.dumps(out, indent=2) if args.json else compared_table(out))
     return 0
 
 
@@ -305,24 +422,132 @@ def _forward(args) -> list[str]:
             "--batch-prompts", str(args.batch_prompts)]
 
 
-def _results(args, fleet: Fleet, server: dict, client_cpu: float) -> dict:
+def _results(args, m: Measured) -> dict:
+    fleet, server = m.fleet, m.server
     buf = server["buffer"]
     dropped = buf["recycled"] + buf["dropped_overflow"] + buf.get("dropped_untrusted", 0)
     accounted = buf["trained"] + dropped + buf["queue_size"]
     routes = {route: {"requests": len(xs), "p50_ms": 1e3 * _pct(xs, 0.5), "p99_ms": 1e3 * _pct(xs, 0.99),
                       "max_ms": 1e3 * max(xs)} for route, xs in sorted(fleet.latency.items())}
     return {
-        "workers": args.workers, "seconds": args.seconds, "heartbeat_s": args.heartbeat_s,
+        "workers": fleet.size, "seconds": args.seconds, "heartbeat_s": args.heartbeat_s,
         "killed_and_replaced": fleet.killed, "routes": routes,
-        "learner": {k: server[k] for k in ("cpu_cores", "loop_lag_max_ms", "loop_lag_p99_ms", "max_rss_mb", "steps",
-                                            "workers_known", "quarantined", "rejected", "joins_refused")},
-        "client_cpu_cores": client_cpu, "client_errors": fleet.errors, "uploads_refused": fleet.refused,
+        "learner": {k: server[k] for k in ("cpu_cores", "loop_lag_max_ms", "loop_lag_p99_ms", "max_rss_mb", "rss_mb",
+                                            "steps", "workers_known", "quarantined", "rejected", "joins_refused",
+                                            "quarantined_by_kind", "leased_by_kind", "max_leased_by_kind",
+                                            "max_inflight_prompts", "lease_first_prompts", "relays_probed",
+                                            "auth_refused")},
+        "client_cpu_cores": m.client_cpu, "machine_load_1min": m.load, "client_errors": fleet.errors,
+        "uploads_refused": fleet.refused,
         "ledger": {"acknowledged_to_workers": fleet.acked, "accepted_by_learner": buf["accepted"],
                    "trained": buf["trained"], "dropped": dropped, "queued": buf["queue_size"],
                    "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet.acked - buf["accepted"],
                    "leases_expired_prompts": server["leases"]["expired_prompts"]},
+        **({"attacks": m.attacks} if m.attacks is not None else {}),
         "goals": GOALS,
     }
+
+
+def compare(args, benign: dict, hostile: dict) -> dict:
+    """The honest fleet's latency and throughput, the learner's memory, benign against hostile;
+    the attackers' outcomes judged (`learner.bench.attacks.safety`)."""
+    from echo.table import fmt
+    from learner.bench.attacks import safety
+
+    def per_min(run: dict, groups: int) -> float:
+        return 60.0 * groups / run["seconds"]
+
+    routes = {r: {"benign_p50_ms": benign["routes"][r]["p50_ms"], "benign_p99_ms": benign["routes"][r]["p99_ms"],
+                  "hostile_p50_ms": x["p50_ms"], "hostile_p99_ms": x["p99_ms"],
+                  "p99_ratio": _ratio([benign["routes"][r]["p99_ms"], x["p99_ms"]])}
+              for r, x in hostile["routes"].items() if r in benign["routes"]}
+    trained = [per_min(run, run["ledger"]["trained"]) for run in (benign, hostile)]
+    acked = [per_min(run, run["ledger"]["acknowledged_to_workers"]) for run in (benign, hostile)]
+    rss = [run["learner"]["rss_mb"]["peak"] for run in (benign, hostile)]
+    g = HOSTILE_GOALS
+    checks = {
+        "p99_within_10pct": {"ok": all((r["p99_ratio"] or 0.0) <= g["p99_ratio"] for r in routes.values()),
+                             "detail": ", ".join(f"{k} {fmt(r['p99_ratio'], '.2f')}" for k, r in routes.items())},
+        "groups_within_10pct": {"ok": trained[1] >= g["groups_ratio"] * trained[0],
+                                "detail": f"{trained[1]:.0f} / {trained[0]:.0f} trained groups/min"},
+        "rss_bounded": {"ok": rss[1] <= g["rss_ratio"] * rss[0], "detail": f"peak {rss[1]:.0f} / {rss[0]:.0f} MB"},
+        **safety(hostile["attacks"], hostile["learner"]),
+    }
+    return {"workers": args.workers, "hostile_share": args.hostile, "hostile_workers": hostile["attacks"]["hostile_workers"],
+            "seconds": args.seconds, "routes": routes,
+            "trained_groups_per_min": {"benign": trained[0], "hostile": trained[1], "ratio": _ratio(trained)},
+            "honest_groups_acknowledged_per_min": {"benign": acked[0], "hostile": acked[1], "ratio": _ratio(acked)},
+            "learner_rss_peak_mb": {"benign": rss[0], "hostile": rss[1], "ratio": _ratio(rss)},
+            "goals": {**HOSTILE_GOALS, "checks": checks}, "passed": all(c["ok"] for c in checks.values()),
+            "benign": benign, "hostile": hostile}
+
+
+def _rss(run: dict) -> str:
+    r = run["learner"]["rss_mb"]
+    return f"{r['first']:.0f} / {r['half']:.0f} / {r['last']:.0f}"
+
+
+def _ratio(pair: list[float]) -> float | None:
+    return pair[1] / pair[0] if pair[0] else None
+
+
+def compared_table(out: dict) -> str:
+    from echo.table import fmt, table
+
+    from learner.bench.attacks import CLASSES, REFUSED
+
+    b, h = out["benign"], out["hostile"]
+    a, lh = h["attacks"], h["learner"]
+    n = out["hostile_workers"]
+    yes = {True: "yes", False: "NO"}
+    checks = out["goals"]["checks"]
+    rows = [[route, fmt(r["benign_p50_ms"]), fmt(r["benign_p99_ms"]), fmt(r["hostile_p50_ms"]), fmt(r["hostile_p99_ms"]),
+             fmt(r["p99_ratio"], ".2f"), yes[(r["p99_ratio"] or 0.0) <= HOSTILE_GOALS["p99_ratio"]]]
+            for route, r in out["routes"].items()]
+
+    def pair(key: str, spec: str = ".0f") -> str:
+        x = out[key]
+        return f"benign {x['benign']:{spec}}, hostile {x['hostile']:{spec}} (ratio {fmt(x['ratio'], '.2f')})"
+
+    attack_rows = [[c, str(v["sent"]), " ".join(f"{o}x{k}" for o, k in v["outcomes"].items()) or "-",
+                    str(v["longest_reply"]), "4xx" if c in REFUSED else "served until capped/caught"]
+                   for c, v in a["classes"].items()]
+    forgers = a["forgers"]
+    caught = sorted(f["seconds"] for f in forgers if f["caught"] and f["seconds"] is not None)
+    acked = [f["acknowledged"] for f in forgers if f["caught"]]
+    lines = [
+        f"control plane under a hostile fleet: {out['workers']} workers, {out['seconds']:.0f} s per run, the benign run "
+        f"then the hostile one on this machine; hostile: {out['workers'] - n} honest + {n} attackers "
+        f"({out['hostile_share']:.0%}), one attack each every 1-2 s, and a forger each"
+        + (f" (only these attacks: {', '.join(a['classes_run'])})" if len(a["classes_run"]) < len(CLASSES) else ""),
+        "honest fleet, per route (ms; lease: the route's own time, the long-poll wait subtracted):",
+        table(["route", "benign p50", "benign p99", "hostile p50", "hostile p99", "p99 ratio", "within 10%"], rows),
+        f"trained groups/min: {pair('trained_groups_per_min')}  {yes[checks['groups_within_10pct']['ok']]}",
+        f"groups acknowledged to honest workers/min: {pair('honest_groups_acknowledged_per_min')}",
+        f"learner peak RSS MB: {pair('learner_rss_peak_mb')}  {yes[checks['rss_bounded']['ok']]}; at start, half "
+        f"time and end: benign {_rss(b)}, hostile {_rss(h)}",
+        f"learner CPU cores: benign {b['learner']['cpu_cores']:.2f}, hostile {lh['cpu_cores']:.2f}; event-loop lag max "
+        f"ms: benign {b['learner']['loop_lag_max_ms']:.0f}, hostile {lh['loop_lag_max_ms']:.0f}; the machine's load "
+        f"(1-min average, all its work) at the end: benign {b['machine_load_1min']:.1f}, hostile {h['machine_load_1min']:.1f}",
+        "attacks (outcomes: HTTP status x count, or the client error's name):",
+        table(["class", "sent", "outcomes", "longest reply B", "required"], attack_rows),
+        f"weight bytes served without the read right: {a['weight_bytes_without_credential']}  "
+        f"{yes[checks['zero_weight_bytes']['ok']]}",
+        f"hoarding: {a['hoard']['requests']} requests for 1024 prompts, at most {a['hoard']['most_per_request']} given at "
+        f"once; the {n} hoarders held {lh['leased_by_kind'].get('hostile', 0)} of the {lh['max_inflight_prompts']} "
+        f"prompts in flight at the end, at most {lh['max_leased_by_kind'].get('hostile', 0)} each "
+        f"(lease_first_prompts = {lh['lease_first_prompts']})",
+        f"forgers: {len(forgers)} identities, {len(caught)} quarantined "
+        + (f"{_pct(caught, 0.5):.1f} s (median; max {max(caught):.1f} s) after their first forged upload, "
+           f"{_pct(acked, 0.5):.0f} forged groups acknowledged each before (their rewards recomputed all the same)"
+           if caught else "")
+        + f"; honest workers quarantined: {lh['quarantined_by_kind'].get('sim', 0)}",
+        f"relay URLs the learner probed: {sum(lh['relays_probed'].values())}; the attackers' process: "
+        f"{a['cpu_cores']:.2f} cores, {len(a['failures'])} failures",
+        "goals: " + "; ".join(f"{k} {yes[c['ok']]} ({c['detail']})" for k, c in checks.items()),
+        "PASS" if out["passed"] else "FAIL",
+    ]
+    return "\n".join(lines)
 
 
 def _table(out: dict) -> str:

@@ -94,7 +94,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
-                                results=results, run=run)
+                                results=results, run=run, links=control.links)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
         runner = web.AppRunner(control.app())
@@ -580,3 +580,20 @@ def test_a_group_is_admitted_by_the_version_it_will_be_trained_at(tokenizer, tmp
                 assert body["error"] == "stale-version" and len(api.state.buffer.buffer) == 0
 
     run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 1, "server.refuse_stale_leases": False})
+
+
+def test_a_refused_report_leaves_nothing_behind(tokenizer, tmp_path):
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        claims = {"gpu": "H100", "price_per_hour": 0.01, "download_mbit": 900.0}
+        for wrong, status in (({"relay_url": "http://10.1.2.3:8700"}, 422), ({"links": [{"key": 1}]}, 400)):
+            got, body, _ = await api.call("/v1/heartbeat", {**claims, **wrong}, token=cred)
+            assert got == status
+            assert (api.state.workers[wid].gpu, api.state.workers[wid].price_per_hour) == ("", 0.0)  # none of it taken
+            for i in range(3):  # a join refused for it: no worker, and no record kept of one
+                got, body, _ = await api.call("/v1/join", {"name": f"x{i}", **claims, **wrong})
+                assert got == status
+        assert list(api.state.workers) == [wid]
+        assert set(api.state.verifier.evidence) <= {wid} and set(api.state.links.to_dict()["peers"]) <= {wid}
+
+    run_api(tokenizer, test, tmp_path)
