@@ -15,7 +15,11 @@ A worker cannot hoard (`WorkerCap`): until it has delivered it holds a few promp
 twice what its measured delivery rate finishes in one lease turnaround (at least `ttl`), so an
 honest worker's share grows as it proves itself, like a TCP window. A lease also has an
 absolute deadline from its issue that heartbeats cannot extend, and a lease that expires
-unanswered is held against its worker (`expired_unanswered`; its window starts over).
+unanswered is held against its worker (`expired_unanswered`; its window starts over, halved
+for each such lease while it has delivered nothing). A worker that never delivered is held
+tighter still, because a hoarder heartbeats and never answers: its leases live at most a few
+times the fleet's median turnaround whatever its heartbeats say, and all such workers together
+hold at most `unproven_share` of the prompts in flight — the rest is the proven fleet's.
 
 Plain logic with an injectable clock; the server calls `expire()` periodically.
 Invariant: issued = completed + reissued + outstanding (prompt-issues).
@@ -65,11 +69,13 @@ class WorkerCap:
 
     first: int = 8
     lifetime: float = 600.0
+    unproven_share: float = 0.25  # of the prompts in flight, what workers that never delivered hold at most
+    unproven_turnarounds: float = 4.0  # an unproven worker's lease lives this many median turnarounds
 
     @classmethod
     def of(cls, server) -> "WorkerCap":
-        """From `[server] lease_first_prompts` and `lease_max_s`."""
-        return cls(server.lease_first_prompts, server.lease_max_s)
+        """From `[server] lease_first_prompts`, `lease_max_s` and `unproven_share`."""
+        return cls(server.lease_first_prompts, server.lease_max_s, server.unproven_share)
 
 
 @dataclass
@@ -81,8 +87,10 @@ class _Delivery:
     expired_unanswered: int = 0  # leases that ran out with nothing delivered
 
     def window(self, cap: WorkerCap, ttl: float, limit: int) -> int:
+        if not self.done:  # nothing delivered (since its last unanswered expiry): halved per such expiry
+            return min(max(1, cap.first >> min(self.expired_unanswered, 16)), limit)
         if len(self.done) < 2 or self.done[-1] <= self.done[0]:
-            return min(cap.first, limit) if not self.done else min(max(cap.first, 2 * len(self.done)), limit)
+            return min(max(cap.first, 2 * len(self.done)), limit)
         rate = (len(self.done) - 1) / (self.done[-1] - self.done[0])
         horizon = max(ttl, sum(self.turnaround) / len(self.turnaround) if self.turnaround else 0.0)
         return min(max(cap.first, math.ceil(2 * rate * horizon)), limit)
@@ -103,6 +111,7 @@ class LeaseBook:
         self.max_outstanding = max_outstanding
         self.per_worker = per_worker  # None: a worker may hold everything (unit tests of the plain book)
         self._delivery: dict[str, _Delivery] = {}
+        self._turnarounds: deque[float] = deque(maxlen=256)  # the fleet's recent lease turnarounds (issue to done)
         self.stats = LeaseStats()
 
     @property
@@ -125,7 +134,24 @@ class LeaseBook:
             return self.max_outstanding
         held = sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
         record = self._delivery.get(worker_id) or _Delivery()
-        return max(0, record.window(self.per_worker, self.ttl, self.max_outstanding) - held)
+        room = record.window(self.per_worker, self.ttl, self.max_outstanding) - held
+        if not record.done:  # unproven: within what all unproven workers together may hold
+            quota = max(self.per_worker.first, int(self.per_worker.unproven_share * self.max_outstanding))
+            room = min(room, quota - self._unproven_held())
+        return max(0, room)
+
+    def _unproven_held(self) -> int:
+        """Prompts held by workers that have delivered nothing (O(leases): asked only for those)."""
+        return sum(len(lease.prompts) for lease in self._leases.values()
+                   if not (self._delivery.get(lease.worker_id) or _Delivery()).done)
+
+    def _unproven_lifetime(self) -> float:
+        """How long an unproven worker's lease may live: a few of the fleet's median turnarounds
+        (at least `ttl`), or the usual lifetime before any lease came back."""
+        if not self._turnarounds:
+            return self.per_worker.lifetime
+        median = sorted(self._turnarounds)[len(self._turnarounds) // 2]
+        return min(self.per_worker.lifetime, max(self.ttl, self.per_worker.unproven_turnarounds * median))
 
     def expired_unanswered(self, worker_id: str) -> int:
         record = self._delivery.get(worker_id)
@@ -136,6 +162,8 @@ class LeaseBook:
         if room <= 0:
             return None
         lifetime = self.per_worker.lifetime if self.per_worker else math.inf
+        if self.per_worker and not (self._delivery.get(worker_id) or _Delivery()).done:
+            lifetime = self._unproven_lifetime()
         lease = Lease(f"L{next(self._ids)}-{secrets.token_hex(8)}", worker_id, now + self.ttl, issued_at=now,
                       latest=now + lifetime)
         for _ in range(room):
@@ -166,6 +194,7 @@ class LeaseBook:
             self._forget(lease)
             if now is not None:
                 self._record(lease.worker_id).turnaround.append(now - lease.issued_at)
+                self._turnarounds.append(now - lease.issued_at)
         return prompt
 
     def complete(self, lease_id: str, prompt_id: str, worker_id: str | None = None, now: float | None = None) -> Prompt:

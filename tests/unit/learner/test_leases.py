@@ -97,4 +97,24 @@ def test_an_unanswered_expiry_starts_the_window_over():
     held = book.lease("w", 40, now=3.0)
     assert held is not None
     book.expire(now=100.0)
-    assert book.expired_unanswered("w") == 1 and book.worker_room("w") == 2
+    assert book.expired_unanswered("w") == 1 and book.worker_room("w") == 1  # over, and halved
+
+
+def test_hoarders_that_never_deliver_are_held_to_a_share_and_a_short_lease():
+    """Issue #18's hoarders (measured by `echo-rl bench control-plane --hostile`): workers that
+    heartbeat and never answer. Together they hold at most `unproven_share` of what is in flight;
+    each of their leases dies after a few of the fleet's median turnarounds, and every unanswered
+    expiry halves what the hoarder may take next."""
+    from learner.leases import WorkerCap
+
+    book = LeaseBook(prompts(), ttl=5, max_outstanding=40, per_worker=WorkerCap(4, 600.0, unproven_share=0.25))
+    honest = book.lease("honest", 4, now=0)
+    for pid in list(honest.prompts):
+        book.complete(honest.id, pid, "honest", now=2.0)  # a 2 s turnaround: the fleet's median
+    held = [book.lease(f"h{i}", 40, now=3.0) for i in range(10)]
+    assert sum(len(lease.prompts) for lease in held if lease) == 10  # 0.25 of 40, however many hoarders
+    assert book.lease("honest", 40, now=3.0) is not None  # the proven worker still gets prompts
+    assert all(lease.latest == 3.0 + 8.0 for lease in held if lease)  # 4 median turnarounds (2 s), not 600 s
+    book.renew("h0", now=10.0)
+    assert {lease.worker_id for lease in book.expire(now=11.5)} >= {"h0", "h1", "h2"}
+    assert book.worker_room("h0") == 2  # 4, halved after its unanswered expiry
