@@ -142,9 +142,11 @@ def sample(
 @dataclass
 class TokenBatch:
     """Prompt+completion sequences and where their completion tokens are: right-padded rows, or
-    (`packed`) one row of the sequences end to end with no padding, each restarting its
-    position ids at 0 — transformers then masks attention to each sequence's own tokens
-    (a block-diagonal causal mask; varlen kernels under flash attention).
+    (`packed`) rows as long as the longest sequence, each holding as many sequences end to end
+    as fit, every sequence restarting its position ids at 0 — transformers then masks attention
+    to each sequence's own tokens (a block-diagonal causal mask; varlen kernels under flash
+    attention). Rows no longer than the longest sequence keep attention's cost what padded rows
+    cost (rows × width²) where one long row would make it (Σ lengths)².
 
     `positions[k]` is the flat index (row·width + column) of the hidden state that predicts
     completion token `k`, `targets[k]` that token; completion tokens are listed sequence by sequence.
@@ -155,7 +157,7 @@ class TokenBatch:
     positions: torch.Tensor  # [tokens]
     targets: torch.Tensor  # [tokens]
     lengths: list[int]  # completion tokens per sequence
-    position_ids: torch.Tensor | None = None  # [1, width] when packed
+    position_ids: torch.Tensor | None = None  # [rows, width] when packed
 
     @classmethod
     def build(cls, prompts: list[list[int]], completions: list[list[int]], pad_id: int,
@@ -177,16 +179,36 @@ class TokenBatch:
 
     @classmethod
     def pack(cls, prompts: list[list[int]], completions: list[list[int]], device: torch.device | str = "cpu") -> TokenBatch:
-        ids, position_ids, positions, targets, start = [], [], [], [], 0
-        for p, c in zip(prompts, completions):
-            ids += p + c
-            position_ids += range(len(p) + len(c))
-            positions += range(start + len(p) - 1, start + len(p) - 1 + len(c))
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+        width = max(lengths)
+        rows: list[list[int]] = []  # first fit, longest first
+        room: list[int] = []
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            k = next((k for k, r in enumerate(room) if lengths[i] <= r), None)
+            if k is None:
+                rows.append([])
+                room.append(width)
+                k = len(rows) - 1
+            rows[k].append(i)
+            room[k] -= lengths[i]
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        start: dict[int, int] = {}  # sequence -> its flat offset
+        for r, members in enumerate(rows):
+            at = 0
+            for i in members:
+                ids[r, at : at + lengths[i]] = torch.tensor(prompts[i] + completions[i], dtype=torch.long)
+                position_ids[r, at : at + lengths[i]] = torch.arange(lengths[i])
+                start[i] = r * width + at
+                at += lengths[i]
+            position_ids[r, at:] = torch.arange(width - at)  # the row's tail: a sequence of its own, never read
+        positions, targets = [], []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            positions += range(start[i] + len(p) - 1, start[i] + len(p) - 1 + len(c))
             targets += c
-            start += len(p) + len(c)
-        tensor = lambda xs: torch.tensor([xs], dtype=torch.long, device=device)  # noqa: E731
-        return cls(tensor(ids), None, tensor(positions)[0], tensor(targets)[0], [len(c) for c in completions],
-                   position_ids=tensor(position_ids))
+        return cls(ids.to(device), None, torch.tensor(positions, dtype=torch.long, device=device),
+                   torch.tensor(targets, dtype=torch.long, device=device), [len(c) for c in completions],
+                   position_ids=position_ids.to(device))
 
     @property
     def padded_tokens(self) -> int:

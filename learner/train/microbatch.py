@@ -19,25 +19,29 @@ def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
 
 
 def pack(lengths: list[int], budget: int, padded: bool = True) -> list[list[int]]:
-    """Micro-batches of indices within `budget` tokens: padded, rows × longest row; unpadded
-    (sequences end to end in one row), the sum of their lengths.
+    """Micro-batches of indices whose computed size (rows × longest sequence) stays within
+    `budget`: padded, one sequence per row; packed, rows filled first-fit with as many
+    sequences as fit in the longest one's width (`echo.hf.TokenBatch.pack` builds the same rows).
 
-    Longest first, so each padded micro-batch pads to its own longest row, and unpadded ones
-    fill first-fit; a sequence longer than the budget goes alone (it cannot be split without
-    changing what the model sees).
+    Longest first, so each micro-batch's width is its own longest sequence; a sequence longer
+    than the budget goes alone (it cannot be split without changing what the model sees).
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     if not padded:
-        room: list[int] = []
+        room: list[int] = []  # the current micro-batch's rows: tokens left in each
+        width = 0
         for i in order:
-            k = next((k for k, r in enumerate(room) if lengths[i] <= r), None)
-            if k is None:
-                batches.append([i])
-                room.append(budget - lengths[i])
-            else:
-                batches[k].append(i)
+            k = next((k for k, r in enumerate(room) if lengths[i] <= r), None) if batches else None
+            if k is not None:
+                batches[-1].append(i)
                 room[k] -= lengths[i]
+            elif batches and (len(room) + 1) * width <= budget:
+                batches[-1].append(i)
+                room.append(width - lengths[i])
+            else:
+                batches.append([i])
+                width, room = lengths[i], [0]
         return batches
     width = 0
     for i in order:
