@@ -19,6 +19,7 @@ process, and an upload into a dead lease is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -58,7 +59,7 @@ class Ledger:
         os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
 
     def leased(self, prompts: list[Prompt]) -> None:
-        self._write({"e": "L", "p": [[p.id, p.text, p.answer] for p in prompts]})
+        self._write({"e": "L", "p": [[p.id, p.text, p.answer, p.seed] for p in prompts]})
 
     def trained(self, step: int, prompt_ids: list[str]) -> None:
         self._write({"e": "T", "s": step, "p": prompt_ids})
@@ -97,8 +98,8 @@ class Ledger:
                     continue  # the line a kill cut short
                 kind = ev.get("e")
                 if kind == "L":
-                    for pid, text, answer in ev["p"]:
-                        leased.setdefault(pid, Prompt(pid, text, answer))
+                    for pid, text, answer, *seed in ev["p"]:  # ledgers before episodes had no seed
+                        leased.setdefault(pid, Prompt(pid, text, answer, *seed))
                 elif kind == "T":
                     for pid in ev["p"]:
                         trained[pid] = ev["s"]
@@ -121,4 +122,4 @@ def unique_ids(prompts: Iterator[Prompt], start: int = 0) -> Iterator[Prompt]:
     (and in each of its starts, so a resumed run's ids never meet those it re-issues)."""
     prefix = f"r{start}." if start else ""
     for i, p in enumerate(prompts):
-        yield Prompt(f"{prefix}{i}:{p.id}", p.text, p.answer)
+        yield dataclasses.replace(p, id=f"{prefix}{i}:{p.id}")  # the seed (the episode's start) kept
