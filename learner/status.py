@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -61,6 +63,8 @@ class StatusDisplay:
     def note(self, text: str) -> None:
         if self.enabled:
             self.progress.console.print(text, soft_wrap=True)
+        else:  # --json: stdout is the run log's records; an operator's note goes to stderr
+            print(text, file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self.progress.stop()

@@ -176,6 +176,15 @@ class UploadRoom:
         return [Group(prompt_id=g.prompt_id, version=g.version, prompt_ids=self.leases.token_ids(prompts[g.prompt_id]),
                       completions=[s.tokens for s in g.samples], behaviour_logprobs=[s.logprobs for s in g.samples],
                       rewards=[s.reward for s in g.samples], worker_id=worker.id,
-                      masks=[s.mask for s in g.samples] if any(s.mask for s in g.samples) else None,
+                      masks=group_masks(g.samples),
                       truncated=[s.truncated for s in g.samples],
                       prompt=prompts[g.prompt_id]) for g in fresh], age
+
+
+def group_masks(samples) -> list[list[int]] | None:
+    """A group's loss masks: None when every sample is all the policy's (one turn). A sample
+    that travelled without a mask is all ones, also when others of its group have one (a hand
+    that ended after one decision beside hands that went on)."""
+    if all(s.mask is None for s in samples):
+        return None
+    return [s.mask if s.mask is not None else [1] * len(s.tokens) for s in samples]

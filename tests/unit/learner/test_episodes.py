@@ -146,3 +146,21 @@ def test_a_scripted_calculator_episode_replays_to_its_return(chat_model):
     assert tok.decode(obs).startswith("\n<|im_start|>tool\n=")  # what follows the turn's <|im_end|>
     result = episodes.replay(prompt, tokens, mask)
     assert result.ok and result.reward == 1.0 and not result.truncated
+
+
+def test_a_group_mixing_one_turn_and_multi_turn_episodes_trains(chat_model):
+    """A one-turn episode travels without a mask; beside multi-turn ones in its group it must
+    become all ones, not None (which the replay and the trainer cannot read)."""
+    from echo.wire import SampleMsg
+    from learner.api.uploads import group_masks
+
+    samples = [SampleMsg([5, 6, 7], [-1.0] * 3, 1.0), SampleMsg([5, 9, 9, 7], [-1.0, 0.0, 0.0, -1.0], 0.0, [1, 0, 0, 1])]
+    assert group_masks(samples) == [[1, 1, 1], [1, 0, 0, 1]] and group_masks(samples[:1]) is None
+    trainer = _trainer(chat_model)
+    groups = _play(trainer, prompts=1)
+    g = groups[0]
+    g.masks[0] = None  # as an upload of a mixed group used to arrive
+    g.masks = group_masks([SampleMsg(t, lp, r, m) for t, lp, r, m in zip(g.completions, g.behaviour_logprobs,
+                                                                          g.rewards, g.masks)])
+    g.rewards = [1.0, 0.0, 0.0, 1.0]
+    assert math.isfinite(trainer.step(BatchInfo([g, _play(trainer, prompts=1, seed=1)[0]], 0, [0, 0]))["loss"])
