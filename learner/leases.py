@@ -69,7 +69,7 @@ class WorkerCap:
 
     first: int = 8
     lifetime: float = 600.0
-    unproven_share: float = 0.25  # of the prompts in flight, what workers that never delivered hold at most
+    unproven_share: float = 1.0  # of the prompts in flight, what workers that never delivered hold at most
     unproven_turnarounds: float = 4.0  # an unproven worker's lease lives this many median turnarounds
 
     @classmethod
