@@ -51,6 +51,7 @@ from broadcast.transport import (
 
 log = logging.getLogger("echo.broadcast")
 MIB = float(1 << 20)
+HEADER_TIMEOUT_S = 30.0  # a connection without a whole request in this long is closed (slow headers)
 SERVER_SCHEME = "http"  # a node's own server: status, health, the route feed (and HTTP streams)
 
 
@@ -123,7 +124,8 @@ class Node:
         own = [self._make(cls) for cls in dict.fromkeys((transport_class(SERVER_SCHEME), self._advertised))]
         app = web.Application()
         app.add_routes(self._routes() + [r for t in own for r in t.routes()])
-        self._runner = web.AppRunner(app, access_log=None)
+        # A connection that sends no whole request in this long (slow headers, idle) is closed.
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -20,6 +20,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 UNKNOWN = "unknown"  # a request whose address cannot be parsed counts under one shared key
+TRACKED = 65536  # addresses remembered for failures, and for bans: the least recently seen go first
 
 
 def address_key(address: str) -> str:
@@ -101,8 +102,10 @@ class AddressBook:
 
     def failed(self, address: str, now: float) -> None:
         """A wrong run token or credential from `address`."""
-        bucket = self._refill(address_key(address), now)
+        key = address_key(address)
+        bucket = self._refill(key, now)
         bucket.tokens -= 1
+        _remember(self._failures, key, bucket)
 
     def throttled(self, address: str, now: float) -> float:
         """0 if `address` may try to authenticate now, else the seconds until it may."""
@@ -110,13 +113,12 @@ class AddressBook:
         return 0.0 if bucket.tokens >= 1 else (1 - bucket.tokens) * 60.0 / self.failures_per_min
 
     def _refill(self, key: str, now: float) -> _Bucket:
-        bucket = self._failures.get(key)
-        if bucket is None:
-            bucket = self._failures[key] = _Bucket(float(self.failure_burst), now)
+        # Popped and put back: the table's order is least recently seen first, which `_remember` evicts.
+        bucket = self._failures.pop(key, None) or _Bucket(float(self.failure_burst), now)
         bucket.tokens = min(self.failure_burst, bucket.tokens + (now - bucket.at) * self.failures_per_min / 60.0)
         bucket.at = now
-        if bucket.tokens >= self.failure_burst and len(self._failures) > 4096:
-            del self._failures[key]  # a full bucket is the default: keep the table small under scans
+        if bucket.tokens < self.failure_burst:  # a full bucket is the default: only debts are kept
+            _remember(self._failures, key, bucket)
         return bucket
 
     # --- bans ----------------------------------------------------------------------------------
@@ -124,13 +126,21 @@ class AddressBook:
     def ban(self, address: str, why: str, now: float) -> float:
         """Ban `address` (its /64 for IPv6); returns the ban's length in seconds."""
         key = address_key(address)
-        previous = self._bans.get(key)
+        previous = self._bans.pop(key, None)
         count = previous.count + 1 if previous else 1
-        length = self.ban_s * 2 ** (count - 1)
-        self._bans[key] = _Ban(why, now + length, count)
+        length = self.ban_s * 2 ** min(count - 1, 20)
+        _remember(self._bans, key, _Ban(why, now + length, count))
         return length
 
     def banned(self, address: str, now: float) -> str:
         """Why `address` is banned now, or '' if it is not."""
         ban = self._bans.get(address_key(address))
         return ban.why if ban is not None and ban.until > now else ""
+
+
+def _remember(table: dict, key: str, value) -> None:
+    """Put `value` last in `table`, dropping the least recently seen entry past `TRACKED`: an
+    attacker with many addresses (a /48 holds 65,536 /64s) cannot grow the learner's memory."""
+    table[key] = value
+    if len(table) > TRACKED:
+        del table[next(iter(table))]

@@ -18,12 +18,17 @@ WAKE_BATCH = 32  # waiters woken per turn of the event loop
 class Waiters:
     """Long-polled lease requests waiting for work, first come first served. Room freed for one
     lease wakes one waiter; a new learner version wakes those it made too stale to be served
-    (they are told to install), and the room a batch freed; only the end of training wakes all."""
+    (they are told to install), and the room a batch freed; only the end of training wakes all.
 
-    def __init__(self) -> None:
+    A counted wake-up goes only to a waiter that can use it (`eligible`, e.g. a worker whose
+    lease window is not full): handed to one that cannot, it would be spent on a request that
+    parks again, and the room it announced would sit unused until some later wake-up."""
+
+    def __init__(self, eligible: Callable[[Any], bool] = lambda worker: True) -> None:
         self._queue: deque[tuple[asyncio.Future, Any]] = deque()
         self._owed = 0  # wake-ups not yet delivered
         self._paying: asyncio.Task | None = None
+        self.eligible = eligible
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -49,15 +54,23 @@ class Waiters:
         try:
             while self._owed > 0 and self._queue:
                 k = min(self._owed, WAKE_BATCH)
-                self._owed -= k
-                while k > 0 and self._queue:
-                    fut, _ = self._queue.popleft()
-                    if not fut.done():
-                        fut.set_result(None)
-                        k -= 1
+                woken, skipped = 0, deque()
+                while woken < k and self._queue:
+                    fut, worker = self._queue.popleft()
+                    if fut.done():
+                        continue
+                    if not self.eligible(worker):
+                        skipped.append((fut, worker))  # keeps its place in the line
+                        continue
+                    fut.set_result(None)
+                    woken += 1
+                self._queue.extendleft(reversed(skipped))
+                self._owed -= woken
+                if woken < k:  # nobody left who could use the rest
+                    break
                 await asyncio.sleep(0)
         finally:
-            self._owed = 0 if not self._queue else self._owed
+            self._owed = 0
             self._paying = None
 
     def wake_where(self, predicate: Callable[[Any], bool]) -> None:

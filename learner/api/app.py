@@ -21,7 +21,7 @@ from broadcast.links import MBIT, LinkTable
 from echo import protocol as P
 from learner.admission import Waiters
 from learner.api.evals import EvalRoom
-from learner.api.http import Auth, errors_as_json
+from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.api.status import StatusRoom
@@ -85,6 +85,7 @@ class ControlApi:
     def app(self) -> web.Application:
         cfg = self.cfg
         app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)), middlewares=[errors_as_json])
+        app[BODY_TIMEOUT] = cfg.server.body_timeout_s
         auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused, self.registry.addresses,
                     [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies])
         app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, self.rollout, self.run, self.broadcast,
@@ -95,9 +96,14 @@ class ControlApi:
         self.status.add_routes(app, auth)
         return app
 
+    def runner(self) -> web.AppRunner:
+        """The app's runner. aiohttp's keep-alive timer also runs from a connection's opening: a
+        connection that has not sent a whole request by then (slow headers, or nothing) is closed."""
+        return web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s)
+
     async def start(self, host: str, port: int, reap_every: float) -> str:
         """Serve on `host:port` (0: a free port) and start the reaper; returns the URL workers join."""
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = self.runner()
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

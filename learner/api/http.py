@@ -8,6 +8,7 @@ from a worker's own credential, and throttles an address that keeps presenting w
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -20,6 +21,9 @@ from broadcast.transport import bearer
 from echo import protocol as P
 from learner.addresses import AddressBook, client_address
 from scheduler.providers import machine_of
+
+
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)  # [server] body_timeout_s, set on the app
 
 
 class Refusal(Exception):
@@ -46,14 +50,25 @@ async def read_body(request: web.Request, model: type[P.Message], rejected) -> P
     """The request's JSON body as `model`, at most `P.MAX_JSON_BYTES`; a bad one counts in `rejected`."""
     if (request.content_length or 0) > P.MAX_JSON_BYTES:
         raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=request.content_length)
-    chunks, size = [], 0
-    while chunk := await request.content.read(1 << 16):  # a chunked body has no length to check first
-        size += len(chunk)
-        if size > P.MAX_JSON_BYTES:
-            raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=size)
-        chunks.append(chunk)
+
+    async def whole() -> bytes:
+        chunks, size = [], 0
+        while chunk := await request.content.read(1 << 16):  # a chunked body has no length to check first
+            size += len(chunk)
+            if size > P.MAX_JSON_BYTES:
+                raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=size)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    timeout = request.config_dict.get(BODY_TIMEOUT, 60.0)
+    try:  # a trickled body would hold its handler (and a connection) for as long as the sender likes
+        body = await asyncio.wait_for(whole(), timeout)
+    except asyncio.TimeoutError:
+        rejected.labels("slow-body").inc()
+        raise Refusal(408, "slow-body", f"the request body did not arrive within [server] body_timeout_s = "
+                                        f"{timeout:g} s") from None
     try:
-        return P.parse_json(model, b"".join(chunks))  # bounded nesting: a deep array is a 400, not a 500
+        return P.parse_json(model, body)  # bounded nesting: a deep array is a 400, not a 500
     except P.ProtocolError as e:
         rejected.labels("bad-request").inc()
         raise web.HTTPBadRequest(text=str(e)) from None

@@ -35,6 +35,7 @@ class LeaseRoom:
         self.backpressure, self.metrics, self.evals = backpressure, metrics, evals
         self.encode = encode  # Prompt -> its episode's first token ids (the learner's rendering is authoritative)
         self.waiters = waiters or Waiters()
+        self.waiters.eligible = lambda worker: self.book.worker_room(worker.id) > 0  # room goes to who can take it
         self._token_ids: dict[str, list[int]] = {}
 
     def token_ids(self, prompt: Prompt) -> list[int]:
@@ -153,6 +154,8 @@ class LeaseRoom:
                 # Workers learn of new versions here too, without waiting for a heartbeat.
                 return answer(P.LeaseReply.model_construct(lease_id=got.id, prompts=prompts, expires_in=server.lease_ttl,
                                                            snapshot=run.announcement, eval_version=None, empty=""))
+            if room:
+                self.waiters.wake(1)  # this worker's window is full: the room is the next waiter's
             if now >= deadline:
                 return answer(P.LeaseReply(empty="wait", snapshot=run.announcement))
             await self.waiters.wait(deadline - now, worker)

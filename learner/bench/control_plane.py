@@ -136,7 +136,7 @@ async def _serve(args) -> int:
         api.leases.changed()
 
     await publish(0)
-    runner = web.AppRunner(api.app(), access_log=None)
+    runner = api.runner()
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
     await site.start()

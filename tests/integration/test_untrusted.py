@@ -97,7 +97,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
                                 results=results, run=run, links=control.links)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
-        runner = web.AppRunner(control.app())
+        runner = control.runner()
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -597,3 +597,27 @@ def test_a_refused_report_leaves_nothing_behind(tokenizer, tmp_path):
         assert set(api.state.verifier.evidence) <= {wid} and set(api.state.links.to_dict()["peers"]) <= {wid}
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_slow_headers_and_slow_json_bodies_are_cut_off(tokenizer, tmp_path):
+    """A connection that never finishes its headers is closed at [server] header_timeout_s; a JSON
+    body trickled slower than [server] body_timeout_s is a 408; an honest call meanwhile is served."""
+    async def test(api: Api):
+        _, cred = await api.join("w")
+        host, port = api.url.removeprefix("http://").split(":")
+        start = time.monotonic()
+        slow_headers = await asyncio.open_connection(host, int(port))
+        slow_headers[1].write(b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n")  # never ends its headers
+        idle = await asyncio.open_connection(host, int(port))  # says nothing at all
+        slow_body = await asyncio.open_connection(host, int(port))
+        slow_body[1].write(f"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                           "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode())
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=cred)
+        assert status == 200
+        for reader, _ in (slow_headers, idle):
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the learner
+            assert time.monotonic() - start < 6
+        answer = await asyncio.wait_for(slow_body[0].read(4096), 10)
+        assert answer.startswith(b"HTTP/1.1 408") and b"slow-body" in answer, answer[:200]
+
+    run_api(tokenizer, test, tmp_path, **{"server.header_timeout_s": 1.5, "server.body_timeout_s": 1.0})

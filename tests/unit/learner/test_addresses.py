@@ -49,3 +49,27 @@ def test_the_forwarded_address_is_believed_only_from_a_trusted_proxy():
     assert client_address("10.0.0.5", "203.0.113.9, 198.51.100.7, 10.0.0.4", proxies) == "198.51.100.7"
     assert client_address("198.51.100.7", "203.0.113.9", proxies) == "198.51.100.7"  # not a proxy: its own
     assert client_address("10.0.0.5", "203.0.113.9", []) == "10.0.0.5"  # no proxies configured
+
+
+def test_many_addresses_cannot_grow_the_tables_without_bound(monkeypatch):
+    import learner.addresses as addresses
+
+    monkeypatch.setattr(addresses, "TRACKED", 100)
+    book = AddressBook(failures_per_min=1.0, failure_burst=3)
+    for i in range(1000):  # one wrong token from each of 1,000 /64s of one /48, and a ban each
+        book.failed(f"2001:db8:0:{i:x}::1", now=0.0)
+        book.ban(f"2001:db8:0:{i:x}::1", "cheated", now=0.0)
+    assert len(book._failures) <= 100 and len(book._bans) <= 100
+    for _ in range(3):  # a guesser that keeps guessing stays remembered and throttled
+        book.failed("192.0.2.1", now=1.0)
+        for i in range(50):
+            book.failed(f"2001:db8:1:{i:x}::1", now=1.0)
+    assert book.throttled("192.0.2.1", now=1.0) > 0
+
+
+def test_an_address_that_stops_guessing_is_forgotten_once_refilled():
+    book = AddressBook(failures_per_min=60.0, failure_burst=3)
+    book.failed("192.0.2.1", now=0.0)
+    assert "192.0.2.1" in book._failures
+    assert book.throttled("192.0.2.1", now=5.0) == 0.0
+    assert "192.0.2.1" not in book._failures
