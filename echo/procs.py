@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import resource
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -34,3 +35,18 @@ def die_with_parent(sig: int = signal.SIGTERM):
 def die_with_my_parent(sig: int = signal.SIGTERM) -> None:
     """Ask, for this process, to get `sig` when its current parent dies."""
     _ask_kernel(sig, os.getppid())
+
+
+def more_files() -> int:
+    """Raise this process's soft limit on open files to the hard limit: a learner serving a
+    thousand workers holds a few connections each, past the usual soft limit of 1024, and would
+    stop accepting anyone (EMFILE). Returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from echo.config import ConfigError, add_config_args, dump_toml
 from learner.config import load_learner_config
-from echo.procs import die_with_my_parent
+from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
 from learner.rundir import RunDir
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not world.is_main:
         return follow(cfg, world, args.resume)
+    more_files()  # the control API holds a few connections per worker
     run_dir = RunDir(cfg, args.resume)
     workers = LocalWorkers(cfg.workers, run_dir / "workers", run_dir.token, cfg.run.seed)
     signal.signal(signal.SIGTERM, _interrupt)  # a polite kill stops the run like Ctrl-C

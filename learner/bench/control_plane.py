@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo.procs import more_files
+
 BENCH_TOKEN = "control-plane-bench-token"  # a run token of the strength the learner requires
 GOALS = {"p99_ms": 250.0, "loop_lag_ms": 100.0}
 # --hostile: what the honest fleet may lose to the attackers, against the benign run just before (issue #18)
@@ -79,7 +81,7 @@ def cli(argv: list[str]) -> int:
     unknown = set(args.attacks.split(",")) - {*CLASSES, "all"}
     if unknown:
         p.error(f"--attacks: unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
-    _more_files()
+    more_files()
     if args.serve:
         return asyncio.run(_serve(args))
     return asyncio.run(_drive(args))
@@ -586,12 +588,6 @@ def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     return statistics.quantiles(xs, n=100, method="inclusive")[min(98, int(q * 100) - 1)] if len(xs) > 1 else xs[0]
-
-
-def _more_files() -> None:
-    """A thousand connections need more descriptors than the usual soft limit of 1024."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 if __name__ == "__main__":
