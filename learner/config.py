@@ -308,7 +308,7 @@ class VerifySection(Section):
     reward_tolerance: float = Field(1e-4, ge=0.0, description="[verify] reward_tolerance: a claimed reward further than this from the learner's counts as a mismatch")
     max_reward_mismatch: float = Field(0.05, ge=0.0, le=1.0, description="[verify] max_reward_mismatch: a worker whose share of mismatched rewards (over its last 256 checked samples) exceeds this is quarantined")
     min_checked: int = Field(16, ge=1, description="[verify] min_checked: checked samples needed before a worker can be judged on rewards")
-    max_eval_logit_gap: float = Field(1.0, gt=0.0, description="[verify] max_eval_logit_gap: an eval answer with a token this many logits below the best, under the evaluated version, is not its greedy completion: left out, and its worker quarantined")
+    max_eval_logit_gap: float = Field(1.0, gt=0.0, description="[verify] max_eval_logit_gap: an eval answer with a token this many logits below the best, under the evaluated version, is not its greedy completion: its worker is quarantined and the prompt asked again of another")
     max_logprob_gap: float = Field(0.5, gt=0.0, description="[verify] max_logprob_gap: mean |log pi - log mu| per token (nats) beyond the fleet's drift at the groups' staleness, above which a worker's log-probs are judged fabricated")
     min_gap_tokens: int = Field(64, ge=1, description="[verify] min_gap_tokens: tokens needed before a worker can be judged on log-probs")
     capacity_claim_factor: float = Field(2.0, ge=1.0, description="[verify] capacity_claim_factor: a worker's claimed rollouts/s is believed up to this multiple of the rate the learner measured on its leases (unproven until one lease came back)")

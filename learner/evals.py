@@ -78,6 +78,11 @@ class EvalBook:
         """Start evaluating `version` (a round already running is replaced)."""
         self.round = _Round(version, now, deque(self.prompts))
 
+    def reask(self, version: int, prompt_ids: list[str], verified: dict[str, float], now: float) -> None:
+        """Ask `version`'s round again for `prompt_ids` (answers found forged), keeping the
+        `verified` scores of the rest: the round's result then covers every prompt again."""
+        self.round = _Round(version, now, deque(prompt_ids), rewards=dict(verified))
+
     def lease(self, worker_id: str, worker_version: int, max_prompts: int, now: float) -> tuple[str, int, list[Prompt]] | None:
         r = self.round
         if r is None or not r.pending or worker_version != r.version:

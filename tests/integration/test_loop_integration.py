@@ -332,12 +332,14 @@ def test_a_two_rank_learner_trains_on_policy_with_top_p(learner_factory):
 def test_a_worker_that_writes_its_own_eval_answers_is_caught(learner_factory):
     """The forger of v0's eval: it computes the right sums itself (the arithmetic is easy; the
     answers are never sent) instead of running the model. The learner checks each answer in one
-    teacher-forced pass under v0: they are not v0's greedy completions, so they are left out of
-    the accuracy and the worker is quarantined. Before, v0's accuracy read 1.000."""
+    teacher-forced pass under v0: they are not v0's greedy completions, so the worker is
+    quarantined and the forged prompts are asked again of an honest worker: v0's accuracy is over
+    all 8 prompts, every answer checked. Before, v0's accuracy read 1.000."""
     from learner.tinymodel import build_tokenizer
 
     tokenizer = build_tokenizer()
-    lp = learner_factory(run={"steps": 3}, eval={"limit": 8, "prompts_per_lease": 8, "final_timeout_s": 5})
+    lp = learner_factory(run={"steps": 3}, eval={"limit": 8, "prompts_per_lease": 8, "final_timeout_s": 5},
+                         verify={"ban_address": False})  # the honest worker comes from the forger's address
     wid, cred = lp.join("forger")
 
     def eval_lease():  # the round opens once v0 is published; eval leases go out before prompts
@@ -361,9 +363,18 @@ def test_a_worker_that_writes_its_own_eval_answers_is_caught(learner_factory):
                   "the forger to be quarantined")
     why = next(w["quarantined"] for w in lp.status()["workers"] if w["id"] == wid)
     assert "not that version's greedy completions" in why
-    events = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines()
-              if '"event": "eval"' in line]
-    assert events[0]["forged"] > 0 and events[0]["prompts"] == 8 - events[0]["forged"]  # left out of the accuracy
+
+    def eval_events():
+        path = lp.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if '"event": "eval"' in line]
+
+    assert not eval_events()  # the forged prompts wait for an honest answer: no accuracy over fewer prompts
+    lp.worker("honest")
+    lp.wait_until(eval_events, 120, "v0's eval round, the forged prompts answered by the honest worker")
+    events = eval_events()
+    assert events[0]["step"] == 0 and events[0]["checked"]
+    assert events[0]["forged"] >= 7 and events[0]["prompts"] == 8  # asked again, not left out
+    assert events[0]["eval_accuracy"] < 0.9  # v0's own accuracy (≈ 0.17), not the forger's 1.000
     metrics = lp.request("GET", "/metrics", token=None)[1]
     gauge = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("echo_eval_accuracy "))
     assert gauge == events[-1]["eval_accuracy"]  # what Prometheus shows is the checked accuracy

@@ -59,3 +59,13 @@ def test_a_round_nobody_can_finish_restarts_at_the_newest_version():
     lid, version, got = book.lease("w", 8, 10, now=3.0)
     result = book.submit("w", lid, 8, {p.id: 0.0 for p in got}, now=4.0)
     assert (result.version, result.restarts, result.seconds) == (8, 1, 4.0)
+
+
+def test_forged_answers_are_asked_again_and_the_result_covers_every_prompt():
+    book = EvalBook(PROMPTS[:4], ttl=5.0, per_lease=4)
+    book.reask(2, ["e1", "e3"], {"e0": 1.0, "e2": 0.0}, now=0.0)  # e1, e3 were forged; e0, e2 checked
+    lid, version, got = book.lease("honest", worker_version=2, max_prompts=8, now=0.0)
+    assert version == 2 and [p.id for p in got] == ["e1", "e3"]
+    result = book.submit("honest", lid, 2, {"e1": 1.0, "e3": 1.0}, now=1.0, completions={"e1": [5], "e3": [6]})
+    assert result.prompts == 4 and result.accuracy == 0.75
+    assert set(result.answers) == {"e1", "e3"}  # only the new answers are left to check
