@@ -92,19 +92,26 @@ class EvalBook:
         r.leased[lease_id] = _Lease(worker_id, now + self.ttl, ids)
         return lease_id, r.version, [self.prompts[i] for i in ids]
 
-    def submit(self, worker_id: str, lease_id: str, version: int, rewards: dict[str, float],
-               now: float, completions: dict[str, list[int]] | None = None) -> EvalResult | None:
-        """Record an eval lease's rewards; the round's result when this completes it."""
+    def check(self, worker_id: str, lease_id: str, version: int, prompt_ids) -> _Lease:
+        """The outstanding eval lease `lease_id` of `worker_id`, answered for exactly its prompts
+        at its version; else `Rejected`. Asked before anything is scored: scoring costs the learner."""
         r = self.round
         lease = r.leased.get(lease_id) if r else None
         if r is None or lease is None or lease.worker_id != worker_id:
-            raise Rejected(409, "unknown-lease", f"eval lease {lease_id!r} is not outstanding for this worker "
+            raise Rejected(409, "unknown-lease", f"eval lease {lease_id[:128]!r} is not outstanding for this worker "
                                                     "(expired, or its round was restarted)")
         if version != r.version:
             raise Rejected(409, "wrong-version", f"eval lease {lease_id!r} evaluates v{r.version}, not v{version}")
-        if set(rewards) != set(lease.prompt_ids):
+        if set(prompt_ids) != set(lease.prompt_ids):
             raise Rejected(422, "wrong-prompts", f"eval lease {lease_id!r} holds {len(lease.prompt_ids)} prompts; "
                                                     "send exactly one reward for each")
+        return lease
+
+    def submit(self, worker_id: str, lease_id: str, version: int, rewards: dict[str, float],
+               now: float, completions: dict[str, list[int]] | None = None) -> EvalResult | None:
+        """Record an eval lease's rewards; the round's result when this completes it."""
+        self.check(worker_id, lease_id, version, rewards)
+        r = self.round
         bad = [k for k, v in rewards.items() if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0]
         if bad:
             raise Rejected(422, "bad-reward", f"rewards must be numbers in [0, 1]; got {rewards[bad[0]]!r}")

@@ -48,6 +48,7 @@ class EvalRoom:
             if self.book is None:
                 return json_error(409, "no-eval", "this learner evaluates on itself ([eval] where = 'learner')")
             try:
+                self.book.check(worker.id, req.lease_id, req.version, req.rewards)  # before any scoring work
                 rewards = await self.score(req)  # the learner's own scores: workers never see the answers
                 result = self.book.submit(worker.id, req.lease_id, req.version, rewards, time.monotonic(),
                                           req.completions)

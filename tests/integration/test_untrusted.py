@@ -94,7 +94,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
-                                results=results, run=run, links=control.links)
+                                results=results, run=run, links=control.links, eval_room=control.evals)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
         runner = control.runner()
@@ -272,6 +272,15 @@ def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokeni
         status, body, _ = await api.call("/v1/eval", {"lease_id": lease["lease_id"], "version": 1,
                                                       "rewards": {p["id"]: 1.0 for p in lease["prompts"]}}, token=cred_h)
         assert (status, body["error"]) == (422, "wrong-prompts")
+        # Answers for a lease it was never given cost the learner nothing: refused before any scoring.
+        scored = []
+        room = state.eval_room
+        real = room.rescore
+        room.rescore = SimpleNamespace(score=lambda pairs: scored.append(len(pairs)) or real.score(pairs))
+        every = {p.id: [5, 6] for p in prompts}
+        status, body, _ = await api.call("/v1/eval", {"lease_id": "E999-0000", "version": 1, "completions": every,
+                                                      "rewards": {k: 0.0 for k in every}}, token=cred)
+        assert (status, body["error"], scored) == (409, "unknown-lease", [])
 
     run_api(tokenizer, test, tmp_path, evals=EvalBook(prompts, 30.0, 4))
 
