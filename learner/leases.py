@@ -125,6 +125,10 @@ class LeaseBook:
     def outstanding_by_worker(self) -> dict[str, int]:
         return {w: sum(len(self._leases[i].prompts) for i in ids) for w, ids in self._by_worker.items()}
 
+    def holds(self, worker_id: str) -> bool:
+        """Does `worker_id` hold any outstanding lease (anything it could upload into)?"""
+        return worker_id in self._by_worker
+
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 

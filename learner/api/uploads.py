@@ -65,6 +65,9 @@ class UploadRoom:
     async def upload(self, request: web.Request, worker: WorkerInfo) -> web.Response:
         if request.content_type != CONTENT_TYPE:
             raise Rejected(415, "malformed", f"Content-Type must be {CONTENT_TYPE}")
+        if not self.leases.book.holds(worker.id):  # nothing it could upload into: read and decode nothing
+            raise Rejected(409, "unknown-lease", "this worker holds no outstanding lease (expired, already "
+                                                 "answered, or never leased): lease prompts first")
         claim = min(request.content_length or int(self.max_body_mb * (1 << 20)), int(self.max_body_mb * (1 << 20)))
         if self.inflight + claim > self.inflight_cap:
             self.metrics.rejected.labels("busy").inc()

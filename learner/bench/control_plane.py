@@ -164,11 +164,15 @@ async def _serve(args) -> int:
 
     rss: list[float] = []
 
+    most_held: dict[str, int] = {}
+
     async def rss_monitor() -> None:  # resident memory once a second: does an attack make it grow?
         page = os.sysconf("SC_PAGE_SIZE")
         while True:
             with open("/proc/self/statm") as f:
                 rss.append(int(f.read().split()[1]) * page / (1 << 20))
+            for wid, n in leases.outstanding_by_worker().items():  # the most each worker held at once, sampled
+                most_held[wid] = max(most_held.get(wid, 0), n)
             await asyncio.sleep(1.0)
 
     steps = 0
@@ -202,7 +206,7 @@ async def _serve(args) -> int:
         "steps": steps, "buffer": buf, "leases": vars(leases.stats), "workers_known": len(workers),
         "quarantined": sum(bool(w.quarantined) for w in workers.values()),
         "rejected": _counts(api.metrics.rejected, "reason"), "joins_refused": _counts(api.metrics.joins_refused, "reason"),
-        **_by_kind(workers.values(), leases.outstanding_by_worker()),
+        **_by_kind(workers.values(), leases.outstanding_by_worker(), most_held),
         "max_inflight_prompts": leases.max_outstanding, "lease_first_prompts": cfg.server.lease_first_prompts,
         "relays_probed": _counts(api.metrics.relays_probed, "result"),  # a relay URL that made the learner connect
         "auth_refused": _counts(api.metrics.auth_refused, "credential"),
@@ -218,16 +222,17 @@ def _counts(counter, label: str) -> dict[str, int]:
     return {s.labels[label]: int(s.value) for m in counter.collect() for s in m.samples if s.name.endswith("_total")}
 
 
-def _by_kind(workers, held: dict[str, int]) -> dict[str, dict[str, int]]:
+def _by_kind(workers, held: dict[str, int], most_held: dict[str, int]) -> dict[str, dict[str, int]]:
     """What the hostile run is judged by, per kind of simulated worker (named `<kind>-<n>`: sim,
     the honest; hostile; forger): who was quarantined (an honest one is a false alarm), the
-    prompts each kind holds in leases, and the most one worker of it holds."""
+    prompts each kind holds in leases at the end, and the most one worker of it held at once
+    (`most_held`: sampled every second over the run)."""
     out: dict[str, dict[str, int]] = {"quarantined_by_kind": {}, "leased_by_kind": {}, "max_leased_by_kind": {}}
     for w in workers:
         kind, n = w.name.rsplit("-", 1)[0], held.get(w.id, 0)
         out["quarantined_by_kind"][kind] = out["quarantined_by_kind"].get(kind, 0) + bool(w.quarantined)
         out["leased_by_kind"][kind] = out["leased_by_kind"].get(kind, 0) + n
-        out["max_leased_by_kind"][kind] = max(out["max_leased_by_kind"].get(kind, 0), n)
+        out["max_leased_by_kind"][kind] = max(out["max_leased_by_kind"].get(kind, 0), n, most_held.get(w.id, 0))
     return out
 
 
@@ -595,7 +600,7 @@ def compared_table(out: dict) -> str:
         f"{yes[checks['zero_weight_bytes']['ok']]}",
         f"hoarding: {a['hoard']['requests']} requests for 1024 prompts, at most {a['hoard']['most_per_request']} given at "
         f"once; the {n} hoarders held {lh['leased_by_kind'].get('hostile', 0)} of the {lh['max_inflight_prompts']} "
-        f"prompts in flight at the end, at most {lh['max_leased_by_kind'].get('hostile', 0)} each "
+        f"prompts in flight at the end, at most {lh['max_leased_by_kind'].get('hostile', 0)} each at once over the run "
         f"(lease_first_prompts = {lh['lease_first_prompts']})",
         f"forgers: {len(forgers)} identities, {len(caught)} quarantined "
         + (f"{_pct(caught, 0.5):.1f} s (median; max {max(caught):.1f} s) after their first forged upload, "

@@ -126,7 +126,11 @@ def test_a_worker_cannot_upload_into_another_workers_lease_or_as_another_worker(
         assert status == 200 and lease["lease_id"]
         ids = [p["id"] for p in lease["prompts"]]
         honest = [group(tokenizer, i, ["9"] * 4, 0.0) for i in ids]
-        # b, with its own credential, into a's lease: the lease is not b's.
+        # b, holding no lease at all: refused before its body is read or decoded.
+        status, body = await api.upload(cred_b, Submission(b, lease["lease_id"], honest))
+        assert (status, body["error"]) == (409, "unknown-lease") and "holds no outstanding lease" in body["message"]
+        # b, with a lease of its own, into a's lease: the lease is not b's.
+        status, _, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred_b)
         status, body = await api.upload(cred_b, Submission(b, lease["lease_id"], honest))
         assert (status, body["error"]) == (409, "unknown-lease") and "another worker's" in body["message"]
         # b naming a in the upload: the credential decides who is speaking.
@@ -135,7 +139,7 @@ def test_a_worker_cannot_upload_into_another_workers_lease_or_as_another_worker(
         # b handing a's lease back: refused, a's lease is intact.
         status, body, _ = await api.call("/v1/release", {"lease_id": lease["lease_id"]}, token=cred_b)
         assert status == 409
-        assert api.state.leases.outstanding_by_worker() == {a: 2}
+        assert api.state.leases.outstanding_by_worker() == {a: 2, b: 1}
         assert api.state.buffer.buffer.stats.accepted == 0
         # a itself: accepted.
         status, body = await api.upload(cred_a, Submission(a, lease["lease_id"], honest))
