@@ -88,7 +88,7 @@ def sharded_alone(world: World) -> World:
 
 
 def shard(policy: torch.nn.Module, layers: list[torch.nn.Module], world: World,
-          compute: torch.dtype | None = None) -> torch.nn.Module:
+          compute: torch.dtype | None = None, reshard_root: bool = False) -> torch.nn.Module:
     """FSDP2: each decoder layer one unit, the rest (embeddings, final norm, head) the root.
 
     The sharded parameters are what they were built in (fp32: the master weights). With
@@ -99,6 +99,11 @@ def shard(policy: torch.nn.Module, layers: list[torch.nn.Module], world: World,
     ranks; the batch gradient is their *sum* (the loss is already normalised by the slice's
     token count), so the trainer scales each rank's loss by the world size (gloo cannot reduce
     with a divide factor of 1).
+
+    The root keeps its parameters gathered after the forward (FSDP2's default for a root): the
+    backward needs them at once and reshards them. A model that never runs a backward (the
+    frozen reference) passes `reshard_root`, or its embeddings and head would stay gathered.
+    Parameters still on the meta device stay there: `learner.train.load` allocates and fills them.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -108,7 +113,7 @@ def shard(policy: torch.nn.Module, layers: list[torch.nn.Module], world: World,
     kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in layers:
         fully_shard(layer, mesh=mesh, **kwargs)
-    fully_shard(policy, mesh=mesh, **kwargs)
+    fully_shard(policy, mesh=mesh, **kwargs, **({"reshard_after_forward": True} if reshard_root else {}))
     return policy
 
 

@@ -4,6 +4,8 @@
   gradient, no optimizer state. PEFT injects the LoRA layers into the HF model in place, so
   `Policy.hf` stays the HF model (`echo.hf` reaches `hf.base_model` and the head as before);
   the adapter's A and B are fp32 master weights (PEFT's `autocast_adapter_dtype`).
+- The adapter starts as PEFT starts it (B = 0: the adapted model is the base), drawn from the
+  run's seed (`init_adapter`), so one rank and N ranks train the same adapter.
 - Only decoder-layer linears may carry an adapter: the chunked head (`echo.hf.head_logprobs`)
   reads `lm_head.weight` directly, and embeddings are the FSDP root's.
 - A version (`adapter_blob`) is the adapter's tensors under PEFT's saved names with the
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -44,6 +47,26 @@ def inject(hf, lora, layers: list[torch.nn.Module]):
     for name, p in hf.named_parameters():
         p.requires_grad_("lora_" in name)
     return hf
+
+
+def init_adapter(hf, seed: int) -> None:
+    """PEFT's initialisation of the adapter (`init_lora_weights=True`: A kaiming-uniform as an
+    `nn.Linear`, B zeros), drawn from a generator seeded with `seed` in parameter order: the
+    same adapter on every rank and for any rank count, whether the model was loaded whole or
+    built on the meta device and sharded (`learner.train.load`), where PEFT's own draw is lost.
+    Each rank draws every A whole (rank × in: small) and keeps its block."""
+    from learner.train.load import write_whole
+
+    generator = torch.Generator().manual_seed(seed)
+    for name, p in hf.named_parameters():
+        if "lora_A" in name:
+            a = torch.empty(p.shape, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            write_whole(p, a)
+        elif "lora_B" in name:
+            write_whole(p, torch.zeros(p.shape))
+        elif "lora_" in name:
+            raise ValueError(f"{name}: only LoRA's A and B are initialised here")
 
 
 def adapter_parameters(hf) -> list[tuple[str, torch.nn.Parameter]]:

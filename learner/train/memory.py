@@ -26,6 +26,10 @@ projections), two key/value-sized ones and eight intermediate-sized ones (gate, 
 activation and product, with allocator slack); SDPA keeps no attention matrix. Counted from a
 Qwen2 layer and checked against the peak `echo-rl bench learner` measures on this machine
 (fp32, table 1 of the README), where it lands within 10%.
+
+Loading adds no term: a sharded rank allocates its shards and reads its rows of each tensor into
+them (`learner.train.load`), one tensor's rows in transit; one plain rank loads the model whole,
+which its state then holds.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ its forward *is* π, optionally checkpointed and sharded, and written out as sna
   applied in checkpointed chunks, so the batch's `[tokens, vocab]` logits never exist. As the
   FSDP root it owns embeddings, final norm and head; each decoder layer is its own unit.
 - Always in eval mode: dropout off, because π must be the very function workers sample from.
+- Loaded whole on one plain rank; sharded, built on the meta device, sharded, and each rank
+  reads its own shards from the checkpoint (`learner.train.load`).
 - `write_safetensors`: a snapshot gathered one tensor at a time into one preallocated
   buffer, never a second full copy of the model on any rank.
 """
@@ -79,14 +81,17 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
 def build_policy(model_dir: Path, world: World, *, temperature: float, top_p: float, chunk_tokens: int,
                  activation_checkpointing: bool, dtype: torch.dtype = torch.float32,
                  trainable: bool = True, greedy: bool = False, compute: torch.dtype | None = None,
-                 lora=None) -> Policy:
+                 lora=None, seed: int = 0) -> Policy:
     """Load `model_dir` in `dtype` (fp32: the master weights), wrap, checkpoint, shard or move;
     `compute`: the dtype FSDP2 computes in (mixed precision; the world must be sharded).
     With `lora` (`[trainer.lora]`): the base in `dtype`, frozen, with a LoRA adapter in fp32
-    that alone is trainable (`learner.train.lora`)."""
-    from transformers import AutoModelForCausalLM
+    that alone is trainable (`learner.train.lora`), initialised from `seed`.
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    Sharded, the model is built on the meta device and sharded before any weight exists; each
+    rank then reads its shards from the checkpoint (`learner.train.load`). One plain rank loads
+    it whole. A frozen model (the KL reference, the eval copy) reshards its root after each
+    forward too: no backward follows to do it, and its embeddings and head would stay gathered."""
+    hf = build_on_meta(model_dir, dtype) if world.sharded else _load_whole(model_dir, dtype)
     hf.config.use_cache = False
     hf.eval().requires_grad_(trainable)
     layers = decoder_layers(hf)
@@ -101,8 +106,37 @@ def build_policy(model_dir: Path, world: World, *, temperature: float, top_p: fl
             checkpoint_activations(layer)
     policy = Policy(hf, temperature=temperature, top_p=top_p, chunk_tokens=chunk_tokens, greedy=greedy).eval()
     if world.sharded:
-        return shard(policy, layers, world, compute)
-    return policy.to(world.device)
+        from learner.train.load import materialize
+
+        shard(policy, layers, world, compute, reshard_root=not trainable)
+        materialize(policy, hf, model_dir, world.device, fresh=lambda name: lora is not None and "lora_" in name)
+    else:
+        policy.to(world.device)
+    if lora is not None:
+        from learner.train.lora import init_adapter
+
+        init_adapter(hf, seed)
+    return policy
+
+
+def _load_whole(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
+def build_on_meta(model_dir: Path, dtype: torch.dtype):
+    """The HF model of `model_dir`'s config, its parameters on the meta device, its buffers and
+    generation config as `from_pretrained` makes them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from learner.train.load import meta_parameters
+
+    with meta_parameters():
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    if (Path(model_dir) / "generation_config.json").exists():
+        hf.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return hf
 
 
 def count_parameters(module: torch.nn.Module) -> int:

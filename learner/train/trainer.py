@@ -164,7 +164,8 @@ class Trainer:
         self.base_sha256 = base_digest(self.model_dir) if self.lora else ""
         self.policy = build_policy(self.model_dir, self.world, activation_checkpointing=t.activation_checkpointing,
                                    dtype=(self.compute_dtype or torch.float32) if self.lora else torch.float32,
-                                   compute=self.compute_dtype if self.world.sharded else None, lora=self.lora, **common)
+                                   compute=self.compute_dtype if self.world.sharded else None, lora=self.lora,
+                                   seed=cfg.run.seed, **common)
         self.reference = None
         if t.kl_coef > 0:  # frozen, in the compute dtype: a second model costs b bytes per parameter
             self.reference = build_policy(self.model_dir, self.world, activation_checkpointing=False,
