@@ -12,7 +12,7 @@ it back (`UnknownLease` otherwise, whatever the lease id). Every operation costs
 prompts), not O(all leases): a thousand workers heartbeat and lease concurrently.
 
 A worker cannot hoard (`WorkerCap`): until it has delivered it holds a few prompts at most; then
-twice what its measured delivery rate finishes in one lease turnaround (at least `ttl`), so an
+twice what it delivered within one lease turnaround (at least `ttl`), so an
 honest worker's share grows as it proves itself, like a TCP window. A lease also has an
 absolute deadline from its issue that heartbeats cannot extend, and a lease that expires
 unanswered is held against its worker (`expired_unanswered`; its window starts over, halved
@@ -86,14 +86,16 @@ class _Delivery:
     turnaround: deque = field(default_factory=lambda: deque(maxlen=16))  # issue -> last prompt back, per lease
     expired_unanswered: int = 0  # leases that ran out with nothing delivered
 
-    def window(self, cap: WorkerCap, ttl: float, limit: int) -> int:
+    def window(self, cap: WorkerCap, ttl: float, limit: int, now: float | None = None) -> int:
         if not self.done:  # nothing delivered (since its last unanswered expiry): halved per such expiry
             return min(max(1, cap.first >> min(self.expired_unanswered, 16)), limit)
-        if len(self.done) < 2 or self.done[-1] <= self.done[0]:
-            return min(max(cap.first, 2 * len(self.done)), limit)
-        rate = (len(self.done) - 1) / (self.done[-1] - self.done[0])
+        # Twice what it delivered within one lease turnaround (at least ttl) before `now`. Counted,
+        # not a rate from first to last delivery: the groups of one upload arrive microseconds
+        # apart, and a rate over them would open the window to the whole book after one upload.
         horizon = max(ttl, sum(self.turnaround) / len(self.turnaround) if self.turnaround else 0.0)
-        return min(max(cap.first, math.ceil(2 * rate * horizon)), limit)
+        since = (self.done[-1] if now is None else now) - horizon
+        recent = sum(1 for t in self.done if t >= since)
+        return min(max(cap.first, 2 * recent), limit)
 
 
 class LeaseBook:
@@ -132,13 +134,14 @@ class LeaseBook:
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
-    def worker_room(self, worker_id: str) -> int:
-        """Prompts `worker_id` may still take: its window less what it holds."""
+    def worker_room(self, worker_id: str, now: float | None = None) -> int:
+        """Prompts `worker_id` may still take at `now` (None: as of its last delivery): its window
+        less what it holds."""
         if self.per_worker is None:
             return self.max_outstanding
         held = sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
         record = self._delivery.get(worker_id) or _Delivery()
-        room = record.window(self.per_worker, self.ttl, self.max_outstanding) - held
+        room = record.window(self.per_worker, self.ttl, self.max_outstanding, now) - held
         if not record.done:  # unproven: within what all unproven workers together may hold
             quota = max(self.per_worker.first, int(self.per_worker.unproven_share * self.max_outstanding))
             room = min(room, quota - self._unproven_held())
@@ -162,7 +165,7 @@ class LeaseBook:
         return record.expired_unanswered if record else 0
 
     def lease(self, worker_id: str, max_prompts: int, now: float) -> Lease | None:
-        room = min(max_prompts, self.max_outstanding - self._outstanding, self.worker_room(worker_id))
+        room = min(max_prompts, self.max_outstanding - self._outstanding, self.worker_room(worker_id, now))
         if room <= 0:
             return None
         lifetime = self.per_worker.lifetime if self.per_worker else math.inf

@@ -35,7 +35,8 @@ class LeaseRoom:
         self.backpressure, self.metrics, self.evals = backpressure, metrics, evals
         self.encode = encode  # Prompt -> its episode's first token ids (the learner's rendering is authoritative)
         self.waiters = waiters or Waiters()
-        self.waiters.eligible = lambda worker: self.book.worker_room(worker.id) > 0  # room goes to who can take it
+        # room goes to who can take it
+        self.waiters.eligible = lambda worker: self.book.worker_room(worker.id, time.monotonic()) > 0
         self._token_ids: dict[str, list[int]] = {}
 
     def token_ids(self, prompt: Prompt) -> list[int]:

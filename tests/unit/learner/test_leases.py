@@ -118,3 +118,14 @@ def test_hoarders_that_never_deliver_are_held_to_a_share_and_a_short_lease():
     book.renew("h0", now=10.0)
     assert {lease.worker_id for lease in book.expire(now=11.5)} >= {"h0", "h1", "h2"}
     assert book.worker_room("h0") == 2  # 4, halved after its unanswered expiry
+
+
+def test_one_upload_of_many_groups_does_not_open_the_window():
+    """The groups of one upload are completed microseconds apart: a rate measured between the
+    first and the last delivery would read 10^5 prompts/s and open the window to the whole book."""
+    book = capped(first=8, ttl=20)
+    lease = book.lease("w", 2, now=0.0)
+    for i, pid in enumerate(list(lease.prompts)):
+        book.complete(lease.id, pid, "w", now=5.0 + i * 1e-6)
+    assert book.worker_room("w", now=5.0) == 8  # twice the 2 it delivered is below the first window
+    assert book.lease("w", 1024, now=5.0).size == 8
