@@ -5,8 +5,11 @@ A *round* evaluates snapshot `v` on the task's eval prompts. Its prompts go out 
 when they ask for a lease, and generate the batch before installing anything else), so every
 answer of the round is `v`'s. Eval leases come before training prompts. A worker that dies
 loses nothing: its eval lease expires like any other and the prompts go back to the round.
-If no live worker holds `v` any more (all moved on before the round finished), the round starts
-again at the newest version and says so (`restarts`): an accuracy is always one version's.
+A worker holds one eval lease at a time, and a lease lives at most `lifetime` seconds from its
+issue whatever its heartbeats: a few identities cannot sit on a round. If no live worker holds
+`v` any more (all moved on, or they were sitting on it), the round is abandoned (`abandoned`):
+the learner opens the next one at a version it holds aside to check, never a round whose
+answers it cannot check.
 
 Workers are never told the answers (a worker holding them could return them instead of its
 model's), and their rewards are not believed: the learner scores each completion itself, and
@@ -44,6 +47,7 @@ class _Lease:
     worker_id: str
     deadline: float
     prompt_ids: list[str]
+    latest: float = float("inf")  # heartbeats renew the deadline up to this, never past it
 
 
 @dataclass
@@ -61,13 +65,15 @@ class _Round:
 class EvalBook:
     """Invariant of the open round: every prompt is pending, leased once, or answered."""
 
-    def __init__(self, prompts: list[Prompt], ttl: float, per_lease: int):
+    def __init__(self, prompts: list[Prompt], ttl: float, per_lease: int, lifetime: float | None = None):
         if not prompts:
             raise ValueError("the task has no eval prompts")
         self.prompts = {p.id: p for p in prompts}
         self.ttl, self.per_lease = ttl, per_lease
+        self.lifetime = lifetime if lifetime is not None else 3 * ttl
         self.round: _Round | None = None
         self.results: list[EvalResult] = []
+        self.abandoned: _Round | None = None  # the last round nobody alive could finish, until the next opens
         self._ids = itertools.count()
 
     @property
@@ -76,7 +82,9 @@ class EvalBook:
 
     def open(self, version: int, now: float) -> None:
         """Start evaluating `version` (a round already running is replaced)."""
-        self.round = _Round(version, now, deque(self.prompts))
+        restarts = self.abandoned.restarts + 1 if self.abandoned else 0
+        self.round = _Round(version, now, deque(self.prompts), restarts=restarts)
+        self.abandoned = None
 
     def reask(self, version: int, prompt_ids: list[str], verified: dict[str, float], now: float) -> None:
         """Ask `version`'s round again for `prompt_ids` (answers found forged), keeping the
@@ -87,9 +95,11 @@ class EvalBook:
         r = self.round
         if r is None or not r.pending or worker_version != r.version:
             return None
+        if any(lease.worker_id == worker_id for lease in r.leased.values()):
+            return None  # one at a time
         ids = [r.pending.popleft() for _ in range(min(max_prompts, self.per_lease, len(r.pending)))]
         lease_id = f"E{next(self._ids)}-{secrets.token_hex(4)}"
-        r.leased[lease_id] = _Lease(worker_id, now + self.ttl, ids)
+        r.leased[lease_id] = _Lease(worker_id, now + self.ttl, ids, latest=now + self.lifetime)
         return lease_id, r.version, [self.prompts[i] for i in ids]
 
     def check(self, worker_id: str, lease_id: str, version: int, prompt_ids) -> _Lease:
@@ -131,11 +141,11 @@ class EvalBook:
         if self.round:
             for lease in self.round.leased.values():
                 if lease.worker_id == worker_id:
-                    lease.deadline = now + self.ttl
+                    lease.deadline = min(now + self.ttl, lease.latest)
 
     def expire(self, now: float, live_versions: set[int], newest: int) -> bool:
-        """Give expired leases' prompts back; restart the round at `newest` when nobody alive
-        holds its version and nothing is leased (returns True when it restarted)."""
+        """Give expired leases' prompts back; abandon the round when nobody alive holds its
+        version, nothing is leased and a newer version exists (returns True when it did)."""
         r = self.round
         if r is None:
             return False
@@ -144,8 +154,6 @@ class EvalBook:
                 del r.leased[lease_id]
                 r.pending.extendleft(reversed(lease.prompt_ids))
         if r.version not in live_versions and not r.leased and newest > r.version:
-            restarts = r.restarts + 1
-            self.open(newest, r.opened)
-            self.round.restarts = restarts
+            self.round, self.abandoned = None, r
             return True
         return False

@@ -5,8 +5,14 @@
              last one, and the last version's round is waited for before the run stops. The
              trainer holds the round's version aside (`Trainer.hold_for_eval`), and every answer
              is checked in one teacher-forced pass to be that version's greedy completion: an
-             answer a worker wrote itself quarantines its worker, and its prompt is asked again
-             of the others (up to `REASKS` times; after that it is left out and counted)
+             answer a worker wrote itself (a token far below the best, or one that stops where
+             greedy decoding would not) quarantines its worker, and its prompt is asked again of
+             the others (up to `REASKS` times; after that it is left out and counted). An answer
+             whose tokens are near-ties (within `max_gap` but not the best, as bf16 numerics can
+             make honest ones) is scored by the learner's own greedy answer instead: a near-tie is
+             also where a worker could pick the right digit. A round nobody alive can finish is
+             abandoned and the next one opened at the next publication: never a round the learner
+             holds no copy of, whose answers it could not check
     learner  the trainer evaluates between steps on its own thread (one rank only: tiny models)
 
 Both keep the newest result, the first accuracy (across a resume) and what a checkpoint saves,
@@ -48,9 +54,13 @@ class EvalParts:
     encode: Callable[[Prompt], list[int]] | None = None  # prompt -> token ids, as the workers were sent them
     quarantine: Callable[[str, str], None] = lambda worker_id, why: None
     max_gap: float = 1.0  # [verify] max_eval_logit_gap
+    redecode: Callable[[list[Prompt]], Awaitable[list[float]]] | None = None  # greedy returns under the held version
+    stop_ids: frozenset[int] = frozenset()  # the ids that end a turn: a greedy answer ends on one...
+    max_new_tokens: int = 0  # ...or is this long
 
 
 REASKS = 2  # times a round's forged answers are asked again of other workers before they are left out
+TIE_LOGITS = 0.05  # a token this far below the best is a near-tie: the learner re-decodes the prompt itself
 
 
 class Evaluation:
@@ -87,7 +97,7 @@ class WorkerEvaluation(Evaluation):
     def __init__(self, section: WorkersEval, parts: EvalParts):
         super().__init__(parts)
         self.final_timeout_s = section.final_timeout_s
-        self.book = EvalBook(parts.prompts, parts.lease_ttl, section.prompts_per_lease)
+        self.book = EvalBook(parts.prompts, parts.lease_ttl, section.prompts_per_lease, lifetime=3 * parts.lease_ttl)
         self.opened = 0  # the version of the newest round
         self.held = -1  # the version the trainer holds aside for checking answers
         self.checking: asyncio.Task | None = None  # the check of a finished round, on the trainer thread
@@ -95,6 +105,7 @@ class WorkerEvaluation(Evaluation):
         self.check_s = 0.0  # the last round's teacher-forced check, seconds on the trainer thread
         self.reasks = 0  # times the open round's forged answers were asked again
         self.round_forged = 0  # forged answers found in the open round, re-asks included
+        self.round_redecoded = 0  # near-tie answers the learner scored by its own greedy answer
 
     async def _open(self, version: int) -> None:
         if self.checking is not None:  # its check needs the held version: let it finish first
@@ -103,12 +114,14 @@ class WorkerEvaluation(Evaluation):
             self.held = await self.parts.hold()
         self.book.open(version, time.monotonic())
         self.opened = version
-        self.reasks = self.round_forged = 0
+        self.reasks = self.round_forged = self.round_redecoded = 0
 
     def finished(self, result: EvalResult) -> None:
         """A round came back: check its answers (on the trainer thread), then record it."""
-        if self.parts.greedy_gaps is None or result.version != self.held:  # a restarted round: not checkable
+        if self.parts.greedy_gaps is None:  # nothing to check with: recorded, and marked unchecked
             self._record(replace(result, answers={}, scores={}), checked=False)
+        elif result.version != self.held:  # never recorded: an unchecked accuracy is what a forger would write
+            self.parts.note(f"eval v{result.version}: not recorded, the learner holds v{self.held} to check against")
         else:
             self.checking = asyncio.get_running_loop().create_task(self._check(result))
 
@@ -119,14 +132,21 @@ class WorkerEvaluation(Evaluation):
         gaps = await self.parts.greedy_gaps([self.parts.encode(prompts[k]) for k in ids],
                                             [result.answers[k][1] for k in ids])
         self.check_s = time.monotonic() - started  # on the trainer thread: it delays the next step this long
+        gaps = [gap if self._terminated(result.answers[k][1]) else float("inf") for k, gap in zip(ids, gaps)]
         forged = {k: g for k, g in zip(ids, gaps) if g > self.parts.max_gap}
+        disputed = [k for k, g in zip(ids, gaps) if TIE_LOGITS < g <= self.parts.max_gap]
+        if disputed and self.parts.redecode is not None:  # scored by the learner's own greedy answers
+            own = await self.parts.redecode([prompts[k] for k in disputed])
+            result.scores.update(zip(disputed, own))
+            self.round_redecoded += len(disputed)
         by_worker: dict[str, list[float]] = {}
         for k, gap in forged.items():
             by_worker.setdefault(result.answers[k][0], []).append(gap)
         for worker_id, worker_gaps in by_worker.items():
+            worst = (f"a token {max(worker_gaps):.2f} logits below the best; allowed {self.parts.max_gap}"
+                     if max(worker_gaps) < float("inf") else "one stops where greedy decoding would go on")
             self.parts.quarantine(worker_id, f"{len(worker_gaps)} of its eval answers for v{result.version} are not "
-                                             f"that version's greedy completions (a token {max(worker_gaps):.2f} "
-                                             f"logits below the best; allowed {self.parts.max_gap})")
+                                             f"that version's greedy completions ({worst})")
         self.forged += len(forged)
         self.round_forged += len(forged)
         verified = {k: v for k, v in result.scores.items() if k not in forged}  # a re-asked round's earlier scores too
@@ -142,6 +162,12 @@ class WorkerEvaluation(Evaluation):
         self._record(replace(result, accuracy=accuracy, prompts=len(verified), answers={}, scores={}),
                      checked=True, forged=self.round_forged)
 
+    def _terminated(self, completion: list[int]) -> bool:
+        """Does `completion` stop where greedy decoding stops: on a stop id, or at the token budget?"""
+        if not self.parts.stop_ids or not completion:
+            return True
+        return completion[-1] in self.parts.stop_ids or len(completion) >= self.parts.max_new_tokens
+
     def _record(self, result: EvalResult, checked: bool, forged: int = 0) -> None:
         self.last = result
         self.parts.metrics.eval_accuracy.set(result.accuracy)  # the checked accuracy, not the round's raw one
@@ -150,12 +176,14 @@ class WorkerEvaluation(Evaluation):
         self.parts.log({"event": "eval", "step": result.version, "eval_accuracy": result.accuracy,
                         "where": "workers", "prompts": result.prompts, "seconds": round(result.seconds, 3),
                         "workers": result.workers, "restarts": result.restarts, "checked": checked,
-                        "forged": forged, "check_s": round(self.check_s, 4) if checked else None})
+                        "forged": forged, "redecoded": self.round_redecoded if checked else 0,
+                        "check_s": round(self.check_s, 4) if checked else None})
         self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
                         f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
                         + (f", {result.restarts} restarts" if result.restarts else "")
                         + (f", {forged} forged answers left out" if forged else "")
-                        + ("" if checked else ", answers not checked: the round restarted on a version not held")
+                        + (f", {self.round_redecoded} near-ties re-decoded here" if checked and self.round_redecoded else "")
+                        + ("" if checked else ", answers not checked")
                         + ")")
 
     async def start(self, version: int) -> None:
@@ -163,6 +191,7 @@ class WorkerEvaluation(Evaluation):
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
         due = self.parts.eval_every and version - self.opened >= self.parts.eval_every
+        due = due or self.book.abandoned is not None  # nobody could finish the last one: evaluate this one
         if published and (last or (due and self.book.round is None)):
             await self._open(version)
             self.parts.changed()  # waiting workers holding this version can evaluate it

@@ -67,7 +67,9 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         eval_prompts, cfg.run.eval_every, trainer.resumed, cost, metrics, log=log.write, note=display.note, run=run,
         changed=waiters.wake_all, evaluate=partial(driver.run, trainer.evaluate, task, eval_prompts),
         lease_ttl=cfg.server.lease_ttl, hold=partial(driver.call, "hold_for_eval"),
-        greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap))
+        greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap,
+        redecode=partial(driver.call, "held_greedy_returns"), stop_ids=frozenset(trainer.episodes.stop_ids),
+        max_new_tokens=cfg.rollout.max_new_tokens))
     # Scores eval answers always, and replays [verify] rescore_fraction of the uploaded episodes (the verifier picks).
     rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance, episodes=trainer.episodes)
     api = ControlApi(cfg, run_dir.token, run=run, buffer=buffer, lease_book=book, encode=trainer.encode,
@@ -86,7 +88,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         display.note(recovery.note(trainer.version, checkpoint))
 
     accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
-                            fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars))
+                            fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars), group_size=cfg.rollout.group_size)
     record = RunRecord(log, display, as_json, metrics=metrics, buffer=buffer, leases=book, registry=api.registry)
     publishing = Publishing(publisher, driver=driver, run=run, registry=api.registry, ledger=ledger,
                             accounting=accounting, metrics=metrics)

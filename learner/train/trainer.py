@@ -500,6 +500,23 @@ class Trainer:
                 out[i] = float(g.max()) if len(g) else 0.0
         return out
 
+    @torch.no_grad()
+    def held_greedy_returns(self, prompts: list[Prompt]) -> list[float]:
+        """Greedy returns of `prompts` under the held eval copy: the learner's own answers, where a
+        worker's were near-ties it could have picked from. Every rank runs it (generation through
+        the sharded copy is collective)."""
+        if self._eval_copy is None:
+            raise RuntimeError("hold_for_eval() first: no eval copy is held")
+        copy = self._eval_copy
+        if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
+            copy.unshard()
+        try:
+            with self._autocast():
+                return self.episodes.greedy_returns(copy.hf, prompts, self._pad)
+        finally:
+            if self.world.sharded:
+                copy.reshard()
+
     # --- learner-side eval (tiny models, one rank) ------------------------------------------------
 
     @torch.no_grad()

@@ -103,3 +103,52 @@ def test_a_checked_round_reports_the_checked_accuracy_everywhere():
     asyncio.run(run())
     assert quarantined == ["liar"] and ev.last.accuracy == 0.5 and ev.last.prompts == 2
     assert p.metrics.eval_accuracy._value.get() == 0.5
+
+
+def test_checked_rounds_rescore_near_ties_forge_on_unterminated_answers_and_never_record_unchecked():
+    """A worker that loads the weights can pick, among near-tie tokens, the digits that make an
+    answer right, and leave out the end-of-text token greedy decoding would add: a near-tie is
+    scored by the learner's own greedy answer, an answer that stops short is a forgery. A round
+    whose version the learner does not hold is never recorded; one nobody could finish is
+    replaced by a round at the next publication."""
+    log, quarantined, redecoded = [], [], []
+    p = parts(eval_every=100, log=log)
+    prompts = {q.id: q for q in p.prompts}
+    ids = sorted(prompts)
+    p.encode = lambda prompt: [1, 2]
+    p.stop_ids, p.max_new_tokens, p.max_gap = frozenset({2}), 4, 1.0
+    gaps = {ids[0]: 0.0, ids[1]: 0.6, ids[2]: 0.0, ids[3]: 5.0}  # honest, near-tie, unterminated, far off
+
+    async def greedy_gaps(prompt_ids, completions):
+        return [gaps.get(k, 0.0) for k in ids]
+
+    async def redecode(qs):
+        redecoded.extend(q.id for q in qs)
+        return [0.0] * len(qs)  # the learner's own greedy answer is wrong
+
+    async def hold():
+        return 7
+
+    p.greedy_gaps, p.redecode, p.hold = greedy_gaps, redecode, hold
+    p.quarantine = lambda worker_id, why: quarantined.append((worker_id, why))
+    ev = WorkerEvaluation(WorkersEval(), p)
+    answers = {k: ("liar" if k in (ids[1], ids[2], ids[3]) else "honest", [5, 2]) for k in ids}
+    answers[ids[2]] = ("liar", [5])  # no stop id, shorter than max_new_tokens
+
+    async def run():
+        await ev.start(7)
+        ev.book.round = None
+        ev.finished(EvalResult(7, 1.0, 8, 1.0, 2, 0, answers, {k: 1.0 for k in ids}))
+        await ev.checking
+        # forged answers are asked again; nobody answers, the round is abandoned, and the next
+        # publication opens a round the learner holds (a hold per round)
+        assert ev.book.round is not None and set(ev.book.round.pending) == {ids[2], ids[3]}
+        ev.book.round, ev.book.abandoned = None, ev.book.round
+        await ev.stepped(8, True, False)
+        assert ev.book.version == 8 and ev.book.abandoned is None
+        ev.finished(EvalResult(5, 1.0, 8, 1.0, 1, 0, {}, {}))  # a round of a version not held (7)
+
+    asyncio.run(run())
+    assert redecoded == [ids[1]]  # the near-tie, scored by the learner
+    assert [w for w, _ in quarantined] == ["liar"] and "2 of its eval answers" in quarantined[0][1]
+    assert not [e for e in log if e.get("event") == "eval"]  # nothing recorded: not v5, and v7 went back out
