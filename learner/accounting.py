@@ -4,6 +4,11 @@ Each step: dollars (ECHO-2 §3, formulas.md §1: `scheduler.cost.CostMeter`), th
 was published, T_bcast (publication until `[broadcast] done_fraction` of the active workers
 received a version), τ (the workers' install time), and the fleet's capacity. With a scheduler
 (`fleet`), T_train, T_bcast and τ also feed its capacity rule.
+
+Nothing here is a worker's word alone: prices are the pool's or the provider's (without a
+scheduler, workers are billed at nothing rather than at what they declare); "delivered" is what
+the learner accepted; install and reception times count only from workers that have delivered
+accepted work, one vote each (a few fresh identities cannot move a median), and are bounded.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from scheduler.cost import Budget, CostMeter, bandwidth_dollars
 from scheduler.market import version_traffic
 
 
+MAX_INSTALL_S = 3600.0  # an install claimed longer than this is not an install time
+
+
 class Accounting:
     def __init__(self, cost: CostMeter, done_fraction: float, *, registry: WorkerRegistry,
-                 publisher, metrics: LearnerMetrics, fleet=None, budget: Budget = Budget()):
-        self.cost, self.budget = cost, budget
+                 publisher, metrics: LearnerMetrics, fleet=None, budget: Budget = Budget(), group_size: int = 1):
+        self.cost, self.budget, self.group_size = cost, budget, group_size
+        self._accepted: deque[tuple[float, int]] = deque(maxlen=20)  # (when, groups the buffer had accepted)
         self.recent_steps: deque[float] = deque(maxlen=20)  # $ of the last steps (time + bandwidth)
         self.hourly = cost.learner_price  # $/h of the fleet at the last step
         self.done_fraction, self.registry, self.publisher = done_fraction, registry, publisher
@@ -38,8 +47,8 @@ class Accounting:
         if fleet is not None:
             fleet.trained(train)
             prices = fleet.active_prices()
-        else:
-            prices = [w.price_per_hour for w in self.registry.active(time.monotonic())]
+        else:  # no pool, no provider: nobody the learner could take a price from (a worker's own is a claim)
+            prices = []
         bandwidth, wires = 0.0, {}
         for version in sorted(self.publisher.wire_bytes):  # bytes on the wire of what was published
             wires[version] = self.publisher.wire_bytes.pop(version)
@@ -67,12 +76,22 @@ class Accounting:
                 fleet.installed(install)
         active = self.registry.active(time.monotonic())
         out.update(capacity=round(sum(w.capacity_per_s for w in active), 3),  # rollouts per engine-busy second
-                   delivered=round(sum(w.rollouts_per_s for w in active), 3))  # accepted rollouts per wall second
+                   delivered=round(self.delivered(), 3))  # accepted rollouts per wall second
         if fleet is not None and fleet.status is not None:
             st = fleet.status
             out.update(r_req=round(st.r_req, 3), r_eff=round(st.r_eff, 3), active_workers=len(st.active),
                        binding=st.binding)
         return out
+
+    def delivered(self) -> float:
+        """Rollouts per second the learner accepted over the last steps (its count, not the workers')."""
+        self._accepted.append((time.monotonic(), self.registry.buffer.buffer.stats.accepted))
+        (t0, a0), (t1, a1) = self._accepted[0], self._accepted[-1]
+        return self.group_size * (a1 - a0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def _proven(self) -> list:
+        """Active workers that delivered accepted work: the only ones whose reports are counted."""
+        return [w for w in self.registry.active(time.monotonic()) if w.groups_accepted > 0]
 
     def bandwidth(self, wire: dict) -> float:
         """$ the market bills for one published version's traffic (`scheduler.market.version_traffic`:
@@ -107,7 +126,7 @@ class Accounting:
         (whole and verified): publication until the last of that fraction had it (or a newer
         one). Reception, not install: a worker installs between two batches, and the batch it
         drains meanwhile is rollout time, not broadcast time. Each version is reported once."""
-        active = [w for w in self.registry.active(time.monotonic()) if w.installs]
+        active = [w for w in self._proven() if w.installs]
         done = {}
         for version, published in list(self.published_at.items()):
             # Workers that joined after the publication measure their start-up, not the broadcast.
@@ -123,6 +142,7 @@ class Accounting:
         return done
 
     def install_time(self) -> float | None:
-        """τ: the median engine install time of the active workers' recent installs (seconds)."""
-        times = [d for w in self.registry.active(time.monotonic()) for _, _, _, d in w.installs[-5:] if d > 0]
-        return statistics.median(times) if times else None
+        """τ: the median over proven workers of each one's median recent install time (seconds)."""
+        per_worker = [statistics.median(times) for w in self._proven()
+                      if (times := [d for _, _, _, d in w.installs[-5:] if 0 < d <= MAX_INSTALL_S])]
+        return statistics.median(per_worker) if per_worker else None

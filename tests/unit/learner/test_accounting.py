@@ -1,0 +1,33 @@
+"""What a step costs and what the fleet delivered are the learner's numbers, not the workers' words:
+a worker declaring $10,000/h, 10^7 rollouts/s and 10^6-second installs moves none of them."""
+
+import time
+from types import SimpleNamespace
+
+from learner.accounting import Accounting
+from learner.metrics import LearnerMetrics
+from scheduler.cost import CostMeter
+
+
+def worker(wid: str, accepted: int, install_s: float) -> SimpleNamespace:
+    now = time.monotonic()
+    return SimpleNamespace(id=wid, fleet_key=wid, joined=now - 100, groups_accepted=accepted, capacity_per_s=1.0,
+                           price_per_hour=10_000.0, rollouts_per_s=1e7,
+                           installs=[(v, now - 1, now - 1, install_s) for v in range(3)])
+
+
+def test_claimed_prices_rates_and_install_times_are_not_believed():
+    honest = [worker("h1", accepted=5, install_s=0.5), worker("h2", accepted=3, install_s=0.7)]
+    liars = [worker(f"s{i}", accepted=0, install_s=1e6) for i in range(3)]  # more identities than honest ones
+    stats = SimpleNamespace(accepted=0)
+    registry = SimpleNamespace(active=lambda now: honest + liars, workers={w.id: w for w in honest + liars},
+                               buffer=SimpleNamespace(buffer=SimpleNamespace(stats=stats)))
+    acct = Accounting(CostMeter(3.6), 1.0, registry=registry, publisher=SimpleNamespace(wire_bytes={}),
+                      metrics=LearnerMetrics(), group_size=4)
+    first = acct.step(wait=0.0, train=1.0)
+    stats.accepted = 10  # 10 groups of 4 accepted since
+    time.sleep(0.05)
+    out = acct.step(wait=0.0, train=1.0)
+    assert first["dollars_step"] == out["dollars_step"] == 0.001  # the learner's $3.60/h for 1 s, no worker's claim
+    assert 0 < out["delivered"] <= 40 / 0.05  # what the buffer accepted, not 5 × 10^7
+    assert out["install_s"] == 0.6  # the median of the two proven workers' own medians
