@@ -34,6 +34,7 @@ from typing import Any, Literal
 from broadcast.planner import PeerLink
 
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
+MAX_SAMPLE = 1e5 * MBIT  # 100 Gbit/s: a sample beyond it is not a measurement (echo.protocol.Mbit)
 #: Goodput below this share of the rate the sender offered means the link, not the sender, was the limit.
 LIMITED_SHARE = 0.9
 #: Shorter transfers measure TCP slow start, setup and a busy CPU, not the link: a 1.2 MB demo
@@ -76,6 +77,9 @@ class LinkSample:
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                     raise ValueError(f"link sample {name} must be a positive number of bytes/s, got {v!r}")
+                if v > MAX_SAMPLE:
+                    raise ValueError(f"link sample {name} of {v:.3g} bytes/s is beyond any rented link "
+                                     f"({MAX_SAMPLE / MBIT:.0f} Mbit/s)")
                 out[name] = float(v)
             flag = d.get(f"{name}_limited", False)
             if not isinstance(flag, bool):

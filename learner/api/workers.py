@@ -213,7 +213,10 @@ class WorkerRegistry:
         if r.rtt_ms is not None:
             self.links.observe_rtt(w.id, r.rtt_ms / 1e3)
         for sample in samples:
-            if sample.parent and sample.down:  # the other end's evidence about its parent's upload
+            # The other end's evidence about its parent's upload, from a worker whose work the learner
+            # accepted, about another worker: a fresh identity cannot vouch for its partner's link.
+            if sample.parent and sample.down and w.groups_accepted > 0 and sample.parent in self.workers \
+                    and sample.parent != w.id:
                 self.verifier.upload_seen(sample.parent, sample.down)
             if sample.up:  # a worker's word on its own upload, believed as far as its children saw
                 up = self.verifier.believed_upload(w.id, sample.up, w.upload_mbit * MBIT)

@@ -634,3 +634,24 @@ def test_slow_headers_and_slow_json_bodies_are_cut_off(tokenizer, tmp_path):
         assert answer.startswith(b"HTTP/1.1 408") and b"slow-body" in answer, answer[:200]
 
     run_api(tokenizer, test, tmp_path, **{"server.header_timeout_s": 1.5, "server.body_timeout_s": 1.0})
+
+
+def test_a_fresh_identity_cannot_vouch_for_its_partners_upload(tokenizer, tmp_path):
+    """Worker B reports having downloaded from A at 10^15 B/s; A then claims that upload. Before,
+    the planner's table showed A's upload at 8,000,000,000 Mbit, "measured"."""
+    async def test(api: Api):
+        a, cred_a = await api.join("a", upload_mbit=100.0)
+        b, cred_b = await api.join("b")
+        status, _, _ = await api.call("/v1/heartbeat", {"links": [{"key": "v4", "parent": a, "down": 1e15}]},
+                                      token=cred_b)
+        assert status == 400  # beyond any rented link: not a measurement
+        status, _, _ = await api.call("/v1/heartbeat", {"links": [{"key": "v4", "parent": a, "down": 1e9}]},
+                                      token=cred_b)
+        assert status == 200  # taken as B's own report, not as evidence about A: B delivered nothing
+        status, _, _ = await api.call("/v1/heartbeat", {"upload_mbit": 100.0, "links": [{"key": "v4", "up": 1e9}]},
+                                      token=cred_a)
+        assert status == 200
+        assert api.state.verifier.evidence[a].upload_seen == 0.0
+        assert api.state.links.to_dict()["peers"][a]["up"]["mbit"] <= 2 * 100.0  # its declared uplink, capped
+
+    run_api(tokenizer, test, tmp_path)
