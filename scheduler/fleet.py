@@ -67,6 +67,7 @@ class Fleet:
         self.t_train_prior, self.t_bcast_prior, self.install_prior = t_train_prior, t_bcast_prior, install_prior
         self.launch_timeout_s = launch_timeout_s
         self.candidates: dict[str, _Candidate] = {}
+        self._self_joined: set[str] = set()  # candidates that are a worker's own id (no pool entry, no offer)
         self._train_times: deque[float] = deque(maxlen=20)
         self._bcast_times: deque[float] = deque(maxlen=5)
         self._install_times: deque[float] = deque(maxlen=5)
@@ -87,6 +88,7 @@ class Fleet:
         self.controller.join(now, machine.id, self.effective_price(machine), machine.rollouts_per_s)
 
     def _forget(self, key: str) -> None:
+        self._self_joined.discard(key)
         self.candidates.pop(key, None)
         self.controller.forget(key)
 
@@ -165,10 +167,19 @@ class Fleet:
         cand = self.candidates.get(key)
         if cand is None:
             self._add(now, Machine(key, "", self.unproven_price, UNPROVEN_RATE))
+            self._self_joined.add(key)
             cand = self.candidates[key]
         cand.joined, cand.last_seen = True, now
         self.controller.observe(now, key, alive=True)
         return key
+
+    def left(self, key: str) -> None:
+        """The learner forgot the worker known by `key` (silent too long, or its machine joined
+        again under a new identity). A pool machine or a market's offer stays a candidate (its
+        machine may join again, by the same key); a worker that joined by itself goes with its id,
+        so the controller stops counting it at once."""
+        if key in self._self_joined:
+            self._forget(key)
 
     @property
     def unproven_price(self) -> float:

@@ -46,8 +46,31 @@ def secret_hash(secret: str) -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
+ABORTED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)  # the peer went away mid-body
+
+
+def refuse_encoding(request: web.Request, rejected) -> None:
+    """415 for a body sent with a `Content-Encoding` (gzip, deflate, ...): aiohttp would inflate it
+    before the learner holds it, so the bytes counted against the limits would not be the bytes
+    held. Nothing echo sends is compressed by HTTP (uploads are zstd inside)."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        rejected.labels("content-encoding").inc()
+        raise Refusal(415, "content-encoding", f"Content-Encoding {encoding[:32]!r} is not accepted: send the body "
+                                               "as it is, without a Content-Encoding header (trajectories are "
+                                               "zstd-compressed inside already)")
+
+
+def aborted(rejected) -> Refusal:
+    """The client closed its connection while its body was being read: counted, no traceback (the
+    answer goes nowhere; aiohttp drops it quietly)."""
+    rejected.labels("aborted").inc()
+    return Refusal(400, "aborted", "the connection closed before the request body arrived")
+
+
 async def read_body(request: web.Request, model: type[P.Message], rejected) -> P.Message:
     """The request's JSON body as `model`, at most `P.MAX_JSON_BYTES`; a bad one counts in `rejected`."""
+    refuse_encoding(request, rejected)
     if (request.content_length or 0) > P.MAX_JSON_BYTES:
         raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=request.content_length)
 
@@ -67,6 +90,8 @@ async def read_body(request: web.Request, model: type[P.Message], rejected) -> P
         rejected.labels("slow-body").inc()
         raise Refusal(408, "slow-body", f"the request body did not arrive within [server] body_timeout_s = "
                                         f"{timeout:g} s") from None
+    except ABORTED:
+        raise aborted(rejected) from None
     try:
         return P.parse_json(model, body)  # bounded nesting: a deep array is a 400, not a 500
     except P.ProtocolError as e:
@@ -76,7 +101,8 @@ async def read_body(request: web.Request, model: type[P.Message], rejected) -> P
 
 class Auth:
     """The run token admits joins and the operator; afterwards a worker is known by its own
-    credential (`<worker id>.<secret>`) alone. `workers` maps ids to records with a `secret_hash`."""
+    credential (`<worker id>.<secret>`) alone. `workers` maps ids to records with a `secret_hash` and
+    `quarantined`."""
 
     def __init__(self, token: str, workers: Mapping, refused, addresses: AddressBook | None = None,
                  trusted_proxies: list | None = None):
@@ -119,7 +145,7 @@ class Auth:
                  "start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
 
     def worker(self, request: web.Request):
-        """The calling worker (its `last_seen` renewed), or 401."""
+        """The calling worker (its `last_seen` renewed, unless it is quarantined), or 401."""
         address = self._throttled(request)
         wid, _, secret = self.bearer(request).partition(".")
         worker = self.workers.get(wid)
@@ -129,13 +155,15 @@ class Auth:
             raise web.HTTPUnauthorized(reason="unknown-credential",
                                        text="unknown or wrong worker credential (the learner restarted or forgot "
                                             "this worker): join again with the run token")
-        worker.last_seen = time.monotonic()
+        if not worker.quarantined:  # whatever it calls, a quarantined worker is forgotten after forget_after_s
+            worker.last_seen = time.monotonic()
         return worker
 
     def operator(self, request: web.Request, networks: list) -> None:
-        """Requests from `networks` (this machine, by default), or anyone with the run token."""
+        """Requests from `networks` (this machine, by default), or anyone with the run token. Behind a
+        trusted proxy the address judged is the one it forwarded, not the proxy's own."""
         try:
-            ip = ipaddress.ip_address(request.remote or "")
+            ip = ipaddress.ip_address(self.address(request))
         except ValueError:
             ip = None
         if ip is None or not any(ip in net for net in networks):

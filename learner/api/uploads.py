@@ -10,7 +10,9 @@ worker whose claims differ is quarantined. Groups that pass go into the buffer.
 Bodies are bounded in time and in total: an upload must arrive within `[server] body_timeout_s`
 (a worker trickling bytes holds nothing for long), and the bytes of uploads being read at once
 stay under `[server] max_inflight_upload_mb` (past it: 503 with Retry-After), so a fleet of slow
-uploaders cannot hold the learner's memory.
+uploaders cannot hold the learner's memory. A body with a `Content-Encoding` is refused (415): aiohttp
+would inflate it, and the bytes held would not be the bytes counted. An upload whose sender hung up
+mid-body is counted (`rejected{reason="aborted"}`), not logged.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from aiohttp import web
 
 from echo import protocol as P
 from echo.wire import CONTENT_TYPE, Rejected, decode_submission
-from learner.api.http import Auth, Refusal, json_error, refuse_quarantined, reply
+from learner.api.http import ABORTED, Auth, Refusal, aborted, json_error, refuse_encoding, refuse_quarantined, reply
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.api.workers import WorkerInfo, WorkerRegistry
@@ -65,6 +67,7 @@ class UploadRoom:
     async def upload(self, request: web.Request, worker: WorkerInfo) -> web.Response:
         if request.content_type != CONTENT_TYPE:
             raise Rejected(415, "malformed", f"Content-Type must be {CONTENT_TYPE}")
+        refuse_encoding(request, self.metrics.rejected)  # aiohttp would inflate it past what `claim` counts
         if not self.leases.book.holds(worker.id):  # nothing it could upload into: read and decode nothing
             raise Rejected(409, "unknown-lease", "this worker holds no outstanding lease (expired, already "
                                                  "answered, or never leased): lease prompts first")
@@ -82,6 +85,8 @@ class UploadRoom:
         except asyncio.TimeoutError:
             raise Rejected(408, "slow-body", f"the upload did not arrive within [server] body_timeout_s = "
                                              f"{self.body_timeout_s:g} s") from None
+        except ABORTED:
+            raise aborted(self.metrics.rejected) from None
         finally:
             self.inflight -= claim
         loop = asyncio.get_running_loop()

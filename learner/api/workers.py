@@ -26,7 +26,7 @@ from aiohttp import web
 
 from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
-from learner.addresses import AddressBook
+from learner.addresses import AddressBook, address_key
 from learner.admission import JoinGate
 from learner.api.http import Auth, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom
@@ -65,6 +65,7 @@ class WorkerInfo:
     claimed_capacity_per_s: float = 0.0  # what the worker said
     quarantined: str = ""  # why the learner stopped taking its work
     fleet_key: str = ""  # what the scheduler knows it by: its pool machine (machine token) or its id
+    machine: str = ""  # the machine its machine token proved (one live identity per machine), or ""
     probed_at: float = -1e9  # the last reachability probe of its relay
 
     def row(self, now: float, alive: bool, leased: int) -> dict:
@@ -121,6 +122,7 @@ class WorkerRegistry:
                                      failure_burst=server.auth_failure_burst)
         self.gate = JoinGate(server.join_rate, server.join_burst, server.allow_networks)
         self._ids = itertools.count(1)
+        self.quarantined_machines: dict[str, str] = {}  # pool machine -> why (kept after its worker is forgotten)
         self._probes: set[asyncio.Task] = set()
 
     def alive(self, now: float) -> list[WorkerInfo]:
@@ -130,9 +132,15 @@ class WorkerRegistry:
     def active(self, now: float) -> list[WorkerInfo]:
         return [w for w in self.alive(now) if w.active]
 
-    def refusal(self, address: str, now: float) -> web.Response | None:
-        """Why a join from `address` may not pass now (403, 503 or 429), or None."""
+    def of_machine(self, machine: str | None) -> WorkerInfo | None:
+        """The live identity of pool machine `machine` (a join with its machine token replaces it)."""
+        return next((w for w in self.workers.values() if machine and w.machine == machine), None)
+
+    def refusal(self, address: str, now: float, machine: str | None = None) -> web.Response | None:
+        """Why a join from `address` (with `machine`'s machine token) may not pass now (403, 503 or
+        429), or None. The identity the join would replace does not count against the limits."""
         server, refused = self.server, self.metrics.joins_refused
+        previous = self.of_machine(machine)
         if not self.gate.allowed_from(address):
             refused.labels("network").inc()
             return json_error(403, "network", f"joins from {address} are not allowed ([server] allow_networks)")
@@ -140,11 +148,16 @@ class WorkerRegistry:
         if banned:
             refused.labels("banned").inc()
             return json_error(403, "banned", f"a worker from {address} was quarantined: {banned}")
-        if not self.addresses.room(address):
+        if machine and machine in self.quarantined_machines:  # its machine token is its identity
+            refused.labels("banned").inc()
+            return json_error(403, "banned", f"machine {machine} was quarantined: {self.quarantined_machines[machine]}")
+        replaced = previous is not None
+        same_address = replaced and address_key(previous.address) == address_key(address)
+        if not same_address and not self.addresses.room(address):
             refused.labels("address-full").inc()
             return json_error(403, "address-full", f"{address} holds the most workers one address may "
                                                    f"([server] max_workers_per_address = {server.max_workers_per_address})")
-        if len(self.workers) >= server.max_workers:
+        if len(self.workers) - replaced >= server.max_workers:
             refused.labels("full").inc()
             return json_error(503, "fleet-full", f"the learner holds its maximum of {server.max_workers} workers "
                                                  "([server] max_workers); try again later", {"Retry-After": "30"})
@@ -158,11 +171,17 @@ class WorkerRegistry:
 
     def join(self, report: P.Report, address: str, now: float, machine: str | None = None) -> tuple[WorkerInfo, str]:
         """A new worker and its secret (only its hash is kept). `machine`: the pool machine its
-        machine token proved; it then goes by that name, whatever it calls itself."""
+        machine token proved; it then goes by that name, whatever it calls itself, and replaces
+        that machine's previous identity (a machine restarted: one live identity per machine)."""
         wid, secret = f"w{next(self._ids)}", secrets.token_urlsafe(24)
         info = WorkerInfo(id=wid, name=machine or report.name or wid, joined=now, last_seen=now,
-                          secret_hash=secret_hash(secret), address=address, fleet_key=wid)
+                          secret_hash=secret_hash(secret), address=address, fleet_key=wid, machine=machine or "")
         self.update(info, report)
+        previous = self.of_machine(machine)
+        if previous is not None:  # its credential stops working now, its leases go out again now
+            leased = self.forget(previous)
+            self.on_note(f"machine {machine} joined again as {wid}: {previous.id} forgotten, "
+                         f"{leased} leased prompts re-issued")
         self.workers[wid] = info
         self.addresses.joined(address)
         if self.fleet is not None:
@@ -226,10 +245,10 @@ class WorkerRegistry:
             self.links.observe(w.id, sample)
 
     def heartbeat(self, worker: WorkerInfo, report: P.Report) -> P.HeartbeatReply:
+        if worker.quarantined:  # nothing of its report is taken (links, claims), nothing renewed
+            return P.HeartbeatReply(state="quarantined", message=worker.quarantined)
         self.update(worker, report)
         self.leases.renew(worker.id, worker.last_seen)
-        if worker.quarantined:
-            return P.HeartbeatReply(state="quarantined", message=worker.quarantined)
         if self.fleet is not None:
             self.fleet.heartbeat(worker.last_seen, worker.fleet_key, worker.capacity_per_s)
             worker.active = self.fleet.is_active(worker.fleet_key)
@@ -244,6 +263,8 @@ class WorkerRegistry:
         if worker.quarantined or not self.verify.quarantine:
             return
         worker.quarantined, worker.active = verdict.message, False
+        if worker.machine:  # its machine token may not bring it back as a new identity
+            _remember_why(self.quarantined_machines, worker.machine, verdict.message)
         if self.verify.ban_address and worker.address:  # else it would join again under a new name
             self.addresses.ban(worker.address, verdict.message, time.monotonic())
         leased = self.leases.release_worker(worker.id)
@@ -294,14 +315,24 @@ class WorkerRegistry:
         return leased
 
     def reap(self, now: float) -> None:
-        """Forget long-silent workers: their credentials stop working, their leases go back."""
+        """Forget long-silent workers (quarantined ones too: their calls renew nothing): their
+        credentials stop working, their leases go back. An address ban outlives the worker."""
         for w in [w for w in self.workers.values() if now - w.last_seen > self.server.forget_after_s]:
-            del self.workers[w.id]
-            self.leases.release_worker(w.id)
-            self.leases.book.forget_worker(w.id)
-            self.addresses.left(w.address)
-            self.links.forget(w.id)
-            self.verifier.forget(w.id)
+            self.forget(w)
+
+    def forget(self, w: WorkerInfo) -> int:
+        """Forget `w` now: its credential stops working, its leases are re-issued at once (returns
+        their prompts). Its queued groups stay (work it delivered before it went)."""
+        del self.workers[w.id]
+        w.active = False  # a lease request of it still parked gets nothing
+        leased = self.leases.release_worker(w.id)
+        self.leases.book.forget_worker(w.id)
+        self.addresses.left(w.address)
+        self.links.forget(w.id)
+        self.verifier.forget(w.id)
+        if self.fleet is not None:
+            self.fleet.left(w.fleet_key)
+        return leased
 
     def routes(self, auth: Auth, welcome) -> list[web.RouteDef]:
         """`welcome(worker_id, credential)`: the join's reply (sampling parameters, task, broadcast)."""
@@ -309,7 +340,7 @@ class WorkerRegistry:
             machine = auth.run_token(request, machines=True)
             report = await read_body(request, P.Report, self.metrics.rejected)
             now, address = time.monotonic(), auth.address(request)
-            refused = self.refusal(address, now)
+            refused = self.refusal(address, now, machine)
             if refused is not None:
                 return refused
             info, secret = self.join(report, address, now, machine)
@@ -333,3 +364,11 @@ def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, 
             long_poll_s=server.long_poll_s, task=P.TaskInfo(name=task.name, options=task.options),
             rollout=rollout, snapshot=run.announcement, lora=lora)
     return make
+
+
+def _remember_why(table: dict[str, str], key: str, why: str, keep: int = 4096) -> None:
+    """`table[key] = why`, the oldest entries dropped past `keep` (a bounded record)."""
+    table.pop(key, None)
+    table[key] = why[:500]
+    while len(table) > keep:
+        del table[next(iter(table))]

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
+import zlib
 
 from types import SimpleNamespace
 
@@ -27,7 +29,8 @@ from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
 from learner.leases import LeaseBook, WorkerCap
 from learner.api import ControlApi, Run
-from learner.verify import Rescorer
+from learner.verify import Rescorer, Verdict
+from scheduler.providers import machine_token
 
 TOKEN = "run-token-0123456789"
 
@@ -44,8 +47,8 @@ class Api:
         self.state, self.url, self.session = state, url, session
 
     async def call(self, path: str, body=None, token: str | None = TOKEN, raw: bytes | None = None,
-                   content_type: str = "application/json") -> tuple[int, dict, dict]:
-        headers = {"Content-Type": content_type}
+                   content_type: str = "application/json", headers: dict | None = None) -> tuple[int, dict, dict]:
+        headers = {"Content-Type": content_type, **(headers or {})}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         data = raw if raw is not None else json.dumps(body if body is not None else {}).encode()
@@ -94,7 +97,8 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
-                                results=results, run=run, links=control.links, eval_room=control.evals)
+                                results=results, run=run, links=control.links, eval_room=control.evals,
+                                registry=control.registry)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
         runner = control.runner()
@@ -655,3 +659,146 @@ def test_a_fresh_identity_cannot_vouch_for_its_partners_upload(tokenizer, tmp_pa
         assert api.state.links.to_dict()["peers"][a]["up"]["mbit"] <= 2 * 100.0  # its declared uplink, capped
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_a_compressed_body_is_refused_not_inflated(tokenizer, tmp_path):
+    """aiohttp inflates a `Content-Encoding` body before the handler holds it: 8 KiB on the wire
+    that inflate to 8 MiB would count 8 KiB against [server] max_inflight_upload_mb. Refused (415)
+    on every route that reads a body; the same bytes sent plainly pass."""
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+        sub = Submission(wid, lease["lease_id"], [group(tokenizer, lease["prompts"][0]["id"], ["9"] * 4, 0.0)])
+        status, body, _ = await api.call("/v1/trajectories", token=cred, raw=zlib.compress(encode_submission(sub)),
+                                         content_type=CONTENT_TYPE, headers={"Content-Encoding": "deflate"})
+        assert (status, body["error"]) == (415, "content-encoding") and "without a Content-Encoding" in body["message"]
+        status, body, _ = await api.call("/v1/heartbeat", token=cred, raw=zlib.compress(b'{"gpu": "H100"}'),
+                                         headers={"Content-Encoding": "deflate"})
+        assert (status, body["error"]) == (415, "content-encoding") and api.state.workers[wid].gpu == ""
+        assert api.metric('echo_trajectories_rejected_total{reason="content-encoding"}') == 2
+        assert len(api.state.buffer.buffer) == 0
+        status, body, _ = await api.call("/v1/trajectories", token=cred, raw=encode_submission(sub),
+                                         content_type=CONTENT_TYPE, headers={"Content-Encoding": "identity"})
+        assert (status, body["accepted"]) == (200, 1)
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_a_body_cut_off_by_its_sender_is_counted_not_logged(tokenizer, tmp_path, caplog):
+    """A worker that hangs up mid-body (an upload or a JSON call) costs a count, not a traceback
+    in the learner's log; the learner serves on."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
+
+    async def test(api: Api):
+        _, cred = await api.join("w")
+        await api.call("/v1/lease", {"max_prompts": 1}, token=cred)  # an upload is read only from a lease holder
+        host, port = api.url.removeprefix("http://").split(":")
+        for path, kind in (("/v1/trajectories", CONTENT_TYPE), ("/v1/heartbeat", "application/json")):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                         f"Content-Type: {kind}\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 1000)
+            await writer.drain()
+            await asyncio.sleep(0.3)  # the handler is reading the body
+            writer.close()
+        for _ in range(50):
+            if api.metric('echo_trajectories_rejected_total{reason="aborted"}') == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert api.metric('echo_trajectories_rejected_total{reason="aborted"}') == 2
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=cred)
+        assert status == 200
+
+    run_api(tokenizer, test, tmp_path)
+    logged = [r for r in caplog.records if r.name.startswith("aiohttp") and (r.levelno >= logging.ERROR or r.exc_info)]
+    assert not logged, [r.getMessage() for r in logged]
+
+
+def test_metrics_behind_a_trusted_proxy_judge_the_forwarded_address(tokenizer, tmp_path):
+    """Behind a reverse proxy on the learner's machine every connection comes from loopback: the
+    address /metrics is open to ([server] metrics_from) is the one the proxy forwarded."""
+    async def test(api: Api):
+        async def metrics(headers: dict) -> int:
+            async with api.session.get(api.url + "/metrics", headers=headers) as resp:
+                return resp.status
+
+        assert await metrics({"X-Forwarded-For": "203.0.113.7"}) == 401  # anyone on the internet, via the proxy
+        assert await metrics({"X-Forwarded-For": "127.0.0.1, 203.0.113.7"}) == 401  # what it wrote itself is not read
+        assert await metrics({"X-Forwarded-For": "203.0.113.7", "Authorization": f"Bearer {TOKEN}"}) == 200
+        assert await metrics({"X-Forwarded-For": "127.0.0.2"}) == 200  # a local client via the proxy
+        assert await metrics({}) == 200  # this machine itself
+
+    run_api(tokenizer, test, tmp_path, **{"server.trusted_proxies": ["127.0.0.0/8"]})
+
+
+def test_one_machine_token_holds_one_live_identity(tokenizer, tmp_path):
+    """A pool machine's token joins as that machine: a second join replaces the first identity
+    (a restarted machine), whose credential stops working and whose leases go out again at once,
+    also when the fleet or the address is full. A quarantined machine does not come back by it."""
+    machine = machine_token(TOKEN, "cpu-a-0")
+
+    async def test(api: Api):
+        state = api.state
+        first, cred1 = await _join(api, machine, "anything-0")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2}, token=cred1)
+        assert status == 200 and len(lease["prompts"]) == 2
+        second, cred2 = await _join(api, machine, "anything-1")
+        assert second != first and list(state.workers) == [second] and state.workers[second].name == "cpu-a-0"
+        status, body, _ = await api.call("/v1/heartbeat", {}, token=cred1)
+        assert (status, body["error"]) == (401, "unknown-credential")
+        assert state.leases.outstanding_by_worker() == {}  # its prompts are leasable now, not at the TTL
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2}, token=cred2)
+        assert status == 200 and len(lease["prompts"]) == 2
+        # A full fleet and a full address still let the machine rejoin: it takes its own place.
+        other, _ = await api.join("self-joined")
+        status, body, _ = await api.call("/v1/join", {"name": "one-more"})
+        assert (status, body["error"]) == (403, "address-full") and len(state.workers) == 2
+        third, _ = await _join(api, machine, "anything-2")
+        assert sorted(state.workers) == sorted([other, third]) and state.leases.outstanding_by_worker() == {}
+        # Caught: the machine's token does not bring it back (its address is not banned here).
+        state.registry.quarantine(state.workers[third], Verdict(third, "rewards", "rewards differ"))
+        status, body, _ = await api.call("/v1/join", {"name": "anything-3"}, token=machine)
+        assert (status, body["error"]) == (403, "banned") and "cpu-a-0" in body["message"]
+        assert state.workers[third].quarantined
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_workers": 2, "server.max_workers_per_address": 2,
+                                          "verify.ban_address": False})
+
+
+async def _join(api: Api, token: str, name: str) -> tuple[str, str]:
+    status, body, _ = await api.call("/v1/join", {"name": name}, token=token)
+    assert status == 200, body
+    return body["worker_id"], body["credential"]
+
+
+def test_a_quarantined_worker_is_heard_no_more_and_forgotten(tokenizer, tmp_path):
+    """Once quarantined, a worker's heartbeats take nothing of its report (no claims, no link
+    samples vouching for a partner) and its calls renew nothing: it is forgotten after [server]
+    forget_after_s like a silent worker, and its address ban outlives it."""
+    async def test(api: Api):
+        state = api.state
+        partner, cred_p = await api.join("partner")
+        cheat, cred = await api.join("cheat")
+        state.registry.quarantine(state.workers[cheat], Verdict(cheat, "rewards", "rewards differ"))
+        w = state.workers[cheat]
+        seen = w.last_seen
+        await asyncio.sleep(0.05)
+        status, hb, _ = await api.call("/v1/heartbeat", {"gpu": "H100", "capacity_per_s": 5.0, "price_per_hour": 0.0,
+                                                         "links": [{"key": "v1", "down": 1e6, "parent": partner}]},
+                                       token=cred)
+        assert status == 200 and hb["state"] == "quarantined" and "rewards differ" in hb["message"]
+        assert (w.gpu, w.claimed_capacity_per_s) == ("", 0.0)  # nothing of the report was taken
+        assert state.verifier.evidence[partner].upload_seen == 0  # its link sample vouched for nobody
+        status, body, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+        assert (status, body["error"]) == (403, "quarantined")
+        assert w.last_seen == seen  # its calls renew nothing
+        await asyncio.sleep(1.2)
+        await api.call("/v1/heartbeat", {}, token=cred)
+        await api.call("/v1/heartbeat", {}, token=cred_p)
+        state.registry.reap(time.monotonic())
+        assert list(state.workers) == [partner]  # forgotten like a silent one; the honest partner stays
+        status, body, _ = await api.call("/v1/heartbeat", {}, token=cred)
+        assert (status, body["error"]) == (401, "unknown-credential")
+        status, body, _ = await api.call("/v1/join", {"name": "cheat-again"})
+        assert (status, body["error"]) == (403, "banned")  # the ban lives in the address book
+
+    run_api(tokenizer, test, tmp_path, **{"server.forget_after_s": 1.0})

@@ -109,3 +109,17 @@ def test_machine_tokens_bind_a_machine_and_nothing_else():
     assert machine_of("other-run", token) is None
     assert machine_of("run-token", token.replace("box-0", "box-1")) is None
     assert machine_of("run-token", "run-token") is None
+
+
+def test_a_forgotten_self_joined_worker_leaves_the_fleet_and_a_pool_machine_stays():
+    """The learner forgot a worker (silent, or its machine joined again under a new identity): a
+    self-joined one stops counting at once; a pool machine stays, to rejoin by the same key."""
+    p = RecordingProvider()
+    f = fleet(p)
+    f.tick(0.0)
+    assert f.joined(1.0, "w7") == "w7" and f.joined(1.0, "w8", machine_id="cheap-0") == "cheap-0"
+    f.left("w7")
+    f.left("cheap-0")
+    assert "w7" not in f.candidates and "cheap-0" in f.candidates
+    assert "w7" not in f.tick(2.0).active
+    assert f.joined(3.0, "w9", machine_id="cheap-0") == "cheap-0"
