@@ -36,6 +36,7 @@ from learner.config import VerifySection
 
 WINDOW = 256  # recent checked samples a reward verdict looks at
 DRIFT_WINDOW = 256  # recent groups per staleness the fleet's drift is the median of
+UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
 
 
 @dataclass
@@ -159,8 +160,9 @@ class Verifier:
         children saw (or its declared upload before any child reported): a relay cannot send
         faster than anyone received from it."""
         ev = self._of(worker_id)
-        cap = self.cfg.capacity_claim_factor * (ev.upload_seen or declared)
-        if cap > 0 and claimed > cap:
+        # Neither seen nor declared: what the planner assumes of an unknown link (UNKNOWN_UPLOAD).
+        cap = self.cfg.capacity_claim_factor * (ev.upload_seen or declared or UNKNOWN_UPLOAD)
+        if claimed > cap:
             ev.claims_clamped += 1
             return cap
         return claimed

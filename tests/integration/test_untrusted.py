@@ -190,10 +190,15 @@ def test_forged_measurements_are_capped_at_what_the_learner_measured(tokenizer, 
         # An honest claim below the cap stands.
         await api.call("/v1/heartbeat", {"capacity_per_s": measured}, token=cred)
         assert w.capacity_per_s == measured
-        # A relay's own upload measurement is capped by what its children saw from it.
+        # A relay's own upload measurement is capped by what its children saw from it (a child
+        # whose work was accepted: a fresh identity's word is no evidence).
         b, cred_b = await api.join("b")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred_b)
+        status, _ = await api.upload(cred_b, Submission(b, lease["lease_id"],
+                                                        [group(tokenizer, p["id"], ["9"] * 4, 0.0) for p in lease["prompts"]]))
+        assert status == 200
         await api.call("/v1/heartbeat", {"links": [{"key": "v1", "down": 1e6, "parent": a}]}, token=cred_b)
-        await api.call("/v1/heartbeat", {"links": [{"key": "v1", "up": 1e12}]}, token=cred)
+        await api.call("/v1/heartbeat", {"links": [{"key": "v1", "up": 1e10}]}, token=cred)
         assert api.metric('echo_verify_claims_clamped_total{what="upload"}') == 1
         assert api.metric('echo_verify_claims_clamped_total{what="capacity"}') >= 2
 
