@@ -16,6 +16,11 @@ and optimizer state. Four tables, each against a baseline from the same run:
 6. precision: fp32 vs bf16 through FSDP2's mixed precision, on 1 and 2 ranks.
 7. lora: full fine-tuning vs a rank-16 LoRA adapter on the same model: state, peak, step time
    and the bytes of one published version.
+8. memory (`--only memory`, not in the default run): `learner.train.memory`'s prediction against
+   the measured peak over a grid — tokens 512 → 4096 with and without activation checkpointing,
+   8 and 16 layers, vocab 32k and 152k, top-p 1.0 and 0.9, fp32 and bf16 on one rank. The
+   measured step has two micro-batches, the smaller first, so the measured one runs with every
+   gradient held (as all but the first of a real step do); its phases' peaks are kept too.
 """
 
 from __future__ import annotations
@@ -49,22 +54,30 @@ def _reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current RSS
 
 
+def model_config(hidden: int, layers: int, vocab: int, tied: bool = False, **ids):
+    """The Qwen2 config of the models built here: heads of 64, a quarter as many key/value heads,
+    an intermediate size of 2.75 × hidden."""
+    from transformers import Qwen2Config
+
+    heads = max(2, hidden // 64)
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 64 * 64,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                       max_position_embeddings=4096, tie_word_embeddings=tied, **ids)
+
+
 def build_model(out: Path, hidden: int, layers: int, vocab: int, tied: bool = False) -> Path:
     """A Qwen2-architecture model of this shape with the local character tokenizer (cached)."""
     if (out / "config.json").exists():
         return out
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from learner.tinymodel import build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    heads = max(2, hidden // 64)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 64 * 64,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                         max_position_embeddings=4096, tie_word_embeddings=tied, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = model_config(hidden, layers, vocab, tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
     with torch.device("cpu"):
         model = Qwen2ForCausalLM(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,9 +136,27 @@ def child_step(spec: dict) -> dict:
                                      "--rollout.group_size", str(GROUP), "--publish.dtype", "float32",
                                      "--trainer.micro_batch_tokens", str(spec["micro_batch_tokens"]),
                                      *spec.get("overrides", [])])
+    runtime = _status("VmRSS")  # the interpreter with torch, transformers and the learner imported, no model
     trainer = Trainer(cfg, world)
     vocab, tail = trainer.vocab_size, spec.get("long_tail", False)
     trainer.step(synthetic_batch(GROUP * max(1, world.size), vocab, seed=1, long_tail=tail))
+    phases = {"forward_backward": 0.0, "optimizer": 0.0}
+    if spec.get("grads_held"):
+        # Smallest micro-batch first: the measured (largest) one then runs with every gradient
+        # already allocated, as every micro-batch after the first of a real step does.
+        micro_batches = trainer._micro_batches
+        trainer._micro_batches = lambda samples, indices: sorted(micro_batches(samples, indices), key=len)
+        # The peak of each phase: forward/backward (with the gradient clip) up to the optimizer step, then the step.
+        opt_step = trainer.optimizer.step
+
+        def step_with_phases(*args, **kwargs):
+            phases["forward_backward"] = max(phases["forward_backward"], _status("VmHWM"))
+            _reset_peak()
+            result = opt_step(*args, **kwargs)
+            phases["optimizer"] = max(phases["optimizer"], _status("VmHWM"))
+            return result
+
+        trainer.optimizer.step = step_with_phases
     times = []
     before = _status("VmRSS")
     _reset_peak()
@@ -133,7 +164,8 @@ def child_step(spec: dict) -> dict:
         t0 = time.perf_counter()
         stats = trainer.step(synthetic_batch(spec["rows"], vocab, seed=2 + i, long_tail=tail))
         times.append(time.perf_counter() - t0)
-    out = {"rank": world.rank, "ranks": world.size, "peak": _status("VmHWM"), "before": before,
+    out = {"rank": world.rank, "ranks": world.size, "peak": max(_status("VmHWM"), *phases.values()), "before": before,
+           "runtime": runtime, "phases": phases,
            "step_s": statistics.median(times), "state": _state_bytes(trainer), "params": trainer.num_parameters,
            "padded_token_share": stats["padded_token_share"], "loss": stats["loss"],
            "version_bytes": len(trainer.snapshot() or b"")}
@@ -186,12 +218,57 @@ def _run_child(kind: str, spec: dict, ranks: int = 0, timeout: float = 1800) -> 
     return rows
 
 
-def _predicted(model: Path, tokens: int, ranks: int = 1) -> float:
+def _predicted(model: Path, tokens: int, ranks: int = 1, checkpointing: bool = False, top_p: float = 1.0,
+               dtype: str = "float32", plan: bool = False):
+    """`learner.train.memory`'s prediction for this step, as the preflight makes it."""
+    from echo.hf import chunk_tokens_for
     from learner.train.memory import ModelShape, predict
 
     shape = ModelShape.of(model)
-    return predict(shape, ranks=ranks, micro_batch_tokens=tokens, compute_bytes=4, checkpointing=False,
-                   reference=False, chunk_tokens=min(tokens, (1 << 25) // shape.vocab), top_p=1.0).total
+    mixed = dtype == "bfloat16"
+    out = predict(shape, ranks=ranks, micro_batch_tokens=tokens, compute_bytes=2 if mixed else 4,
+                  checkpointing=checkpointing, reference=False, chunk_tokens=min(tokens, chunk_tokens_for(shape.vocab)),
+                  top_p=top_p, mixed=mixed)
+    return out if plan else out.total
+
+
+# The memory grid (table 8): (hidden, layers, vocab), micro-batch tokens, activation checkpointing,
+# top-p, compute dtype. One knob at a time from a baseline: tokens 8× with and without
+# checkpointing, a wider model, a 152k vocabulary with and without top-p, bf16 on one rank, twice
+# the layers checkpointed.
+MEMORY_GRID = [
+    ((512, 8, 32000), 512, False, 1.0, "float32"),
+    ((512, 8, 32000), 4096, False, 1.0, "float32"),
+    ((512, 8, 32000), 4096, True, 1.0, "float32"),
+    ((512, 8, 32000), 2048, False, 1.0, "bfloat16"),
+    ((1024, 8, 32000), 512, False, 1.0, "float32"),
+    ((1024, 8, 32000), 2048, False, 1.0, "float32"),
+    ((1024, 8, 32000), 2048, True, 1.0, "float32"),
+    ((512, 4, 151936), 512, False, 1.0, "float32"),
+    ((512, 4, 151936), 512, False, 0.9, "float32"),
+    ((512, 4, 151936), 4096, False, 0.9, "float32"),
+    ((512, 16, 32000), 4096, True, 1.0, "float32"),
+    ((512, 16, 32000), 512, True, 1.0, "float32"),
+]
+QUICK_MEMORY_GRID = [((64, 2, 1000), 256, False, 1.0, "float32"), ((64, 2, 1000), 512, True, 0.9, "float32")]
+
+
+def bench_memory(models: Path, grid: list) -> list[dict]:
+    """Each point a fresh process: a warm-up step, then one step of two micro-batches, the
+    smaller first, so the measured one (`tokens` long) runs with every gradient held."""
+    rows = []
+    for (hidden, layers, vocab), tokens, ckpt, top_p, dtype in grid:
+        model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+        per_micro = max(1, tokens // ROW_TOKENS)
+        n_rows = per_micro + GROUP if per_micro >= GROUP else 2 * per_micro  # two micro-batches
+        overrides = ["--trainer.activation_checkpointing", str(ckpt).lower(), "--rollout.top_p", str(top_p),
+                     "--trainer.compute_dtype", dtype]
+        r = _run_child("step", {"model": str(model), "rows": max(GROUP, n_rows), "micro_batch_tokens": tokens,
+                                "threads": 2, "grads_held": True, "overrides": overrides})[0]
+        rows.append({"model": model.name, "hidden": hidden, "layers": layers, "vocab": vocab, "tokens": tokens,
+                     "checkpointing": ckpt, "top_p": top_p, "dtype": dtype, **r,
+                     "predicted": _predicted(model, tokens, checkpointing=ckpt, top_p=top_p, dtype=dtype)})
+    return rows
 
 
 def bench_tokens(models: Path, sizes: list[int], micro: int, hidden: int, layers: int, vocab: int) -> list[dict]:
@@ -359,6 +436,21 @@ def _print_new_tables(result: dict) -> None:
                   f"{r['version_bytes']:>14,} {full['version_bytes'] / r['version_bytes']:>8.1f}")
 
 
+def _print_memory_table(result: dict) -> None:
+    me = result.get("memory")
+    if me:
+        print("8. the memory model against the measured peak (one step, two micro-batches, the measured one last)")
+        print(f"{'model':>16} {'params':>7} {'tokens':>6} {'ckpt':>4} {'top-p':>5} {'dtype':>8} {'peak':>9} "
+              f"{'predicted':>10} {'ratio':>6}")
+        for r in me:
+            head = f"{r['model']:>16} {r.get('params', 0) / 1e6:>6.0f}M {r['tokens']:>6} {'on' if r['checkpointing'] else 'off':>4} " \
+                   f"{r['top_p']:>5} {r['dtype']:>8}"
+            if "error" in r:
+                print(f"{head}  failed: {r['error']}")
+                continue
+            print(f"{head} {r['peak'] / MiB:>7.0f}Mi {r['predicted'] / MiB:>8.0f}Mi {r['predicted'] / r['peak']:>6.3f}")
+
+
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-rl bench learner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -396,11 +488,14 @@ def cli(argv: list[str]) -> int:
         result["precision"] = bench_precision(models, **small, rows=GROUP if quick else 2 * GROUP, micro=1024)
     if "lora" in only:
         result["lora"] = bench_lora(models, **small, rows=GROUP if quick else 2 * GROUP, micro=1024)
+    if "memory" in only:
+        result["memory"] = bench_memory(models, QUICK_MEMORY_GRID if quick else MEMORY_GRID)
     if args.json:
         print(json.dumps(result))
     else:
         _print_tables(result)
         _print_new_tables(result)
+        _print_memory_table(result)
     return 0
 
 

@@ -11,21 +11,25 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
                                    fp32, with their unsharded gradients before reduce-scatter;
                  (2b+4)·(…)         in bf16 mixed precision (any N): gathered and differentiated
                                    in b, the gradient reduced in fp32
-    activations  T·(L·4H + A)      checkpointed: each layer's fp32 input kept, one layer's
-                 or T·L·A          working set A recomputed at a time; without: every layer's A
-    head         c·V·(16 [+16])    one chunk of c tokens: logits, their grad and softmax in
-                                   fp32 (+ the sort of top-p)
+    activations  T·(k·L·r·H + A)   checkpointed: each layer's input kept (k = 1 on a GPU, 7 on a
+                                   CPU: glibc's heap), one layer's saved tensors A recomputed
+                 or 1.55·T·L·A      without: every layer's A, its gradients and allocator slack
+                 + 128·T·H          outside the layers: embeddings, final norm, the head's inputs
+    head         c·V·(8 [+16])     one chunk of c tokens: fp32 logits, then their gradient (+ top-p's
+                 + 2.5·b·V·H        sort: values and int64 order); the head's weight gradient of a
+                                   chunk and autograd's sum of it over chunks (not in LoRA)
     runtime      1 GiB on a GPU    CUDA context and workspaces; 0.4 GiB on a CPU (the
-                                   interpreter with torch and transformers imported)
+                                   interpreter with torch and transformers imported, 0.25 GiB, and
+                                   what the allocator keeps between steps)
 
-with `A = (2r + 16·b)·H + 2·b·H_kv + 8·b·I` bytes per token for a pre-norm decoder layer with
-SwiGLU in compute dtype `b`: the residual stream (`r` = 4 in fp32, `b` in bf16 mixed precision:
-autocast would keep it fp32), about sixteen hidden-sized tensors
-autograd keeps (norm statistics and outputs, q and its rotary copy, attention in and out,
-projections), two key/value-sized ones and eight intermediate-sized ones (gate, up, their
-activation and product, with allocator slack); SDPA keeps no attention matrix. Counted from a
-Qwen2 layer and checked against the peak `echo-rl bench learner` measures on this machine
-(fp32, table 1 of the README), where it lands within 10%.
+with `A = 8·H + b·(6·H + 2·H_kv + 4·I)` bytes per token for a pre-norm decoder layer with SwiGLU
+in compute dtype `b` (`saved_per_token_layer`), counted with saved-tensor hooks on a Qwen2 layer
+in fp32 and bf16: the two RMSNorms' fp32 copies of their input, six hidden-sized tensors, rotary
+k and v, four intermediate-sized ones; SDPA keeps no attention matrix. `r`: the residual stream's
+bytes (4, or b in bf16 mixed precision). The factors beyond the tensor counts were fitted to the
+peaks `echo-rl bench learner --only memory` measures on this CPU (table 8 of docs/benchmarks.md,
+the points in tests/unit/learner/test_memory_model.py): never below a measured peak, within 5%
+of ten of twelve, 7% of all. Not measured on a GPU: its allocator will move the fitted factors.
 
 Loading adds no term: a sharded rank allocates its shards and reads its rows of each tensor into
 them (`learner.train.load`), one tensor's rows in transit; one plain rank loads the model whole,
@@ -85,6 +89,37 @@ class ModelShape:
                                  for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)))
 
 
+# Coefficients, re-fitted to the peaks `echo-rl bench learner --only memory` measures (table 8 of
+# docs/benchmarks.md; tests/unit/learner/test_memory_model.py holds the points): every measured
+# peak ≤ the prediction ≤ 1.05× it. Each is a count of tensors autograd or the head really keep,
+# times what this CPU's resident set shows above that count (the allocator keeps freed blocks).
+ACTIVATION_FACTOR = 1.55  # × `saved_per_token_layer`, no checkpointing: the peak is the start of the
+#   backward, every layer's saved tensors held, plus one layer's gradients and allocator slack
+CHECKPOINTED_INPUT = 1  # × a layer's input (r·H per token), kept per layer when checkpointing: the tensor count
+CHECKPOINTED_INPUT_CPU = 7  # the same on a CPU: glibc's heap keeps each layer's freed forward temporaries
+#   between the inputs kept (measured: 5-9× the input per layer; 1.0× with MALLOC_MMAP_THRESHOLD_=65536)
+RECOMPUTED_LAYER = 1  # × `saved_per_token_layer`: the one layer recomputed in the backward, its saved tensors
+OUTSIDE_LAYERS = 128  # bytes × H per token outside the layers: embeddings' output, the final norm (fp32
+#   statistics), the completions' hidden states gathered for the head, their gradients, allocator slack
+HEAD_CHUNK = 8  # bytes per logit of one chunk (c × V): the fp32 logits, then their gradient
+TOP_P_SORT = 16  # more per logit with top-p < 1: the sorted values (4) and their int64 order (8), then
+#   the softmax/cumsum over them (4) — all freed before the chunk's backward
+HEAD_GRAD = 2.5  # × b·V·H: each chunk's gradient of the head's weight, and autograd's running sum of it
+#   over the chunks, beside the gradient held in the state (the head's weight is an input of every chunk)
+CPU_RUNTIME = 0.4  # GiB: the interpreter with torch, transformers and the model's code (0.25 GiB measured
+#   before the model loads) and what the allocator keeps between steps
+
+
+def saved_per_token_layer(shape: ModelShape, b: int) -> int:
+    """Bytes autograd keeps per token for one pre-norm SwiGLU decoder layer in compute dtype `b`,
+    counted with saved-tensor hooks on a Qwen2 layer (fp32 and bf16 alike): the two RMSNorms
+    each keep an fp32 copy of their input (8·H, whatever `b`); six hidden-sized tensors in `b`
+    (each norm's normalized value and output, the rotary q, attention's output and o_proj's
+    input); rotary k and v (2·kv); four intermediate-sized (gate, up, silu(gate), their product).
+    SDPA keeps no attention matrix."""
+    return 8 * shape.hidden + b * (6 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate)
+
+
 @dataclass
 class MemoryPlan:
     """Predicted bytes per rank, by component."""
@@ -118,12 +153,13 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
     P, N, T, H = shape.params, ranks, micro_batch_tokens, shape.hidden
     b = compute_bytes
     r = b if mixed else 4  # bytes of one residual-stream value: fp32 under autocast or fp32 compute
-    per_token_layer = (2 * r + 16 * b) * H + 2 * b * shape.kv_dim + 8 * b * shape.intermediate
-    if checkpointing:
-        activations = T * (shape.layers * 4 * H + 2 * per_token_layer)  # the layer's work and its grads
+    saved = saved_per_token_layer(shape, b)
+    if checkpointing:  # every layer's input kept; one layer recomputed and differentiated at a time
+        kept = CHECKPOINTED_INPUT if gpu else CHECKPOINTED_INPUT_CPU
+        activations = T * (kept * shape.layers * r * H + RECOMPUTED_LAYER * saved)
     else:
-        activations = T * shape.layers * per_token_layer
-    activations += 3 * r * T * H  # final hidden states, normed, and their gradient
+        activations = T * shape.layers * ACTIVATION_FACTOR * saved
+    activations += T * OUTSIDE_LAYERS * H  # embeddings, final norm, the completions' hidden states, their gradients
     unit = shape.root_params + 2 * shape.layer_params  # unsharded at once: the root and two layers (one prefetched)
     lora = adapter_params > 0
     return MemoryPlan(
@@ -135,8 +171,9 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
         gathered=(b * unit if lora and (mixed or N > 1) else (2 * b + 4) * unit if mixed
                   else 8 * unit if N > 1 else 0.0),
         activations=float(activations),
-        head=float(chunk_tokens * shape.vocab * (16 + (16 if top_p < 1 else 0))),
-        runtime=GiB if gpu else 0.4 * GiB,
+        head=float(chunk_tokens * shape.vocab * (HEAD_CHUNK + (TOP_P_SORT if top_p < 1 else 0))
+                   + (0 if lora else HEAD_GRAD * b * shape.vocab * H)),
+        runtime=GiB if gpu else CPU_RUNTIME * GiB,
     )
 
 
