@@ -142,7 +142,8 @@ class LeaseBook:
         held = sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
         record = self._delivery.get(worker_id) or _Delivery()
         room = record.window(self.per_worker, self.ttl, self.max_outstanding, now) - held
-        if not record.done:  # unproven: within what all unproven workers together may hold
+        if not record.done and self.per_worker.unproven_share < 1.0:  # unproven: within what they all may hold
+            # (O(leases): a share of 1 is the book's own bound, and this runs for every parked request woken)
             quota = max(self.per_worker.first, int(self.per_worker.unproven_share * self.max_outstanding))
             room = min(room, quota - self._unproven_held())
         return max(0, room)
