@@ -380,6 +380,10 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
                                       str(args.ramp_s), "--out", str(d / "attacks.json"),
                                       *([] if args.attacks == "all" else ["--classes", args.attacks])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(d / "attacks.log").open("w"),
+                                     # Rented attackers are other machines: here they share the honest fleet's
+                                     # core, and must not take its CPU, or the honest latency would be the
+                                     # client's own queueing behind them.
+                                     preexec_fn=(lambda: os.nice(19)) if args.pin else None,
                                      text=True) if hostile else None
         if attackers is not None and clients:
             os.sched_setaffinity(attackers.pid, clients)
