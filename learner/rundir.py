@@ -39,11 +39,14 @@ class RunDir:
         token_file.chmod(0o600)
 
     def port(self, configured: int) -> int:
-        """The port to bind: a resumed run on a free port takes the one it had."""
+        """The port to bind: a resumed run on a free port takes the one it had. A fresh run on a
+        free port takes one below the kernel's ephemeral range: a port the kernel hands out for
+        outgoing connections may be some client's local port when the run resumes, and the
+        resumed learner could not bind it."""
         url = self.path / "url"
         if self.resumed and configured == 0 and url.exists():
             return int(url.read_text().strip().rsplit(":", 1)[1])
-        return configured
+        return configured or free_port_below_ephemeral()
 
     def checkpoint(self) -> Path | None:
         """The checkpoint a resumed run starts from (None: a fresh run, or none was saved)."""
@@ -53,3 +56,25 @@ class RunDir:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     latest = run_dir / "checkpoints" / "latest"
     return latest.resolve() if latest.exists() else None
+
+
+def free_port_below_ephemeral(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A port free now, outside the range the kernel picks outgoing connections' ports from
+    (0: let the kernel choose, if none is found)."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    if low <= 10000:
+        return 0
+    for port in random.sample(range(10000, low), min(tries, low - 10000)):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return 0

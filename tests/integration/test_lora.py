@@ -42,4 +42,8 @@ def test_a_lora_run_publishes_adapters_and_exports_adapter_and_merged_model(lear
     ids = torch.tensor([[1, 5, 6, 17, 7, 18, 9]])
     with torch.no_grad():
         a, b, c = (m(input_ids=ids).logits for m in (merged, peft, base))
-    assert torch.allclose(a, b, atol=1e-4) and not torch.allclose(a, c, atol=1e-4)
+    assert torch.allclose(a, b, atol=1e-4)
+    # Unless every group of the run had one reward for all (no gradient: B stays at its zero init),
+    # the adapter moved the model. A tiny model can draw 6 batches of all-wrong answers.
+    trained = any(r["grad_norm"] > 0 for r in records)
+    assert torch.allclose(a, c, atol=1e-4) != trained

@@ -82,6 +82,8 @@ def test_a_preempted_instance_is_replaced_and_the_budget_stops_the_run_cleanly(l
     lp.wait_until(lambda: len(lp.records()) >= 4, 90, "the first rented machine to train 4 steps")
     first, = fake.by_offer(18421003)  # the cheapest bid
     assert first.price == pytest.approx(0.09 * 1.1)  # min_bid × (1 + bid_margin)
+    lp.wait_until(lambda: any(w["name"] == "vast-18421003" and w["leased_prompts"] > 0 for w in lp.status()["workers"]),
+                  30, "the first machine to hold a lease")
     fake.preempt(first.id)  # outbid: the process dies mid-lease, the instance shows `exited`
     lp.wait_until(lambda: fake.by_offer(18421004), 30, "a replacement to be rented")
     assert lp.proc.wait(180) == 0, lp.output()[-3000:]
