@@ -105,7 +105,7 @@ class AddressBook:
         key = address_key(address)
         bucket = self._refill(key, now)
         bucket.tokens -= 1
-        _remember(self._failures, key, bucket)
+        remember(self._failures, key, bucket)
 
     def throttled(self, address: str, now: float) -> float:
         """0 if `address` may try to authenticate now, else the seconds until it may."""
@@ -113,12 +113,12 @@ class AddressBook:
         return 0.0 if bucket.tokens >= 1 else (1 - bucket.tokens) * 60.0 / self.failures_per_min
 
     def _refill(self, key: str, now: float) -> _Bucket:
-        # Popped and put back: the table's order is least recently seen first, which `_remember` evicts.
+        # Popped and put back: the table's order is least recently seen first, which `remember` evicts.
         bucket = self._failures.pop(key, None) or _Bucket(float(self.failure_burst), now)
         bucket.tokens = min(self.failure_burst, bucket.tokens + (now - bucket.at) * self.failures_per_min / 60.0)
         bucket.at = now
         if bucket.tokens < self.failure_burst:  # a full bucket is the default: only debts are kept
-            _remember(self._failures, key, bucket)
+            remember(self._failures, key, bucket)
         return bucket
 
     # --- bans ----------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class AddressBook:
         previous = self._bans.pop(key, None)
         count = previous.count + 1 if previous else 1
         length = self.ban_s * 2 ** min(count - 1, 20)
-        _remember(self._bans, key, _Ban(why, now + length, count))
+        remember(self._bans, key, _Ban(why, now + length, count))
         return length
 
     def banned(self, address: str, now: float) -> str:
@@ -138,9 +138,11 @@ class AddressBook:
         return ban.why if ban is not None and ban.until > now else ""
 
 
-def _remember(table: dict, key: str, value) -> None:
-    """Put `value` last in `table`, dropping the least recently seen entry past `TRACKED`: an
-    attacker with many addresses (a /48 holds 65,536 /64s) cannot grow the learner's memory."""
+def remember(table: dict, key: str, value, keep: int | None = None) -> None:
+    """Put `value` last in `table`, dropping the least recently seen entries past `keep` (default
+    `TRACKED`): an attacker with many addresses (a /48 holds 65,536 /64s) or identities cannot
+    grow the learner's memory."""
+    table.pop(key, None)
     table[key] = value
-    if len(table) > TRACKED:
+    while len(table) > (keep or TRACKED):
         del table[next(iter(table))]

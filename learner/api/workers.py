@@ -26,7 +26,7 @@ from aiohttp import web
 
 from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
-from learner.addresses import AddressBook, address_key
+from learner.addresses import AddressBook, address_key, remember
 from learner.admission import JoinGate
 from learner.api.http import Auth, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom
@@ -264,7 +264,7 @@ class WorkerRegistry:
             return
         worker.quarantined, worker.active = verdict.message, False
         if worker.machine:  # its machine token may not bring it back as a new identity
-            _remember_why(self.quarantined_machines, worker.machine, verdict.message)
+            remember(self.quarantined_machines, worker.machine, verdict.message[:500], keep=4096)
         if self.verify.ban_address and worker.address:  # else it would join again under a new name
             self.addresses.ban(worker.address, verdict.message, time.monotonic())
         leased = self.leases.release_worker(worker.id)
@@ -365,10 +365,3 @@ def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, 
             rollout=rollout, snapshot=run.announcement, lora=lora)
     return make
 
-
-def _remember_why(table: dict[str, str], key: str, why: str, keep: int = 4096) -> None:
-    """`table[key] = why`, the oldest entries dropped past `keep` (a bounded record)."""
-    table.pop(key, None)
-    table[key] = why[:500]
-    while len(table) > keep:
-        del table[next(iter(table))]
