@@ -68,6 +68,21 @@ def aborted(rejected) -> Refusal:
     return Refusal(400, "aborted", "the connection closed before the request body arrived")
 
 
+async def read_in_time(request: web.Request, read, rejected) -> bytes:
+    """`await read()` (the request's body) within `[server] body_timeout_s`, else 408: a trickled
+    body would hold its handler (and a connection) as long as the sender likes. A sender that hung
+    up mid-body is counted, not logged."""
+    timeout = request.config_dict.get(BODY_TIMEOUT, 60.0)
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        rejected.labels("slow-body").inc()
+        raise Refusal(408, "slow-body", f"the request body did not arrive within [server] body_timeout_s = "
+                                        f"{timeout:g} s") from None
+    except ABORTED:
+        raise aborted(rejected) from None
+
+
 async def read_body(request: web.Request, model: type[P.Message], rejected) -> P.Message:
     """The request's JSON body as `model`, at most `P.MAX_JSON_BYTES`; a bad one counts in `rejected`."""
     refuse_encoding(request, rejected)
@@ -83,15 +98,7 @@ async def read_body(request: web.Request, model: type[P.Message], rejected) -> P
             chunks.append(chunk)
         return b"".join(chunks)
 
-    timeout = request.config_dict.get(BODY_TIMEOUT, 60.0)
-    try:  # a trickled body would hold its handler (and a connection) for as long as the sender likes
-        body = await asyncio.wait_for(whole(), timeout)
-    except asyncio.TimeoutError:
-        rejected.labels("slow-body").inc()
-        raise Refusal(408, "slow-body", f"the request body did not arrive within [server] body_timeout_s = "
-                                        f"{timeout:g} s") from None
-    except ABORTED:
-        raise aborted(rejected) from None
+    body = await read_in_time(request, whole, rejected)
     try:
         return P.parse_json(model, body)  # bounded nesting: a deep array is a 400, not a 500
     except P.ProtocolError as e:

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from echo import protocol as P
 from echo.wire import CONTENT_TYPE, Rejected, decode_submission
-from learner.api.http import ABORTED, Auth, Refusal, aborted, json_error, refuse_encoding, refuse_quarantined, reply
+from learner.api.http import Auth, Refusal, json_error, read_in_time, refuse_encoding, refuse_quarantined, reply
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.api.workers import WorkerInfo, WorkerRegistry
@@ -46,7 +46,6 @@ class UploadRoom:
         self.run, self.buffer, self.leases, self.registry, self.metrics = run, buffer, leases, registry, metrics
         self.vocab_size, self.offload, self.rescore = vocab_size, offload, rescore
         self.max_tokens = max_tokens  # an episode's tokens after its prompt
-        self.body_timeout_s = cfg.server.body_timeout_s
         self.inflight_cap = int(cfg.server.max_inflight_upload_mb * (1 << 20))
         self.inflight = 0  # bytes of the uploads being read now (declared lengths, or the cap per chunked body)
 
@@ -78,15 +77,10 @@ class UploadRoom:
                                            "([server] max_inflight_upload_mb); retry shortly", {"Retry-After": "2"})
         self.inflight += claim
         try:
-            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+            raw = await read_in_time(request, request.read, self.metrics.rejected)
         except web.HTTPRequestEntityTooLarge:
             raise Rejected(413, "oversized", f"upload larger than [server] max_body_mb = {self.max_body_mb} MiB; "
                                              "submit fewer groups per request") from None
-        except asyncio.TimeoutError:
-            raise Rejected(408, "slow-body", f"the upload did not arrive within [server] body_timeout_s = "
-                                             f"{self.body_timeout_s:g} s") from None
-        except ABORTED:
-            raise aborted(self.metrics.rejected) from None
         finally:
             self.inflight -= claim
         loop = asyncio.get_running_loop()
