@@ -37,10 +37,8 @@ class HttpTransport(Transport):
 
     def __init__(self, node: "Node", connect_timeout: float) -> None:
         self.node = node
-        read = {"Authorization": f"Bearer {node.read_token}"} if getattr(node, "read_token", None) else {}
-        self._session = aiohttp.ClientSession(  # every request presents the run's read capability
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), auto_decompress=False,
-            headers=read)
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), auto_decompress=False)
 
     @classmethod
     def for_node(cls, node: "Node", advertised: bool) -> "HttpTransport":
@@ -63,27 +61,32 @@ class HttpTransport(Transport):
         await self._session.close()
 
     # -- client half -----------------------------------------------------------------------------
+    def _read(self) -> dict[str, str]:
+        """Every request presents the node's read ticket, as renewed now."""
+        return {"Authorization": f"Bearer {self.node.read_token}"} if getattr(self.node, "read_token", None) else {}
+
     async def push(self, url: str, body: Any) -> tuple[int, str]:
         async with self._session.post(f"{url}{PREFIX}/push", data=body,
-                                      headers={"Content-Type": "application/octet-stream"}) as resp:
+                                      headers={"Content-Type": "application/octet-stream", **self._read()}) as resp:
             return resp.status, (await resp.text())[:300]
 
     @contextlib.asynccontextmanager
     async def pull(self, url: str, key: str, start: int, end: int) -> AsyncIterator[Any]:
         # No read timeout here: the receiver's stall guard watches progress.
-        async with self._session.get(f"{url}{PREFIX}/chunks/{key}", params={"from": start, "to": end}) as resp:
+        async with self._session.get(f"{url}{PREFIX}/chunks/{key}", params={"from": start, "to": end},
+                                     headers=self._read()) as resp:
             if resp.status != 200:
                 raise Refused(resp.status, (await resp.text())[:200])
             check_pull_header(await read_header(resp.content), key, start)
             yield resp.content
 
     async def manifest(self, url: str, key: str) -> bytes | None:
-        async with self._session.get(f"{url}{PREFIX}/manifest/{key}") as resp:
+        async with self._session.get(f"{url}{PREFIX}/manifest/{key}", headers=self._read()) as resp:
             return await resp.read() if resp.status == 200 else None
 
     async def route_feed(self, url: str, after: int, node_id: str) -> dict:
         async with self._session.get(f"{url.rstrip('/')}{PREFIX}/routes", params={"after": after, "id": node_id},
-                                     timeout=FEED_TIMEOUT) as resp:
+                                     timeout=FEED_TIMEOUT, headers=self._read()) as resp:
             if resp.status != 200:
                 raise Refused(resp.status, (await resp.text())[:200])
             return msgpack.unpackb(await resp.read(), raw=False)

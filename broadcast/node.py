@@ -19,7 +19,6 @@ route marks as pulling (unreachable behind NAT) are never pushed to: they pull f
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -31,6 +30,7 @@ from broadcast.manifest import BroadcastError, Buffer
 from broadcast.route import SignedRoute
 from broadcast.signing import SigningKey
 from broadcast.store import VersionGone, VersionStore
+from broadcast.tickets import Readers
 from broadcast.transport import (
     ADVERTISED,
     PACED_PIECE,
@@ -71,9 +71,11 @@ class Node:
     0) and advertises its `p2p:` address as this node's `url` (or `public_url`). The HTTP server
     keeps running (status, and pushes from aiohttp peers). Every node reaches every kind of peer.
 
-    `read_token`: the run's read capability. When set, the node serves manifests, chunks, pushes
-    and its status only to requests that present it (workers get it from the learner with their
-    credential), and presents it on its own requests: the weights reach no one without it.
+    `read_token`: this node's read ticket (`broadcast.tickets`). When set, the node presents it on
+    its own requests and serves manifests, chunks, pushes and its status only to requests that
+    present a valid ticket of the run (`readers`, set by `Source` and `Relay`, which hold the
+    run's key): the weights reach no one without one. The holder renews it (`read_token` is read
+    at each request).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Node:
         self._advertised.check_available()
         self.id = node_id
         self.read_token = read_token or None
+        self.readers: Readers | None = None  # set with the run's key by Source and Relay
         self.transport = transport
         self.host, self.port = host, port
         self._public_url = public_url
@@ -331,11 +334,12 @@ class Node:
         return 404, f"{self.id} does not accept pushes"
 
     def require_read(self, presented: str | None) -> None:
-        """Refuse (401) a request for this node's versions that lacks the run's read capability."""
-        if self.read_token is not None and not (
-                presented and hmac.compare_digest(presented.encode(), self.read_token.encode())):
-            raise Refused(401, f"{self.id}: {'a wrong' if presented else 'no'} read capability: versions are "
-                               "served to the run's workers only (they get it at join)")
+        """Refuse (401) a request for this node's versions without a valid read ticket of the run."""
+        if self.readers is not None:
+            try:
+                self.readers.holder(presented)
+            except Refused as e:
+                raise Refused(401, f"{self.id}: {e.text}") from None
 
     async def _handle_status(self, request: web.Request) -> web.Response:
         try:

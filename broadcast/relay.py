@@ -48,6 +48,7 @@ from broadcast.route import Place, RouteError, SignedRoute
 from broadcast.signing import ChunkCorrupt, SignatureError, SignedManifest, VerifyKey, verify_chunk
 from broadcast.source import Source
 from broadcast.store import BroadcastFailed, Received, TransferStats, VersionGone, VersionStore
+from broadcast.tickets import Readers
 from broadcast.transport import (
     PREFIX,
     TRANSPORTS,
@@ -94,6 +95,8 @@ class Relay(Node):
     ) -> None:
         super().__init__(node_id, **kwargs)
         self.verify_key = verify_key
+        if self.read_token:  # a relay of a guarded run serves the run's ticket holders only
+            self.readers = Readers(verify_key)
         self.on_complete = on_complete
         self.down = TokenBucket(down_rate) if down_rate else None
         self.max_source_retries = max_source_retries

@@ -22,6 +22,7 @@ from broadcast.planner import Plan
 from broadcast.route import Route, SignedRoute, chunk_spans, route_for, sign_route
 from broadcast.signing import SignedManifest, SigningKey, sign_manifest
 from broadcast.store import VersionStore
+from broadcast.tickets import Readers
 from broadcast.transport import PREFIX, Hop, Refused, bearer
 
 FEED_WAIT_S = 20.0  # how long one long poll of the route feed waits for a route
@@ -39,6 +40,8 @@ class Source(Node):
         super().__init__(node_id, **kwargs)
         self.signing_key = signing_key
         self.verify_key = signing_key.public_key()
+        if self.read_token:  # guarded: the learner revokes a quarantined worker here (readers.revoke)
+            self.readers = Readers(self.verify_key)
         self._feed: deque[tuple[int, SignedManifest, SignedRoute]] = deque(maxlen=FEED_KEEP)
         self._seq = 0
         self._feed_changed: asyncio.Condition | None = None

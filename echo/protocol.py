@@ -178,7 +178,9 @@ class BroadcastInfo(Message):
     public_key: Annotated[str, StringConstraints(max_length=256)] = ""  # "ed25519:<base64>" (chain)
     source: Url | None = None  # the learner's relay (chain)
     fallback_s: Annotated[float, Field(gt=0.0, le=1e7)] = 10.0
-    read_token: Annotated[str, StringConstraints(max_length=128)] = ""  # presented to every relay (chain)
+    # This worker's read ticket (chain; `broadcast.tickets`): presented to the source and every
+    # relay, renewed in heartbeat replies.
+    read_token: Annotated[str, StringConstraints(max_length=512)] = ""
 
 
 class RolloutParams(Message):
@@ -230,6 +232,7 @@ class HeartbeatReply(Message):
     # Could the learner connect to the worker's relay? False: nobody can push to it, so it pulls
     # each version from a parent the route names, following the learner's route feed.
     reachable: bool | None = None
+    read_token: Annotated[str, StringConstraints(max_length=512)] = ""  # a renewed read ticket (chain), or ""
 
 
 class PromptMsg(Message):

@@ -222,6 +222,7 @@ class ChainBroadcast(_BroadcastShared):
     deltas: bool = Field(True, description="[broadcast] deltas: send XOR+zstd deltas on the previous version when smaller")
     key_file: Path | None = Field(None, description="[broadcast] key_file: ed25519 signing key (PEM; created if missing; default: in the run directory)")
     fallback_s: float = Field(10.0, gt=0.0, description="[broadcast] fallback_s: a worker not reached by the push within this many seconds pulls the version from the learner")
+    ticket_s: float = Field(600.0, ge=1.0, le=86400.0, description="[broadcast] ticket_s: lifetime of a worker's read ticket (renewed in heartbeat replies); a quarantined worker is refused by the learner at once and by relays within this (+2 min for their clocks)")
 
 
 CHAIN_ONLY = frozenset(ChainBroadcast.model_fields) - frozenset(_BroadcastShared.model_fields) - {"mode"}

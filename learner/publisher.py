@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import secrets
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +36,8 @@ from broadcast.planner import PeerLink, plan_broadcast
 from broadcast.signing import SigningKey
 from broadcast.source import Source
 from broadcast.star import BlobStore
+from broadcast.tickets import TICKET_S, TicketOffice
+from broadcast.tickets import issue as issue_ticket
 from broadcast.transport import Hop
 from echo.protocol import Announcement, BroadcastInfo, PlanBrief, PushAnnouncement
 from learner.config import ChainBroadcast, StarBroadcast
@@ -55,7 +56,7 @@ def make_publisher(section: ChainBroadcast | StarBroadcast, blobs: BlobStore, li
         return StarPublisher(blobs)
     return ChainPublisher(blobs, chunk_bytes=int(section.chunk_mib * (1 << 20)), deltas=section.deltas,
                           links=links, key_file=section.key_file or key_file, host=host,
-                          fallback_s=section.fallback_s)
+                          fallback_s=section.fallback_s, ticket_s=section.ticket_s)
 
 
 class StarPublisher:
@@ -67,6 +68,7 @@ class StarPublisher:
         self.blobs = blobs
         self.wire_bytes: dict[int, dict] = {}  # version -> {"raw", "full", "delta", "plans"} (chain only)
         self.info = BroadcastInfo(mode="star")  # what workers are told at join (after start)
+        self.tickets: TicketOffice | None = None  # chain: each worker's read ticket (broadcast.tickets)
 
     async def start(self) -> str | None:
         """Start serving; returns the learner's relay URL (None: nothing pushes)."""
@@ -89,10 +91,10 @@ class ChainPublisher(StarPublisher):
     mode = "chain"
 
     def __init__(self, blobs: BlobStore, *, chunk_bytes: int, deltas: bool, links: LinkTable, key_file: Path,
-                 host: str, fallback_s: float = 10.0):
+                 host: str, fallback_s: float = 10.0, ticket_s: float = TICKET_S):
         super().__init__(blobs)
         self.chunk_bytes, self.deltas, self.links = chunk_bytes, deltas, links
-        self.key_file, self.host, self.fallback_s = key_file, host, fallback_s
+        self.key_file, self.host, self.fallback_s, self.ticket_s = key_file, host, fallback_s, ticket_s
         self.source: Source | None = None
         self.public_key = ""
         self._previous: tuple[int, bytes, Manifest] | None = None
@@ -101,17 +103,22 @@ class ChainPublisher(StarPublisher):
     async def start(self) -> str | None:
         key = SigningKey.load_or_generate(self.key_file)
         self.public_key = key.public_key().to_text()
-        read_token = secrets.token_urlsafe(24)  # the run's read capability: workers get it at join
-        self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate, read_token=read_token)
+        # The source guards the versions with read tickets: each worker gets its own at join and
+        # in heartbeat replies (the registry's `tickets`), the source presents the learner's.
+        self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate,
+                             read_token=issue_ticket(key, "learner"))
+        assert self.source.readers is not None
+        self.source.readers.skew = 0.0  # the source's clock is the one that issued them
+        self.tickets = TicketOffice(key, self.source.readers, lifetime=self.ticket_s)
         url = await self.source.start()
-        self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s,
-                                  read_token=read_token)
+        self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s)
         return url
 
     async def publish(self, version: int, blob: bytes, workers: list) -> PushAnnouncement:
         """Publish `version` and start pushing it; returns what to announce to workers."""
         star = await super().publish(version, blob, workers)
-        assert self.source is not None, "start() the publisher first"
+        assert self.source is not None and self.tickets is not None, "start() the publisher first"
+        self.source.read_token = self.tickets.issue("learner")  # fresh for this version's pushes
         chunk = self.chunk_for(len(blob), [w for w in workers if w.relay_url])
         # A delta needs its base's chunk layout: when the plan's chunk size changed, this version
         # goes out full once and the next ones are deltas on it again.

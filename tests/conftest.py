@@ -126,9 +126,14 @@ class LearnerProcess:
 
     def join(self, name: str = "probe", **report) -> tuple[str, str]:
         """Join as a hand-driven worker: (worker id, credential for `request(..., token=credential)`)."""
+        joined = self.join_reply(name, **report)
+        return joined["worker_id"], joined["credential"]
+
+    def join_reply(self, name: str = "probe", **report) -> dict:
+        """Join as a hand-driven worker: the whole join reply (its broadcast info too)."""
         status, joined = self.request("POST", "/v1/join", {"name": name, **report})
         assert status == 200, joined
-        return joined["worker_id"], joined["credential"]
+        return joined
 
     def status(self) -> dict:
         return self.request("GET", "/v1/status")[1]

@@ -349,6 +349,10 @@ class Worker:
                 elif reply.state == "active" and not self.active.is_set():
                     log.info("%s: activated by the learner's scheduler", self.name)
                     self.active.set()
+                if reply.read_token:  # the learner renewed this worker's read ticket: present the new one
+                    self.broadcast = self.broadcast.model_copy(update={"read_token": reply.read_token})
+                    if self.relay is not None:
+                        self.relay.read_token = reply.read_token
                 if reply.reachable is False and self.relay is not None and self.broadcast.source:
                     self.relay.follow(self.broadcast.source)  # behind NAT: pull what the routes assign
                 self._notice(client, reply.snapshot)

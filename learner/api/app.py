@@ -45,7 +45,8 @@ def link_table(broadcast: BroadcastSection) -> LinkTable:
 class ControlApi:
     """`waiters`: the parked lease requests (others wake them too: an eval round opens); `evals`: the eval rounds the workers answer (`[eval] where = "workers"`), each finished one
     passed to `on_eval`; `fleet`: a `scheduler.fleet.Fleet` when a scheduler decides who generates;
-    `broadcast`: how versions travel, told at join (`learner.publisher`); `rescore`: a
+    `broadcast`: how versions travel, told at join (`learner.publisher`), `tickets` the workers'
+    read tickets in chain mode (the publisher's `tickets`); `rescore`: a
     `learner.verify.Rescorer`, or None (rewards are taken as claimed); `rollout`: how workers
     play episodes (`learner.train.Trainer.rollout_params`; default: one-turn, from `[rollout]`)."""
 
@@ -54,7 +55,7 @@ class ControlApi:
                  metrics: LearnerMetrics | None = None, waiters: Waiters | None = None,
                  evals: EvalBook | None = None, on_eval=lambda result: None, rescore=None, fleet=None,
                  broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None,
-                 rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None):
+                 rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None, tickets=None):
         self.cfg, self.token, self.run = cfg, token, run
         self.lora = lora  # LoRA mode: told at join; /v1/model then serves the base's weights too
         r = cfg.rollout
@@ -71,7 +72,7 @@ class ControlApi:
                                 encode=encode, metrics=self.metrics, evals=evals, waiters=waiters)
         self.registry = WorkerRegistry(cfg.server, cfg.verify, run=run, leases=self.leases, buffer=buffer,
                                        links=self.links, verifier=self.verifier, metrics=self.metrics, fleet=fleet,
-                                       on_note=on_note)
+                                       tickets=tickets, on_note=on_note)
         shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
                       offload=self.offload, rescore=rescore)
         self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, max_tokens=self.rollout.max_tokens, **shared)

@@ -462,6 +462,7 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
 def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_factory, tiny_model):
     """A worker whose behaviour log-probs are made up (claimed near-certain for random tokens)
     while its rewards are right: the trainer's π on its fresh groups gives it away."""
+    import urllib.error
     import urllib.request
 
     from transformers import AutoTokenizer
@@ -469,8 +470,19 @@ def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_
     tok = AutoTokenizer.from_pretrained(tiny_model)
     lp = learner_factory(run={"steps": 100000}, buffer={"max_staleness": 4}, verify={"min_gap_tokens": 32})
     lp.worker("honest", "--worker.max_rollouts_per_s", "20")  # slow: most groups trained are the cheat's, fresh
-    wid, cred = lp.join("cheat")
+    joined = lp.join_reply("cheat")
+    wid, cred, ticket = joined["worker_id"], joined["credential"], joined["broadcast"]["read_token"]
     lp.wait_until(lambda: lp.status()["learner_version"] >= 1, 60, "training to start")
+
+    def weights(v: int) -> int:  # the cheat's read ticket at the learner's source
+        req = urllib.request.Request(f"{joined['broadcast']['source']}/bcast/v1/manifest/v{v}",
+                                     headers={"Authorization": f"Bearer {ticket}"})
+        try:
+            return urllib.request.urlopen(req, timeout=10).status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert ticket and weights(lp.status()["published_version"]) == 200  # a worker's ticket reads the weights
     told = None
     for _ in range(40):
         status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 1, "version": lp.status()["published_version"]},
@@ -498,6 +510,7 @@ def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_
     assert [q["id"] for q in lp.status()["quarantined"]] == [wid]
     metrics = urllib.request.urlopen(lp.url + "/metrics").read().decode()
     assert 'echo_workers_quarantined_total{reason="logprobs"} 1.0' in metrics
+    assert weights(lp.status()["published_version"]) == 401  # revoked: no later version from the learner
     v = lp.status()["learner_version"]  # the honest worker carries the run on
     lp.wait_until(lambda: lp.status()["learner_version"] > v + 2, 60, "training to continue")
     assert all(not w["quarantined"] for w in lp.status()["workers"] if w["name"] == "honest")
@@ -507,8 +520,9 @@ def test_a_worker_nobody_can_connect_to_is_told_so_and_pulls_every_version(learn
     """The reachability ladder in the real loop: the learner's probe of a relay that advertises an
     address nobody listens on fails, the heartbeat says so, and the worker follows the route feed
     and pulls each version from its parent; with the fallback pull 10 minutes away, training at
-    S = 1 only keeps going if that works."""
-    lp = learner_factory(run={"steps": 8}, buffer={"max_staleness": 1}, broadcast={"fallback_s": 600.0})
+    S = 1 only keeps going if that works. Read tickets live 2 s here: the route feed and the pulls
+    go on only if the heartbeats renew them."""
+    lp = learner_factory(run={"steps": 8}, buffer={"max_staleness": 1}, broadcast={"fallback_s": 600.0, "ticket_s": 2.0})
     lp.worker("open", "--worker.max_rollouts_per_s", "100")
     lp.worker("natted", "--worker.max_rollouts_per_s", "100", "--worker.advertise_url", "http://127.0.0.1:9")
     assert lp.proc.wait(240) == 0, lp.output()[-3000:]

@@ -1,7 +1,8 @@
-"""The weights reach no one without the run's read capability: a source or relay given a
-`read_token` serves manifests, chunks, pushes, its status and the route feed only to requests
-that present it; relays that hold it fetch as before. (The learner hands it to workers with
-their credential: `echo.protocol.BroadcastInfo.read_token`.)"""
+"""The weights reach no one without a read ticket of the run: a source or relay given a
+`read_token` (its own ticket) serves manifests, chunks, pushes, its status and the route feed
+only to requests that present a valid ticket signed by the run's key; relays that hold one fetch
+as before. A ticket expires, and the source refuses a revoked holder at once (the learner issues
+them at join and in heartbeat replies, `broadcast.tickets`)."""
 
 import asyncio
 import os
@@ -13,16 +14,18 @@ from broadcast.http_transport import PREFIX
 from broadcast.relay import Relay
 from broadcast.signing import SigningKey
 from broadcast.source import Source
-from broadcast.transport import Refused
+from broadcast.tickets import SKEW_S, Readers, TicketOffice, issue
+from broadcast.transport import Hop, Refused
 
-TOKEN = "run-read-capability-0123456789"
+KEY = SigningKey.generate()
+TOKEN = issue(KEY, "w1")
 
 
 def test_nothing_is_served_without_the_read_capability():
-    key = SigningKey.generate()
+    key = KEY
 
     async def run():
-        src = Source(key, read_token=TOKEN)
+        src = Source(key, read_token=issue(key, "learner"))
         await src.start()
         await src.publish(os.urandom(1 << 20), 1, chunk_size=256 << 10)
         paths = [f"{PREFIX}/manifest/v1", f"{PREFIX}/chunks/v1?from=0", f"{PREFIX}/status", f"{PREFIX}/routes?wait=0"]
@@ -53,14 +56,14 @@ def test_nothing_is_served_without_the_read_capability():
 
 
 def test_a_relay_with_the_capability_fetches_and_one_without_is_refused():
-    key = SigningKey.generate()
+    key = KEY
     blob = os.urandom(1 << 20)
 
     async def run():
         src = Source(key, read_token=TOKEN)
         await src.start()
         await src.publish(blob, 1, chunk_size=256 << 10)
-        holder = Relay("w1", key.public_key(), read_token=TOKEN, source_url=src.url, stall_timeout=3)
+        holder = Relay("w1", key.public_key(), read_token=issue(key, "w1"), source_url=src.url, stall_timeout=3)
         stranger = Relay("w2", key.public_key(), source_url=src.url, stall_timeout=3)
         await holder.start()
         await stranger.start()
@@ -80,3 +83,70 @@ def test_a_relay_with_the_capability_fetches_and_one_without_is_refused():
 
     wire, refused_manifest, status = asyncio.run(run())
     assert wire and refused_manifest is None and status == 401
+
+
+def test_a_ticket_is_checked_by_signature_holder_and_expiry():
+    """What a node accepts: the run's signature over this holder and expiry, nothing else."""
+    now = [1000.0]
+    readers = Readers(KEY.public_key(), clock=lambda: now[0])
+    good = issue(KEY, "w7", lifetime=60, now=now[0])
+    assert readers.holder(good) == "w7"
+    body, sig = good.split(".")
+    other_run = issue(SigningKey.generate(), "w7", lifetime=60, now=now[0])
+    forged_holder = issue(KEY, "w8", lifetime=60, now=now[0]).split(".")[0] + "." + sig  # w8's body, w7's signature
+    for bad in (None, "", "guess", "a.b.c", other_run, forged_holder, body + "." + sig[:-4], "x" * 600 + "." + sig):
+        with pytest.raises(Refused) as refused:
+            readers.holder(bad)
+        assert refused.value.status == 401, bad
+    now[0] += 60 + SKEW_S - 1  # a relay's clock may run behind: the skew is allowed
+    assert readers.holder(good) == "w7"
+    now[0] += 2
+    with pytest.raises(Refused, match="expired"):
+        readers.holder(good)
+
+
+def test_the_source_refuses_a_revoked_worker_at_once_and_relays_when_its_ticket_lapses():
+    """A quarantined worker's ticket: refused by the learner's source the moment it is revoked,
+    by a relay once it expires (its heartbeat replies no longer renew it); another worker's
+    renewed ticket keeps working at both."""
+    blob = os.urandom(1 << 18)
+
+    async def fetch(node, url: str, ticket: str) -> int:
+        node.read_token = ticket
+        transport = await node.transport_for(url)
+        try:
+            async with transport.pull(url, "v1", 0, 1):
+                return 200
+        except Refused as e:
+            return e.status
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        await src.publish(blob, 1, chunk_size=64 << 10)
+        office = TicketOffice(KEY, src.readers, lifetime=1.0)
+        honest, cheat = office.issue("honest"), office.issue("cheat")
+        relay = Relay("r", KEY.public_key(), read_token=issue(KEY, "r"), source_url=src.url, stall_timeout=3)
+        relay.readers.skew = 0.0
+        client = Relay("c", KEY.public_key())
+        await relay.start()
+        await client.start()
+        out = {}
+        try:
+            await relay.fetch("v1", [Hop("source", src.url)])  # the relay holds v1 now and serves it
+            out["before"] = [await fetch(client, u, t) for u in (src.url, relay.url) for t in (honest, cheat)]
+            office.revoke("cheat")
+            out["revoked"] = [await fetch(client, u, cheat) for u in (src.url, relay.url)]
+            await asyncio.sleep(1.2)
+            out["lapsed"] = [await fetch(client, relay.url, cheat), await fetch(client, relay.url, honest),
+                             await fetch(client, relay.url, office.issue("honest"))]
+        finally:
+            await client.stop()
+            await relay.stop()
+            await src.stop()
+        return out
+
+    out = asyncio.run(run())
+    assert out["before"] == [200, 200, 200, 200], out
+    assert out["revoked"] == [401, 200], out  # the source at once; the relay cannot know yet
+    assert out["lapsed"] == [401, 401, 200], out  # expired at the relay too; a renewed ticket works
