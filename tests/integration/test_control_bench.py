@@ -16,6 +16,11 @@ def test_control_plane_bench_smoke_run_balances_its_ledger():
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert {"join", "heartbeat", "lease", "trajectories"} <= set(r["routes"]), r["routes"]
+    # Each route is also timed at the learner, from the request's send stamp: never longer than
+    # the fleet's own view of it at the median (that adds the fleet's receive-side queueing).
+    for route in ("join", "heartbeat", "lease", "trajectories"):
+        x = r["routes"][route]
+        assert 0 < x["learner_p50_ms"] <= x["p50_ms"] + 1.0, (route, x)
     assert r["killed_and_replaced"] >= 15 and r["client_errors"] == 0
     ledger = r["ledger"]
     assert ledger["lost"] == 0 and ledger["trained"] > 0
