@@ -264,7 +264,7 @@ class ServerSection(Section):
     heartbeat_interval: float = Field(2.0, gt=0.0, description="[server] heartbeat_interval: seconds between worker heartbeats")
     max_body_mb: float = Field(8.0, gt=0.0, description="[server] max_body_mb: largest accepted trajectory upload (MiB)")
     max_inflight_prompts: int = Field(0, ge=0, description="[server] max_inflight_prompts: leased-but-unfinished prompt cap (0: (S + 1)·G)")
-    lease_first_prompts: int = Field(8, ge=1, le=1024, description="[server] lease_first_prompts: prompts a worker may hold before it delivered any; then twice what it delivered within one lease turnaround (at least lease_ttl)")
+    lease_first_prompts: int = Field(8, ge=1, le=1024, description="[server] lease_first_prompts: prompts a worker may hold before it delivered any (at most its share of the prompts in flight among the workers alive); then twice what it delivered within one lease turnaround (at least lease_ttl)")
     unproven_share: float = Field(1.0, gt=0.0, le=1.0, description="[server] unproven_share: of the prompts in flight, the share workers that never delivered may hold together (1: no bound; a fleet that joins at once is all unproven, and a bound slows its start); their leases expire after 4 of the fleet's median turnarounds whatever their heartbeats, each unanswered expiry halving what they may take next")
     lease_max_s: float = Field(600.0, gt=0.0, description="[server] lease_max_s: a lease expires this many seconds after its issue, however often heartbeats renew it")
     refuse_stale_leases: bool = Field(True, description="[server] refuse_stale_leases: give no prompts to a worker whose installed version is already staler than S (its groups would be refused); it gets them once it installs a newer one")

@@ -11,7 +11,8 @@ A lease belongs to the worker it was issued to: only that worker may submit into
 it back (`UnknownLease` otherwise, whatever the lease id). Every operation costs O(its own
 prompts), not O(all leases): a thousand workers heartbeat and lease concurrently.
 
-A worker cannot hoard (`WorkerCap`): until it has delivered it holds a few prompts at most; then
+A worker cannot hoard (`WorkerCap`): until it has delivered it holds a few prompts at most (and
+no more than its share of the prompts in flight among the workers alive); then
 twice what it delivered within one lease turnaround (at least `ttl`), so an
 honest worker's share grows as it proves itself, like a TCP window. A lease also has an
 absolute deadline from its issue that heartbeats cannot extend, and a lease that expires
@@ -86,9 +87,12 @@ class _Delivery:
     turnaround: deque = field(default_factory=lambda: deque(maxlen=16))  # issue -> last prompt back, per lease
     expired_unanswered: int = 0  # leases that ran out with nothing delivered
 
-    def window(self, cap: WorkerCap, ttl: float, limit: int, now: float | None = None) -> int:
-        if not self.done:  # nothing delivered (since its last unanswered expiry): halved per such expiry
-            return min(max(1, cap.first >> min(self.expired_unanswered, 16)), limit)
+    def window(self, cap: WorkerCap, ttl: float, limit: int, now: float | None = None, alive: int = 0) -> int:
+        if not self.done:  # nothing delivered (since its last unanswered expiry): halved per such expiry,
+            # and never more than its share of the prompts in flight among the `alive` workers (at
+            # least 1): sybils hold what as many honest newcomers would, not `first` each
+            fair = max(1, limit // alive) if alive else limit
+            return min(max(1, cap.first >> min(self.expired_unanswered, 16)), limit, fair)
         # Twice what it delivered within one lease turnaround (at least ttl) before `now`. Counted,
         # not a rate from first to last delivery: the groups of one upload arrive microseconds
         # apart, and a rate over them would open the window to the whole book after one upload.
@@ -114,6 +118,7 @@ class LeaseBook:
         self.per_worker = per_worker  # None: a worker may hold everything (unit tests of the plain book)
         self._delivery: dict[str, _Delivery] = {}
         self._turnarounds: deque[float] = deque(maxlen=256)  # the fleet's recent lease turnarounds (issue to done)
+        self.alive = 0  # workers alive (set by the server): an unproven worker's window is at most its share
         self.stats = LeaseStats()
 
     @property
@@ -141,7 +146,7 @@ class LeaseBook:
             return self.max_outstanding
         held = sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
         record = self._delivery.get(worker_id) or _Delivery()
-        room = record.window(self.per_worker, self.ttl, self.max_outstanding, now) - held
+        room = record.window(self.per_worker, self.ttl, self.max_outstanding, now, self.alive) - held
         if not record.done and self.per_worker.unproven_share < 1.0:  # unproven: within what they all may hold
             # (O(leases): a share of 1 is the book's own bound, and this runs for every parked request woken)
             quota = max(self.per_worker.first, int(self.per_worker.unproven_share * self.max_outstanding))

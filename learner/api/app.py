@@ -123,6 +123,7 @@ class ControlApi:
             self.leases.reap(now)
             self.registry.reap(now)
             alive = self.registry.alive(now)
+            self.leases.book.alive = len(alive)
             self.evals.reap(now, alive)
             self.metrics.workers.set(len(alive))
 

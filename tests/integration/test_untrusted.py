@@ -520,9 +520,9 @@ def test_a_worker_nobody_can_connect_to_is_told_so_and_pulls_every_version(learn
     """The reachability ladder in the real loop: the learner's probe of a relay that advertises an
     address nobody listens on fails, the heartbeat says so, and the worker follows the route feed
     and pulls each version from its parent; with the fallback pull 10 minutes away, training at
-    S = 1 only keeps going if that works. Read tickets live 2 s here: the route feed and the pulls
+    S = 1 only keeps going if that works. Read tickets live 4 s here: the route feed and the pulls
     go on only if the heartbeats renew them."""
-    lp = learner_factory(run={"steps": 8}, buffer={"max_staleness": 1}, broadcast={"fallback_s": 600.0, "ticket_s": 2.0})
+    lp = learner_factory(run={"steps": 8}, buffer={"max_staleness": 1}, broadcast={"fallback_s": 600.0, "ticket_s": 4.0})
     lp.worker("open", "--worker.max_rollouts_per_s", "100")
     lp.worker("natted", "--worker.max_rollouts_per_s", "100", "--worker.advertise_url", "http://127.0.0.1:9")
     assert lp.proc.wait(240) == 0, lp.output()[-3000:]

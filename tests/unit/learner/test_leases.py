@@ -120,6 +120,25 @@ def test_hoarders_that_never_deliver_are_held_to_a_share_and_a_short_lease():
     assert book.worker_room("h0") == 2  # 4, halved after its unanswered expiry
 
 
+def test_a_newcomer_holds_no_more_than_its_share_of_the_prompts_in_flight():
+    """50 sybils among 1,000 workers each taking `first` = 8 held 400 of the 768 prompts in
+    flight (`echo-rl bench control-plane --hostile 0.05`: honest throughput -11%). Before it
+    delivers, a worker holds at most its share among the workers alive (at least one prompt); a
+    small fleet keeps the whole first window; a proven worker's window is its own."""
+    from learner.leases import WorkerCap
+
+    book = LeaseBook(prompts(), ttl=20, max_outstanding=768, per_worker=WorkerCap(8, 600.0))
+    book.alive = 1000
+    assert [book.lease(f"s{i}", 8, now=0.0).size for i in range(50)] == [1] * 50
+    assert book.outstanding == 50
+    book.alive = 3  # the demo's fleet: 256 each is more than the first window
+    assert book.lease("newcomer", 64, now=0.0).size == 8
+    proven = book.lease("proven", 1, now=0.0)
+    book.complete(proven.id, next(iter(proven.prompts)), "proven", now=1.0)
+    book.alive = 1000
+    assert book.worker_room("proven", now=1.0) == 8  # delivered: its window is what it proved, not the share
+
+
 def test_one_upload_of_many_groups_does_not_open_the_window():
     """The groups of one upload are completed microseconds apart: a rate measured between the
     first and the last delivery would read 10^5 prompts/s and open the window to the whole book."""
