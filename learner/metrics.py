@@ -51,7 +51,11 @@ class LearnerMetrics:
         self.leases_expired = Counter("echo_leases_expired", "Leases expired (their prompts re-issued)", registry=r)
 
     def links(self, table: dict) -> None:
-        """Export `broadcast.links.LinkTable.to_dict()` (the learner's uplink is peer "learner")."""
+        """Export `broadcast.links.LinkTable.to_dict()` (the learner's uplink is peer "learner").
+        Only the peers in it now: a forgotten worker's series go (else every worker that ever
+        joined stays in the exposition and in memory)."""
+        self.link_mbit.clear()
+        self.link_rtt.clear()
         self.link_mbit.labels("learner", "up").set(table["uplink"]["mbit"])
         for peer, link in table["peers"].items():
             self.link_mbit.labels(peer, "down").set(link["down"]["mbit"])

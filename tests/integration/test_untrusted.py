@@ -821,3 +821,24 @@ def test_a_quarantined_worker_is_heard_no_more_and_forgotten(tokenizer, tmp_path
         assert (status, body["error"]) == (403, "banned")  # the ban lives in the address book
 
     run_api(tokenizer, test, tmp_path, **{"server.forget_after_s": 1.0})
+
+
+def test_a_forgotten_worker_leaves_the_metrics(tokenizer, tmp_path):
+    """/metrics exports each worker's links; a forgotten worker's series went on being exported,
+    and held in memory, forever: a week of churn is hundreds of thousands of series."""
+    async def test(api: Api):
+        gone, _ = await api.join("gone", download_mbit=50.0, upload_mbit=10.0, rtt_ms=40.0)
+        stays, cred = await api.join("stays", download_mbit=50.0, upload_mbit=10.0, rtt_ms=40.0)
+
+        async def exported() -> str:
+            async with api.session.get(api.url + "/metrics") as resp:
+                assert resp.status == 200
+                return await resp.text()
+
+        text = await exported()
+        assert f'peer="{gone}"' in text and f'peer="{stays}"' in text
+        api.state.registry.forget(api.state.workers[gone])
+        text = await exported()
+        assert f'peer="{gone}"' not in text and f'peer="{stays}"' in text
+
+    run_api(tokenizer, test, tmp_path)
