@@ -281,6 +281,34 @@ def greedy_gaps(model, batch: TokenBatch, chunk_tokens: int = 0) -> torch.Tensor
     return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
 
 
+@torch.no_grad()
+def surprisal_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, chunk_tokens: int = 0) -> torch.Tensor:
+    """For every completion token of `batch`, `[tokens, 3]`: its surprisal −log π(token), and the
+    entropy and the variance of the surprisal of π at that position (π as sampled from: the
+    temperature, the top-p nucleus). A token sampled from π has E[surprisal − entropy] = 0 with
+    that variance, whatever came before (a martingale), so over many tokens
+    Σ(surprisal − entropy) / √Σ variance is a standard normal — and a worker that chose its tokens
+    (greedy, or a phrase the policy would rarely say) drifts away from 0. A token outside π's
+    nucleus has surprisal inf."""
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
+    head = model.get_output_embeddings()
+    step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)
+    pieces = []
+    for start in range(0, hidden.shape[0], step):
+        logp = processed_logits(F.linear(hidden[start : start + step], head.weight, head.bias), temperature,
+                                top_p).log_softmax(-1)
+        surprisal = -logp.gather(-1, batch.targets[start : start + step].unsqueeze(-1)).squeeze(-1)
+        p = logp.exp()  # 0 outside the nucleus, where logp is -inf: those terms are 0, not nan
+        logp = logp.masked_fill_(p == 0, 0.0)
+        plogp = p.mul_(logp)
+        entropy = -plogp.sum(-1)
+        second = plogp.mul_(logp).sum(-1)  # E[(log π)²]
+        pieces.append(torch.stack([surprisal, entropy, (second - entropy * entropy).clamp(min=0.0)], -1))
+    return torch.cat(pieces) if pieces else hidden.new_zeros((0, 3), dtype=torch.float32)
+
+
 def completion_logprobs(
     model,
     prompts: list[list[int]],

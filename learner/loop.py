@@ -69,7 +69,8 @@ class Loop:
                 t2 = time.monotonic()
                 run.version = trainer.version
                 self.ledger.trained(trainer.version, [g.prompt_id for g in batch.groups])
-                self.registry.judge_logprobs(batch.groups, batch.staleness, stats.pop("group_gaps"))
+                self.registry.judge_logprobs(batch.groups, batch.staleness, stats.pop("group_gaps"),
+                                             stats.pop("group_tokens"))
                 self.leases.stepped()  # room in the buffer, and a new version to judge staleness by
                 last = trainer.updates == self.steps
                 published = trainer.version % self.publish_every == 0 or last

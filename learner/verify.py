@@ -15,6 +15,15 @@ Three pieces of evidence, each kept per worker:
   Σ|log π − log μ| per token beyond that drift; past `max_logprob_gap` nats it is dishonest.
   Labelling a group older (or newer) than it is buys nothing: the excess is measured at the
   staleness the label claims.
+- **Tokens.** Right μ for chosen tokens passes the log-prob check: a worker can write what it
+  likes (greedy answers, a trigger phrase, "Hail to the Thief"'s poisoned completions with right
+  rewards) and report π honestly. Sampled tokens betray themselves statistically: under π a
+  token's surprisal −log π has the entropy as its mean and a known variance whatever came before,
+  so over a worker's recent checked tokens z = Σ(surprisal − entropy) / √Σ variance is a standard
+  normal. A worker is judged on z beyond the fleet's own at the groups' staleness (the drift of a
+  stale version, and the engines' numerics, are the fleet's too): past `max_token_z` it chose its
+  tokens (z < 0: likelier than sampling, such as greedy; z > 0: a phrase π would rarely say), and
+  past `max_outside_nucleus` of its tokens outside π's top-p nucleus, which sampling never gives.
 - **Claims.** A worker's heartbeat says how fast it generates. The learner believes it up to
   `capacity_claim_factor` times the rate it measured itself on the worker's leases (issue to
   upload, an underestimate of the true rate), and not at all before one lease came back.
@@ -35,6 +44,7 @@ from learner.buffer import Group
 from learner.config import VerifySection
 
 WINDOW = 256  # recent checked samples a reward verdict looks at
+TOKEN_WINDOW = 64  # recent checked groups a token verdict looks at (so a small bias never adds up to a verdict)
 DRIFT_WINDOW = 256  # recent groups per staleness the fleet's drift is the median of
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
 
@@ -47,6 +57,19 @@ class Evidence:
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
     upload_seen: float = 0.0  # bytes/s: the fastest download any child reported from this worker
     claims_clamped: int = 0
+    # per checked group: (Σ surprisal − entropy − the fleet's at its staleness, Σ variance, inside, outside)
+    token_checks: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
+
+    @property
+    def token_z(self) -> float:
+        """How many standard deviations its recent tokens' surprisal lies from sampling's."""
+        variance = sum(c[1] for c in self.token_checks)
+        return sum(c[0] for c in self.token_checks) / variance ** 0.5 if variance > 0 else 0.0
+
+    @property
+    def outside_share(self) -> float:
+        counted = sum(c[2] + c[3] for c in self.token_checks)
+        return sum(c[3] for c in self.token_checks) / counted if counted else 0.0
 
     @property
     def mismatch_share(self) -> float:
@@ -66,18 +89,20 @@ class Verdict:
 
 class Drift:
     """The fleet's gap between π and μ by staleness: the median per-token gap of the most recent
-    groups at each staleness (0 for fresh groups: the same weights on both sides)."""
+    groups at each staleness (0 for fresh groups: the same weights on both sides, unless `fresh`
+    is measured too: the tokens' surprisal, where the engines' numerics count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fresh: bool = False) -> None:
         self._recent: dict[int, deque] = {}
+        self._first = 0 if fresh else 1
 
     def add(self, staleness: int, gap_sum: float, tokens: int) -> None:
-        if staleness > 0 and tokens > 0:
+        if staleness >= self._first and tokens > 0:
             self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append(gap_sum / tokens)
 
     def at(self, staleness: int) -> float:
         recent = self._recent.get(staleness)
-        if staleness <= 0 or not recent:
+        if staleness < self._first or not recent:
             return 0.0
         ordered = sorted(recent)
         return ordered[len(ordered) // 2]
@@ -89,6 +114,7 @@ class Verifier:
         self.evidence: dict[str, Evidence] = {}
         self.checked = self.mismatched = 0  # rewards recomputed, and how many disagreed, over the run
         self.drift = Drift()
+        self.token_drift = Drift(fresh=True)  # the fleet's per-token surprisal − entropy, by staleness
         self._rng = random.Random(seed)
 
     def _of(self, worker_id: str) -> Evidence:
@@ -102,7 +128,8 @@ class Verifier:
         ev = self.evidence.get(worker_id) or Evidence()
         return {"rewards_checked": len(ev.rewards), "reward_mismatch_share": round(ev.mismatch_share, 4),
                 "logprob_gap": round(ev.mean_gap, 4), "gap_tokens": ev.gap_tokens,
-                "lease_rate": round(ev.lease_rate, 3), "claims_clamped": ev.claims_clamped}
+                "lease_rate": round(ev.lease_rate, 3), "claims_clamped": ev.claims_clamped,
+                "token_z": round(ev.token_z, 2), "outside_nucleus_share": round(ev.outside_share, 4)}
 
     def pick(self, groups: list[Group]) -> list[bool]:
         """Which groups to rescore (on the event loop: cheap and deterministic per seed)."""
@@ -142,6 +169,37 @@ class Verifier:
                                         f"its behaviour log-probs differ from the trainer's by {ev.mean_gap:.3f} nats "
                                         f"per token beyond the fleet's drift at their staleness, on {ev.gap_tokens} "
                                         f"tokens (allowed {self.cfg.max_logprob_gap})"))
+        return verdicts
+
+    def tokens_checked(self, groups: list[tuple[str, int, float, float, float, float]]) -> list[Verdict]:
+        """One batch's token checks: per checked group (worker id, staleness, Σ(surprisal −
+        entropy), Σ variance, tokens inside π's nucleus, outside it). The fleet's drift learns
+        from all of them first; then each worker is judged on its recent window."""
+        for _, staleness, excess, _, inside, _ in groups:
+            self.token_drift.add(staleness, excess, int(inside))
+        judged = []
+        for worker_id, staleness, excess, variance, inside, outside in groups:
+            if not worker_id:
+                continue
+            self._of(worker_id).token_checks.append(
+                (excess - inside * self.token_drift.at(staleness), variance, int(inside), int(outside)))
+            if worker_id not in judged:
+                judged.append(worker_id)
+        verdicts = []
+        for worker_id in judged:
+            ev = self._of(worker_id)
+            counted = sum(c[2] + c[3] for c in ev.token_checks)
+            if counted < self.cfg.min_token_checks:
+                continue
+            if abs(ev.token_z) > self.cfg.max_token_z:
+                verdicts.append(Verdict(worker_id, "tokens", (
+                    f"its tokens were not sampled from the policy: their surprisal lies {ev.token_z:+.1f} standard "
+                    f"deviations from the entropy ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
+                    f"gives) over its last {counted} checked tokens (allowed {self.cfg.max_token_z:g})")))
+            elif ev.outside_share > self.cfg.max_outside_nucleus:
+                verdicts.append(Verdict(worker_id, "tokens", (
+                    f"{ev.outside_share:.1%} of its last {counted} checked tokens lie outside the policy's top-p "
+                    f"nucleus, which sampling never gives (allowed {self.cfg.max_outside_nucleus:.0%})")))
         return verdicts
 
     def lease_returned(self, worker_id: str, rollouts: int, seconds: float) -> None:

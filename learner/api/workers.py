@@ -292,11 +292,17 @@ class WorkerRegistry:
         if worker is not None:
             self.quarantine(worker, Verdict(worker_id, reason, message))
 
-    def judge_logprobs(self, groups: list[Group], staleness: list[int], group_gaps: list[list[float]]) -> None:
+    def judge_logprobs(self, groups: list[Group], staleness: list[int], group_gaps: list[list[float]],
+                       group_tokens: list[list[float]] | None = None) -> None:
         """Judge each worker's groups, fresh and stale, by how far its μ lies from the trainer's π
-        beyond the fleet's drift at their staleness (learner.verify)."""
+        beyond the fleet's drift at their staleness, and whether its tokens look sampled from π
+        (learner.verify)."""
         checked = [(g.worker_id, k, gap, int(tokens)) for g, k, (gap, tokens) in zip(groups, staleness, group_gaps)]
-        for verdict in self.verifier.logprobs_checked(checked):
+        verdicts = self.verifier.logprobs_checked(checked)
+        if group_tokens is not None:
+            verdicts += self.verifier.tokens_checked(
+                [(g.worker_id, k, *terms) for g, k, terms in zip(groups, staleness, group_tokens) if terms[2] + terms[3]])
+        for verdict in verdicts:
             worker = self.workers.get(verdict.worker_id)
             if worker is not None:
                 self.quarantine(worker, verdict)

@@ -215,6 +215,7 @@ class Trainer:
         if old:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
+        group_tokens = self._check_tokens(batch, samples, mine)  # before the update: π is the trained-at version
         sums = torch.zeros(len(dataclasses.fields(LossStats)), dtype=torch.float64, device=world.device)
         norms = [self._update(samples, share, tokens, old, ref, gaps, sums)
                  for share, tokens in zip(shares, slice_tokens)]
@@ -247,6 +248,7 @@ class Trainer:
             **samples.turn_fields(),
             "lr": self.scheduler.get_last_lr()[0],
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
+            "group_tokens": group_tokens,  # per group: [Σ(surprisal − entropy), Σ variance, inside, outside]
         }
 
     def _shares(self, samples: _Samples) -> tuple[list[list[int]], list[int]]:
@@ -330,6 +332,31 @@ class Trainer:
         self.version = max(self.version, version)
 
     @torch.no_grad()
+    def _check_tokens(self, batch: BatchInfo, samples: _Samples, mine: list[int]) -> list[list[float]]:
+        """Were the tokens of `[verify] token_check_fraction` of the groups sampled from π (at the
+        run's temperature and top-p), or chosen? Per group: Σ(surprisal − entropy) and Σ variance
+        over its policy tokens inside π's nucleus, and the counts inside and outside it (all zero
+        for a group not picked; `learner.verify.Verifier.tokens_checked` judges). One no-grad
+        forward of the picked samples; the same seeded pick on every rank."""
+        f = self.cfg.verify.token_check_fraction
+        sums = torch.zeros(len(batch.groups), 4, dtype=torch.float64, device=self.world.device)
+        if f <= 0.0:
+            return sums.tolist()
+        rng = random.Random(self.cfg.run.seed * 7_919 + self.version)
+        picked = {g for g in range(len(batch.groups)) if rng.random() < f}
+        self.policy.surprisal = True
+        try:
+            terms = self._score(self.policy, samples, [i for i in mine if samples.owner[i] in picked])
+        finally:
+            self.policy.surprisal = False
+        for i, t in terms.items():
+            surprisal, entropy, variance = t.double().unbind(-1)
+            policy_token = torch.tensor(samples.masks[i], dtype=torch.bool, device=t.device)
+            inside = torch.isfinite(surprisal) & policy_token
+            sums[samples.owner[i]] += torch.stack([(surprisal - entropy)[inside].sum(), variance[inside].sum(),
+                                                   inside.sum(), (policy_token & ~inside).sum()]).to(sums)
+        return self.world.all_reduce(sums).tolist()
+
     def _score(self, policy, samples: _Samples, indices: list[int]) -> dict[int, torch.Tensor]:
         """log π of every completion token of `indices` under `policy` (π_old or the reference),
         micro-batched like the update itself; per sample, on the device."""

@@ -1,0 +1,126 @@
+"""Chosen tokens with honest log-probs pass the μ check; the learner's token check catches them.
+
+A worker holding the weights can write what it likes — greedy completions, a phrase the policy
+would rarely say (the poisoning of "Hail to the Thief") — and report π for it exactly. Sampled
+tokens have surprisal −log π with the entropy as its mean and a known variance, so the learner
+scores the surprisal of checked groups against the entropy (`echo.hf.surprisal_terms`,
+`Trainer._check_tokens`, `Verifier.tokens_checked`)."""
+
+import pytest
+import torch
+
+from echo.hf import TokenBatch, processed_logits, sample, surprisal_terms
+from learner.buffer import BatchInfo, Group
+from learner.config import load_learner_config
+from learner.train.trainer import Trainer
+from learner.verify import Verifier
+
+T, TOP_P = 0.7, 0.9
+
+
+def _trainer(model, *overrides, temperature=T, top_p=TOP_P):
+    return Trainer(load_learner_config(None, [
+        "--model.path", str(model), "--rollout.group_size", "4", "--trainer.batch_prompts", "8",
+        "--rollout.temperature", str(temperature), "--rollout.top_p", str(top_p),
+        "--verify.token_check_fraction", "1.0", *overrides]))
+
+
+def test_surprisal_terms_are_the_sampled_distributions_entropy_and_variance(tiny_model):
+    trainer = _trainer(tiny_model)
+    tok = trainer.tokenizer
+    prompt, completion = trainer.episodes.chat("3+4="), tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    batch = TokenBatch.build([prompt], [completion], tok.pad_token_id, torch.device("cpu"))
+    terms = surprisal_terms(trainer.hf, batch, temperature=T, top_p=TOP_P)
+    with torch.no_grad():  # the whole distribution, position by position
+        logits = trainer.hf(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1]
+        logp = processed_logits(logits, T, TOP_P).log_softmax(-1)
+    p = logp.exp()
+    inside = p > 0
+    entropy = -(p[inside.nonzero(as_tuple=True)] * logp[inside]).new_zeros(len(completion))
+    for row in range(len(completion)):
+        q, lq = p[row][inside[row]], logp[row][inside[row]]
+        entropy[row] = -(q * lq).sum()
+        assert terms[row, 2] == pytest.approx(float((q * lq * lq).sum() - entropy[row] ** 2), abs=1e-5)
+    assert torch.allclose(terms[:, 0], -logp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1), atol=1e-5)
+    assert torch.allclose(terms[:, 1], entropy, atol=1e-5)
+
+
+def _groups(trainer, how: str) -> list[Group]:
+    """8 groups of 4, the tokens sampled from π (`sampled`), its argmax (`greedy`), or the least
+    likely token inside the nucleus at each position (`poisoned`); μ = π for them either way."""
+    tok = trainer.tokenizer
+    T, TOP_P = trainer.cfg.rollout.temperature, trainer.cfg.rollout.top_p
+    prompts = [trainer.episodes.chat(f"{a}+{b}=") for a, b in ((3, 4), (5, 5), (1, 8), (9, 2), (2, 2), (6, 1), (4, 4), (7, 2))]
+    torch.manual_seed(3)
+    outs = sample(trainer.hf, [p for p in prompts for _ in range(4)], max_new_tokens=12, stop_ids=tok.eos_token_id,
+                  pad_id=tok.pad_token_id, temperature=0.0 if how == "greedy" else T, top_p=TOP_P)
+    completions = [o.tokens for o in outs]
+    if how == "poisoned":
+        completions = []
+        for p in prompts:
+            for _ in range(4):
+                ids = []
+                with torch.no_grad():
+                    for _ in range(12):
+                        logits = trainer.hf(input_ids=torch.tensor([p + ids])).logits[0, -1]
+                        logp = processed_logits(logits, T, TOP_P)
+                        logp = logp.masked_fill(~torch.isfinite(logp), float("inf"))
+                        ids.append(int(logp.argmin()))  # inside the nucleus, the rarest
+                completions.append(ids)
+    with torch.no_grad():
+        from echo.hf import completion_logprobs
+        logp, _ = completion_logprobs(trainer.hf, [p for p in prompts for _ in range(4)], completions,
+                                      pad_id=tok.pad_token_id, temperature=T, top_p=TOP_P)
+    mu = [logp[i, : len(c)].tolist() for i, c in enumerate(completions)]  # honest μ for whatever was written
+    return [Group(f"p{g}", 0, prompts[g], completions[4 * g: 4 * g + 4], mu[4 * g: 4 * g + 4], [1.0, 0.0, 0.0, 1.0],
+                  worker_id=how) for g in range(8)]
+
+
+def _check(trainer, verifier, how: str) -> list:
+    groups = _groups(trainer, how)
+    stats = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[0] * len(groups)))
+    assert abs(stats["mismatch_kl"]) < 1e-5  # μ is π whatever the tokens: the log-prob check sees nothing
+    return verifier.tokens_checked([(g.worker_id, 0, *t) for g, t in zip(groups, stats["group_tokens"])])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.0, 1.0)])
+def test_sampled_tokens_pass_and_poisoned_ones_are_caught_whatever_their_mu(tiny_model, temperature, top_p):
+    """The fleet (whose median sets what fresh tokens look like) samples honestly; one worker
+    writes, at every position, the least likely token inside π's nucleus."""
+    trainer = _trainer(tiny_model, temperature=temperature, top_p=top_p)
+    cfg = trainer.cfg.verify
+    verifier = Verifier(cfg.model_copy(update={"min_token_checks": 64}))
+    assert not _check(trainer, verifier, "sampled") + _check(trainer, verifier, "sampled")
+    assert abs(verifier.evidence["sampled"].token_z) < 4
+    verdicts = _check(trainer, verifier, "poisoned")
+    assert verifier.evidence["poisoned"].token_z > cfg.max_token_z and "less likely" in verdicts[0].message
+
+
+def test_greedy_tokens_are_caught_where_the_policy_has_entropy(tiny_model):
+    """Greedy in place of sampling: likelier tokens than sampling gives, by as much as the policy
+    is uncertain (at temperature 0.7 and top-p 0.9 this model is nearly certain, and greedy is
+    nearly sampling; at temperature 1, three batches of it, 192 tokens, are caught)."""
+    trainer = _trainer(tiny_model, temperature=1.0, top_p=1.0)
+    verifier = Verifier(trainer.cfg.verify.model_copy(update={"min_token_checks": 128}))
+    for _ in range(4):  # an honest majority in the fleet's recent groups
+        assert not _check(trainer, verifier, "sampled")
+    verdicts = [v for _ in range(3) for v in _check(trainer, verifier, "greedy")]
+    assert verifier.evidence["greedy"].token_z < -trainer.cfg.verify.max_token_z, verifier.evidence["greedy"].token_z
+    assert verdicts and "likelier than sampling" in verdicts[0].message
+    assert abs(verifier.evidence["sampled"].token_z) < 4
+
+
+def test_tokens_outside_the_nucleus_are_caught_and_nothing_is_checked_at_fraction_zero(tiny_model):
+    """Sampling at top-p never gives a token outside the nucleus; a writer does (its μ for it is
+    whatever it says: the log-prob check counts such tokens apart, it does not judge them)."""
+    trainer = _trainer(tiny_model)
+    prompt = trainer.episodes.chat("3+4=")
+    with torch.no_grad():
+        rarest = int(trainer.hf(input_ids=torch.tensor([prompt])).logits[0, -1].argmin())
+    groups = [Group("p0", 0, prompt, [[rarest] * 8] * 4, [[-1.0] * 8] * 4, [1.0, 0, 0, 1.0], worker_id="x")]
+    terms = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[0]))["group_tokens"][0]
+    assert terms[3] >= 4  # at least the first token of each sample lies outside
+    verdicts = Verifier(trainer.cfg.verify.model_copy(update={"min_token_checks": 16})).tokens_checked([("x", 0, *terms)])
+    assert verdicts and "outside the policy's top-p nucleus" in verdicts[0].message
+    off = _trainer(tiny_model, "--verify.token_check_fraction", "0")
+    assert off.step(BatchInfo(groups, learner_version=0, staleness=[0]))["group_tokens"] == [[0.0] * 4]
