@@ -254,12 +254,17 @@ def check_head(model) -> None:
                              "echo's chunked log-probs assume logits = hidden @ W_head and do not support it yet")
 
 
+def completion_hidden(model, batch: TokenBatch) -> torch.Tensor:
+    """The trunk's last hidden state at each position that predicts a completion token, `[tokens, H]`."""
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    return hidden.flatten(0, 1).index_select(0, batch.positions)
+
+
 def policy_logprobs(model, batch: TokenBatch, *, temperature: float, top_p: float,
                     chunk_tokens: int = 0) -> torch.Tensor:
     """log π of every completion token of `batch` (flat, row by row) under an HF causal LM."""
-    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
-    hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
+    hidden = completion_hidden(model, batch)
     return head_logprobs(hidden, model.get_output_embeddings(), batch.targets, temperature=temperature,
                          top_p=top_p, chunk_tokens=chunk_tokens)
 
@@ -268,9 +273,7 @@ def policy_logprobs(model, batch: TokenBatch, *, temperature: float, top_p: floa
 def greedy_gaps(model, batch: TokenBatch, chunk_tokens: int = 0) -> torch.Tensor:
     """For every completion token of `batch`: how far its logit lies below the largest (0 for the
     argmax). A greedy completion has 0 everywhere, up to the engines' numerics."""
-    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
-    hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
+    hidden = completion_hidden(model, batch)
     head = model.get_output_embeddings()
     step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)
     pieces = []
@@ -290,9 +293,7 @@ def surprisal_terms(model, batch: TokenBatch, *, temperature: float, top_p: floa
     Σ(surprisal − entropy) / √Σ variance is a standard normal — and a worker that chose its tokens
     (greedy, or a phrase the policy would rarely say) drifts away from 0. A token outside π's
     nucleus has surprisal inf."""
-    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
-    hidden = hidden.flatten(0, 1).index_select(0, batch.positions)
+    hidden = completion_hidden(model, batch)
     head = model.get_output_embeddings()
     step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)
     pieces = []
