@@ -394,7 +394,8 @@ class Trainer:
         if not self.lora:
             return None
         return P.LoraInfo(rank=self.lora.rank, alpha=self.lora.alpha, target_modules=list(self.lora.target_modules),
-                          base_sha256=self.base_sha256, keep=keep)
+                          base_sha256=self.base_sha256, keep=keep,
+                          probe_dtype=self.cfg.trainer.compute_dtype)  # the probe's precision: the workers' tolerance
 
     def save_checkpoint(self, directory: Path, extra: dict) -> Path:
         """A resumable checkpoint: model and optimizer in torch.distributed.checkpoint format
