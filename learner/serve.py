@@ -65,7 +65,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     eval_prompts = task.eval_prompts()[: cfg.eval.limit or None]
     evaluation = make_evaluation(cfg.eval, EvalParts(
         eval_prompts, cfg.run.eval_every, trainer.resumed, cost, metrics, log=log.write, note=display.note, run=run,
-        changed=waiters.wake_all, evaluate=partial(driver.run, trainer.evaluate, task, eval_prompts),
+        changed=waiters.wake_all, evaluate=partial(driver.call, "evaluate", task, eval_prompts),
         lease_ttl=cfg.server.lease_ttl, hold=partial(driver.call, "hold_for_eval"),
         greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap,
         redecode=partial(driver.call, "held_greedy_returns"), stop_ids=frozenset(trainer.episodes.stop_ids),

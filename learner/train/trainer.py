@@ -518,12 +518,16 @@ class Trainer:
             if self.world.sharded:
                 copy.reshard()
 
-    # --- learner-side eval (tiny models, one rank) ------------------------------------------------
+    # --- learner-side eval (tiny models, multi-turn tasks) ---------------------------------------
 
     @torch.no_grad()
     def evaluate(self, task: Task, prompts: list[Prompt]) -> float:
         """Mean greedy return on `prompts` (a one-turn task's accuracy), played here as the workers
-        play them ([eval] where = 'learner')."""
+        play them ([eval] where = 'learner'). Every rank runs it (`Lockstep`): generation through a
+        sharded model gathers each layer, a collective, and greedy decoding of the same weights
+        takes the same steps on every rank. (Rank 0 alone would wait at the first layer for ranks that
+        never come, which is why N ranks used to be refused, and multi-turn tasks, evaluated only
+        here, could not run on them.)"""
         episodes = dataclasses.replace(self.episodes, task=task)
         if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
             self.policy.unshard()
