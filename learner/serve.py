@@ -85,7 +85,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
     (run_dir / "url").write_text(url + "\n")
     if run_dir.resumed:
-        display.note(recovery.note(trainer.version, checkpoint))
+        display.note(recovery.note(trainer.updates, cfg.run.steps, checkpoint))
 
     accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
                             fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars), group_size=cfg.rollout.group_size)
