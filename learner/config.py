@@ -39,7 +39,7 @@ class ModelSection(Section):
     def _dtype_moved(cls, data: Any) -> Any:
         if isinstance(data, dict) and "dtype" in data:
             raise ValueError("[model] dtype is gone: parameters and optimizer state are always fp32 master weights. "
-                             "Set [trainer] compute_dtype (autocast: 'bfloat16' on GPUs) and [publish] dtype "
+                             "Set [trainer] compute_dtype ('bfloat16' on GPUs: FSDP2 mixed precision) and [publish] dtype "
                              "(what snapshots carry; 'auto' = the model directory's dtype)")
         return data
 
