@@ -424,6 +424,29 @@ def test_a_multi_turn_task_trains_on_two_bf16_ranks_with_lora(learner_factory, c
     assert (lp.run_dir / "model" / "model.safetensors").exists()
 
 
+def test_resuming_a_finished_run_leaves_it_as_it_was(learner_factory):
+    """`--resume` of a run that already applied its steps evaluated again, re-saved its last
+    checkpoint and replaced its summary with one of zero groups trained: it now says the run is
+    finished and how to train on, and touches nothing."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, WATCHED
+
+    lp = learner_factory(run={"steps": 2, "eval_every": 0})
+    lp.worker("w1")
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    summary = (lp.run_dir / "summary.json").read_bytes()
+    latest = (lp.run_dir / "checkpoints" / "latest").resolve()
+    saved = {p: p.stat().st_mtime_ns for p in latest.rglob("*")}
+    done = subprocess.run([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=WATCHED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "already finished: 2 of 2 updates" in done.stderr and "--run.steps" in done.stderr
+    assert (lp.run_dir / "summary.json").read_bytes() == summary
+    assert {p: p.stat().st_mtime_ns for p in latest.rglob("*")} == saved
+
+
 def _descendants(pid: int) -> set[int]:
     """Every live process below `pid` (from /proc: parentage survives new sessions)."""
     import os
