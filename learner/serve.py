@@ -53,6 +53,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
               file=sys.stderr)
         await driver.stop()
         return 0
+    resumed_after = trainer.updates if run_dir.resumed else None
     task = cfg.task.build()
     # The custody record: a resumed run re-issues what was in flight and never reuses a version.
     ledger, recovery = Ledger.open_run(run_dir / "ledger.jsonl", trainer.version, run_dir.resumed)
@@ -119,6 +120,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     await publisher.stop()
     await api.stop()
     summary = record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last, cost.summary())
+    if resumed_after is not None:  # `steps` is the run's; wall time, groups and cost are this process's
+        summary["resumed_after_update"] = resumed_after
     if loop.stopped:
         summary["stopped"] = loop.stopped
     if provider is not None and hasattr(provider, "destroyed"):
