@@ -29,6 +29,7 @@ from learner.publishing import Publishing
 from learner.record import RunRecord
 from learner.rundir import RunDir
 from learner.scheduling import make_fleet, make_provider, schedule
+from learner.stalls import NoInstalls
 from learner.status import StatusDisplay, banner
 from learner.train.dist import World
 from learner.verify import Rescorer
@@ -107,7 +108,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                 record=record)
     await loop.begin()
     workers.spawn(url)
-    background = [api.reaping, asyncio.create_task(workers.watch())]
+    stalls = NoInstalls(60.0, display.note, run_dir / "workers")
+    background = [api.reaping, asyncio.create_task(workers.watch()), asyncio.create_task(stalls.watch(api.registry, run))]
     if fleet is not None:
         background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
                                                        display.note)))
