@@ -10,6 +10,7 @@ what is allowed, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import tomllib
 import typing
@@ -91,25 +92,44 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 def load_config(model: type[M], path: str | Path | None, overrides: list[str] | None = None) -> M:
     """Load `path` (optional), apply dotted overrides, validate with `model`."""
     data = read_toml(path) if path else {}
-    data = deep_merge(data, parse_overrides(overrides or []))
+    given = parse_overrides(overrides or [])
+    data = deep_merge(data, given)
     source = str(path) if path else "the defaults"
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_explain(model, e, source)) from None
+        raise ConfigError(_explain(model, e, source, given)) from None
 
 
-def _explain(model: type[BaseModel], error: ValidationError, source: str) -> str:
+def _explain(model: type[BaseModel], error: ValidationError, source: str, given: dict[str, Any] | None = None) -> str:
     lines = [f"invalid config ({source}, with command-line overrides applied):"]
     for err in error.errors():
         path, allowed = _walk(model, [str(p) for p in err["loc"]])
         key = ".".join(path)
+        # Where the user wrote it: a key typed on the command line is not "in configs/demo.toml".
+        where = f"given as --{key} on the command line" if path and _has(given or {}, path) else f"in {source}"
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
-            lines.append(f"  {key}: unknown key in {source}{hint}")
+            close = difflib.get_close_matches(path[-1], allowed, n=1) if path else []
+            hint = (f"; did you mean {close[0]!r}?" if close else "") + (
+                f"; allowed keys here: {', '.join(allowed)}" if allowed else "")
+            lines.append(f"  {key}: unknown key ({where}){hint}")
+        elif isinstance(err.get("input"), dict):
+            # A check of a whole table, or of keys together: its message names them; the input
+            # (the table, or the whole config) would bury it.
+            lines.append(f"  {'' if not key or msg.startswith('[') else '[' + key + '] '}{msg}")
         else:
-            lines.append(f"  {key} = {err.get('input')!r}: {err['msg']} (in {source})")
+            lines.append(f"  {key} = {err.get('input')!r}: {msg} ({where})")
     return "\n".join(lines)
+
+
+def _has(tree: dict[str, Any], path: list[str]) -> bool:
+    """Is the dotted key `path` (or a table holding it) set in `tree`?"""
+    for part in path:
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
 
 
 def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], list[str]]:

@@ -210,6 +210,9 @@ class LoraInfo(Message):
     target_modules: Annotated[list[Name], Field(min_length=1, max_length=64)]
     base_sha256: Sha256
     keep: Annotated[int, Field(ge=1, le=1024)] = 4
+    # The dtype the learner computes each version's probe in (its [trainer] compute_dtype): a
+    # bf16 learner's probe is only as exact as bf16, whatever the worker's own dtype.
+    probe_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class JoinReply(Message):

@@ -39,7 +39,7 @@ class ModelSection(Section):
     def _dtype_moved(cls, data: Any) -> Any:
         if isinstance(data, dict) and "dtype" in data:
             raise ValueError("[model] dtype is gone: parameters and optimizer state are always fp32 master weights. "
-                             "Set [trainer] compute_dtype (autocast: 'bfloat16' on GPUs) and [publish] dtype "
+                             "Set [trainer] compute_dtype ('bfloat16' on GPUs: FSDP2 mixed precision) and [publish] dtype "
                              "(what snapshots carry; 'auto' = the model directory's dtype)")
         return data
 
@@ -168,14 +168,15 @@ class PublishSection(Section):
 class WorkersEval(Section):
     """`[eval] where = "workers"`: greedy, version-stamped eval leases (learner.evals); the learner never generates."""
 
-    where: Literal["workers"] = Field("workers", description="[eval] where: 'workers' (greedy, version-stamped eval leases; the learner never generates) or 'learner' (between steps, one rank only: tiny models)")
+    where: Literal["workers"] = Field("workers", description="[eval] where: 'workers' (greedy, version-stamped eval leases; the learner never generates) or 'learner' (between steps on the trainer, every rank together: tiny models and multi-turn tasks)")
     prompts_per_lease: int = Field(64, ge=1, le=4096, description="[eval] prompts_per_lease: eval prompts a worker generates together")
     limit: int = Field(0, ge=0, description="[eval] limit: evaluate on the first N eval prompts (0: all)")
     final_timeout_s: float = Field(300.0, ge=0.0, description="[eval] final_timeout_s: how long the learner waits for the workers' eval of the last version before it stops")
 
 
 class LearnerEval(Section):
-    """`[eval] where = "learner"`: the trainer evaluates between steps (one rank only: tiny models)."""
+    """`[eval] where = "learner"`: the trainer evaluates between steps, every rank together (tiny models,
+    and multi-turn tasks, whose returns only the learner's environment can score)."""
 
     where: Literal["learner"] = Field("learner", description="[eval] where: 'learner' evaluates between steps on the trainer thread")
     limit: int = Field(0, ge=0, description="[eval] limit: evaluate on the first N eval prompts (0: all)")
@@ -345,8 +346,6 @@ class LearnerConfig(Section):
 
     @model_validator(mode="after")
     def _ranks_supported(self) -> "LearnerConfig":
-        if self.run.nproc > 1 and self.eval.where == "learner":
-            raise ValueError("[eval] where = 'learner' runs on one rank only; with [run] nproc > 1 use 'workers'")
         if self.eval.where == "workers" and self.task.build().episodic:
             raise ValueError(f"task {self.task.name!r} plays multi-turn episodes, which are evaluated by their return "
                              "on the learner: set [eval] where = 'learner' (or --eval.where learner)")

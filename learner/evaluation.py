@@ -13,7 +13,8 @@
              also where a worker could pick the right digit. A round nobody alive can finish is
              abandoned and the next one opened at the next publication: never a round the learner
              holds no copy of, whose answers it could not check
-    learner  the trainer evaluates between steps on its own thread (one rank only: tiny models)
+    learner  the trainer evaluates between steps on its own thread, every rank together (tiny models;
+             multi-turn tasks, whose returns only the learner's environment scores)
 
 Both keep the newest result, the first accuracy (across a resume) and what a checkpoint saves,
 and count each accuracy in the cost of improvement. The loop calls `start`, `stepped` and `finish`.

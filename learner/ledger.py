@@ -36,9 +36,10 @@ class Recovery:
     starts: int = 0  # how many times this run started before (names fresh prompt ids apart)
     trained_rolled_back: int = 0  # groups trained by updates after the checkpoint (to redo)
 
-    def note(self, version: int, checkpoint: Path | None) -> str:
-        """What the operator reads when a run resumes."""
-        return (f"resumed at update {version} (checkpoint {checkpoint.name if checkpoint else 'none'}): "
+    def note(self, updates: int, steps: int, checkpoint: Path | None) -> str:
+        """What the operator reads when a run resumes: the updates the checkpoint holds, which is
+        what the run counts (not the version, which skips the numbers a crash lost)."""
+        return (f"resumed after update {updates} of {steps} (checkpoint {checkpoint.name if checkpoint else 'none'}): "
                 f"{len(self.pending)} prompts in flight or rolled back re-issued"
                 + (f", versions continue after v{self.newest_published}" if self.newest_published >= 0 else ""))
 

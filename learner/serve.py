@@ -8,6 +8,7 @@ handed to the loop (`learner.loop`) and stopped in order.
 from __future__ import annotations
 
 import asyncio
+import sys
 from functools import partial
 
 from broadcast.star import BlobStore
@@ -28,6 +29,7 @@ from learner.publishing import Publishing
 from learner.record import RunRecord
 from learner.rundir import RunDir
 from learner.scheduling import make_fleet, make_provider, schedule
+from learner.stalls import NoInstalls
 from learner.status import StatusDisplay, banner
 from learner.train.dist import World
 from learner.verify import Rescorer
@@ -44,6 +46,15 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     driver = TrainerDriver(world)
     checkpoint = run_dir.checkpoint()
     trainer = await driver.build(cfg, checkpoint)
+    if run_dir.resumed and trainer.updates >= cfg.run.steps and (run_dir / "summary.json").exists():
+        # A finished run: resuming it evaluated again, re-saved its last checkpoint and replaced
+        # its summary with one of zero groups trained. Nothing to do; say how to train on.
+        print(f"echo-learner: {run_dir.path} already finished: {trainer.updates} of {cfg.run.steps} updates applied "
+              f"(its summary.json and model/ are the run's); to train on, resume with a larger --run.steps",
+              file=sys.stderr)
+        await driver.stop()
+        return 0
+    resumed_after = trainer.updates if run_dir.resumed else None
     task = cfg.task.build()
     # The custody record: a resumed run re-issues what was in flight and never reuses a version.
     ledger, recovery = Ledger.open_run(run_dir / "ledger.jsonl", trainer.version, run_dir.resumed)
@@ -65,7 +76,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     eval_prompts = task.eval_prompts()[: cfg.eval.limit or None]
     evaluation = make_evaluation(cfg.eval, EvalParts(
         eval_prompts, cfg.run.eval_every, trainer.resumed, cost, metrics, log=log.write, note=display.note, run=run,
-        changed=waiters.wake_all, evaluate=partial(driver.run, trainer.evaluate, task, eval_prompts),
+        changed=waiters.wake_all, evaluate=partial(driver.call, "evaluate", task, eval_prompts),
         lease_ttl=cfg.server.lease_ttl, hold=partial(driver.call, "hold_for_eval"),
         greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap,
         redecode=partial(driver.call, "held_greedy_returns"), stop_ids=frozenset(trainer.episodes.stop_ids),
@@ -85,7 +96,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
     (run_dir / "url").write_text(url + "\n")
     if run_dir.resumed:
-        display.note(recovery.note(trainer.version, checkpoint))
+        display.note(recovery.note(trainer.updates, cfg.run.steps, checkpoint))
 
     accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
                             fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars), group_size=cfg.rollout.group_size)
@@ -97,7 +108,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                 record=record)
     await loop.begin()
     workers.spawn(url)
-    background = [api.reaping, asyncio.create_task(workers.watch())]
+    stalls = NoInstalls(60.0, display.note, run_dir / "workers")
+    background = [api.reaping, asyncio.create_task(workers.watch()), asyncio.create_task(stalls.watch(api.registry, run))]
     if fleet is not None:
         background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
                                                        display.note)))
@@ -110,6 +122,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     await publisher.stop()
     await api.stop()
     summary = record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last, cost.summary())
+    if resumed_after is not None:  # `steps` is the run's; wall time, groups and cost are this process's
+        summary["resumed_after_update"] = resumed_after
     if loop.stopped:
         summary["stopped"] = loop.stopped
     if provider is not None and hasattr(provider, "destroyed"):

@@ -74,7 +74,10 @@ class StatusDisplay:
         rows = [
             ("eval accuracy", f"{_acc(s['eval_accuracy_start'])} -> {_acc(s['eval_accuracy_end'])}"
                               + (f" (v{s['eval_version_end']})" if s.get("eval_version_end") is not None else "")),
-            ("steps / wall time", f"{s['steps']} in {s['wall_s']} s"),
+            ("steps / wall time", f"{s['steps']} in {s['wall_s']} s" if s.get("resumed_after_update") is None else
+             # A resumed run's steps are the whole run's; what this process measured is its own share.
+             f"{s['steps']}, of which {s['steps'] - s['resumed_after_update']} after resuming at update "
+             f"{s['resumed_after_update']} in {s['wall_s']} s (this row's time and the counts below: since the resume)"),
             ("learner idle", f"{100 * s['learner_idle_ratio']:.1f}%"),
             ("groups trained / recycled / overflow", f"{s['groups_trained']} / {s['recycled']} / {s['dropped_overflow']}"),
             ("uploads rejected", ", ".join(f"{k}={v}" for k, v in s["rejected"].items()) or "none"),

@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -209,14 +210,25 @@ def cli(argv: list[str]) -> int:
     evals = task.eval_prompts()[: cfg.eval.limit or None]
     progress = lambda bar, job: lambda loss: bar.update(job, advance=1, description=f"warm start loss {loss:.3f}")  # noqa: E731
     if task.episodic:
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)  # the generation config's end ids are what Episodes reads
         tokenizer.save_pretrained(out)
         episodes = _episodes(cfg, task, tokenizer, out)
         score = lambda: sum(episodes.greedy_returns(model.eval(), evals, tokenizer.pad_token_id)) / max(1, len(evals))  # noqa: E731
         acc_random = score()
-        pairs = episodes.demonstrations(list(itertools.islice(task.train_prompts(args.seed + 7919),
-                                                                max(300, args.warmup_steps * args.warmup_batch // 3))))
+        try:
+            pairs = episodes.demonstrations(list(itertools.islice(task.train_prompts(args.seed + 7919), max(
+                300, args.warmup_steps * args.warmup_batch // 3)))) if args.warmup_steps else []
+        except NotImplementedError as e:
+            # An untrained model left at `out` would pass for a built one ("already exists") on the next try.
+            if created:
+                shutil.rmtree(out)
+            else:
+                (out / "config.json").unlink(missing_ok=True)
+            print(f"echo-rl build-model: {e}; give its environment an expert_action() or pass --warmup-steps 0 "
+                  "(an untrained model)", file=sys.stderr)
+            return 2
         with Progress(transient=True, disable=args.json) as bar:
             job = bar.add_task("warm start", total=args.warmup_steps)
             losses = warm_start_ids(model, tokenizer, pairs, steps=args.warmup_steps, lr=args.warmup_lr,

@@ -24,6 +24,7 @@ from echo.tasks.base import Environment, Message, Prompt, Step, Task, TaskOption
 
 _CALL = re.compile(r"^\s*calc\s+(-?\d+(?:\s*[-+*]\s*-?\d+)*)\s*$")
 _ANSWER = re.compile(r"^\s*answer\s+(-?\d+)\s*$")
+_QUESTION = re.compile(r"^What is (.+)\?$")
 GRAMMAR = "write 'calc EXPR' (integers and + - *) or 'answer N'"
 
 
@@ -68,6 +69,14 @@ class CalculatorEnv(Environment):
         value = calculate(call.group(1)) if call else None
         reply = f"= {value}" if value is not None else "error"  # short: every character is context
         return Step([{"role": "tool", "content": reply}])
+
+    def expert_action(self) -> str:
+        """The demonstration (`echo-rl build-model`'s warm start): ask the tool for the
+        expression, then answer with its value; with one turn, answer at once."""
+        expression = _QUESTION.match(self.prompt.text)
+        if self.taken == 0 and self.turns > 1 and expression:
+            return f"calc {expression.group(1)}"
+        return f"answer {self.prompt.answer}"
 
 
 @register_task

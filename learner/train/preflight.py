@@ -79,17 +79,36 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
         f"{' tokens' if tokens is not None else ''}), tied embeddings: {'yes' if shape.tied else 'no'}",
         (f"  weights: fp32 master + AdamW state; forward/backward {compute}"
          f"{' (FSDP2 mixed precision)' if compute == 'bfloat16' else ' autocast' if compute != 'float32' else ''}; "
-         f"snapshots {publish} ({snapshot_bytes / 1e6:,.0f} MB each)")
+         f"snapshots {publish} ({_size(snapshot_bytes)} each)")
         if not lora else
         (f"  weights: LoRA rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.target_modules)}: "
-         f"{adapter / 1e6:.1f}M adapter parameters (fp32 master + AdamW state), the base frozen in {compute}; "
-         f"versions are the adapter: {snapshot_bytes / 1e6:,.1f} MB each in {publish} "
-         f"(full weights: {full_bytes / 1e6:,.0f} MB, {full_bytes / snapshot_bytes:,.0f}× more)"),
+         f"{_count(adapter)} adapter parameters (fp32 master + AdamW state), the base frozen in {compute}; "
+         f"versions are the adapter: {_size(snapshot_bytes)} each in {publish} "
+         f"(full weights: {_size(full_bytes)}, {_times(full_bytes / snapshot_bytes)})"),
         f"  memory: {ranks} rank{'s' if ranks > 1 else ''} on {device}, micro-batches of {micro} tokens, "
         f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, head chunks of {chunk} tokens: "
         f"predicted {plan.describe()}; {where}",
     ]
+    narrowest = min((min(i, o) for n, i, o in shape.linears if n in set(lora.target_modules)), default=0) if lora else 0
+    if lora and lora.rank >= narrowest:
+        lines.append(f"  warning: LoRA rank {lora.rank} is not below the width of the narrowest adapted layer "
+                     f"({narrowest}): the adapter can do no more than training those layers whole and costs more; "
+                     f"use a rank below {narrowest}")
     return Preflight(shape, plan, available, where, lines)
+
+
+# A tiny model's adapter is kilobytes: "0.0M parameters, 0.0 MB each" said nothing.
+def _count(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
+
+
+def _size(b: float) -> str:
+    return f"{b / 1e6:,.1f} MB" if b >= 1e5 else f"{b / 1e3:,.1f} kB"
+
+
+def _times(ratio: float) -> str:
+    """How many times fewer bytes a version is than the full weights."""
+    return f"{ratio:,.0f}× more" if ratio >= 10 else f"{ratio:.1f}× more" if ratio >= 1 else f"{1 / ratio:.1f}× less"
 
 
 def check_fits(pf: Preflight, cfg: LearnerConfig, ranks: int) -> None:

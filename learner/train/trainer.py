@@ -421,7 +421,8 @@ class Trainer:
         if not self.lora:
             return None
         return P.LoraInfo(rank=self.lora.rank, alpha=self.lora.alpha, target_modules=list(self.lora.target_modules),
-                          base_sha256=self.base_sha256, keep=keep)
+                          base_sha256=self.base_sha256, keep=keep,
+                          probe_dtype=self.cfg.trainer.compute_dtype)  # the probe's precision: the workers' tolerance
 
     def save_checkpoint(self, directory: Path, extra: dict) -> Path:
         """A resumable checkpoint: model and optimizer in torch.distributed.checkpoint format
@@ -544,12 +545,16 @@ class Trainer:
             if self.world.sharded:
                 copy.reshard()
 
-    # --- learner-side eval (tiny models, one rank) ------------------------------------------------
+    # --- learner-side eval (tiny models, multi-turn tasks) ---------------------------------------
 
     @torch.no_grad()
     def evaluate(self, task: Task, prompts: list[Prompt]) -> float:
         """Mean greedy return on `prompts` (a one-turn task's accuracy), played here as the workers
-        play them ([eval] where = 'learner')."""
+        play them ([eval] where = 'learner'). Every rank runs it (`Lockstep`): generation through a
+        sharded model gathers each layer, a collective, and greedy decoding of the same weights
+        takes the same steps on every rank. (Rank 0 alone would wait at the first layer for ranks that
+        never come, which is why N ranks used to be refused, and multi-turn tasks, evaluated only
+        here, could not run on them.)"""
         episodes = dataclasses.replace(self.episodes, task=task)
         if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
             self.policy.unshard()

@@ -401,6 +401,52 @@ def test_a_multi_turn_task_trains_through_real_workers(learner_factory, chat_mod
     assert evals and all(e["where"] == "learner" for e in evals)
 
 
+def test_a_multi_turn_task_trains_on_two_bf16_ranks_with_lora(learner_factory, chat_model):
+    """The GPU-scale settings together on a multi-turn task: 2 FSDP2 ranks computing in bf16, a
+    LoRA adapter, evaluated on the learner (the only place a multi-turn return is scored), with
+    the demo's fp32 worker. Before, the config refused N ranks with learner-side eval (so no
+    multi-turn task could run on N ranks), and the fp32 worker refused every bf16 adapter probe."""
+    steps = 3
+    lp = learner_factory(model=chat_model, run={"steps": steps, "eval_every": 2, "nproc": 2},
+                         task={"name": "calculator", "digits": 1, "turns": 3, "eval_size": 4},
+                         rollout={"group_size": 4, "max_new_tokens": 8, "max_episode_tokens": 120},
+                         trainer={"compute_dtype": "bfloat16", "lora": {"rank": 2, "alpha": 8}, "lr": 1e-3},
+                         eval={"where": "learner"})
+    lp.worker("w1")
+    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    records = lp.records()
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(r["turns_mean"] > 1 for r in records)
+    assert abs(records[0]["mismatch_kl"]) < 1e-2  # bf16 π against the fp32 worker's μ, fresh batch
+    evals = [r for r in records if r.get("eval_accuracy") is not None]
+    assert evals and evals[-1]["step"] == steps  # the learner evaluated on both ranks and the run ended
+    assert (lp.run_dir / "model-adapter" / "adapter_model.safetensors").exists()
+    assert (lp.run_dir / "model" / "model.safetensors").exists()
+
+
+def test_resuming_a_finished_run_leaves_it_as_it_was(learner_factory):
+    """`--resume` of a run that already applied its steps evaluated again, re-saved its last
+    checkpoint and replaced its summary with one of zero groups trained: it now says the run is
+    finished and how to train on, and touches nothing."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, WATCHED
+
+    lp = learner_factory(run={"steps": 2, "eval_every": 0})
+    lp.worker("w1")
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    summary = (lp.run_dir / "summary.json").read_bytes()
+    latest = (lp.run_dir / "checkpoints" / "latest").resolve()
+    saved = {p: p.stat().st_mtime_ns for p in latest.rglob("*")}
+    done = subprocess.run([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=WATCHED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "already finished: 2 of 2 updates" in done.stderr and "--run.steps" in done.stderr
+    assert (lp.run_dir / "summary.json").read_bytes() == summary
+    assert {p: p.stat().st_mtime_ns for p in latest.rglob("*")} == saved
+
+
 def _descendants(pid: int) -> set[int]:
     """Every live process below `pid` (from /proc: parentage survives new sessions)."""
     import os

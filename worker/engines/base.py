@@ -150,6 +150,14 @@ def check_snapshot(version: int, state: Mapping[str, torch.Tensor], expected: Ma
 LORA_PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 
 
+def adapter_tolerance(own: float, lora: LoraInfo) -> float:
+    """The probe tolerance of an adapter install: the engine's own (`own`, for its dtype), or the
+    half-precision one when the learner computed the probe in half precision (`probe_dtype`): a
+    bf16 learner's probe differs from an fp32 engine's by bf16 rounding (~1e-2 per token), and
+    an fp32 tolerance would refuse every version, v0 included, while the run waits for rollouts."""
+    return own if lora.probe_dtype == "float32" else max(own, LORA_PROBE_TOLERANCE[lora.probe_dtype])
+
+
 def check_base(model_dir: Path, lora: LoraInfo) -> None:
     """Refuse to serve a LoRA run on a base other than the learner's (`echo.lora.base_digest`)."""
     try:

@@ -23,6 +23,7 @@ from worker.engines.base import (
     EngineError,
     GenerationParams,
     InstallVerificationError,
+    adapter_tolerance,
     check_adapter,
     check_snapshot,
     load_snapshot,
@@ -87,7 +88,8 @@ class TransformersEngine(Engine):
             prompt, completion = probe_tokens(self.model.get_output_embeddings().weight.shape[0])
             got = self._score(prompt, completion, 1.0)
             error = probe_error(got, meta)
-            tolerance = FP32_PROBE_TOLERANCE if self.dtype == "float32" else HALF_PROBE_TOLERANCE[self.dtype]
+            tolerance = adapter_tolerance(FP32_PROBE_TOLERANCE if self.dtype == "float32"
+                                          else HALF_PROBE_TOLERANCE[self.dtype], self.lora)
             self.last_install = {"probe_error": error}
             if not error <= tolerance:  # `not <=`: NaN fails too
                 raise InstallVerificationError(

@@ -47,6 +47,7 @@ from worker.engines.base import (
     GenerationParams,
     InstallVerificationError,
     Reference,
+    adapter_tolerance,
     check_adapter,
     check_snapshot,
     load_snapshot,
@@ -235,7 +236,7 @@ class VLLMEngine(Engine):
                               f"v{self.version}") from e
         t2 = time.perf_counter()
         self.last_install = {"check_s": t1 - t0, "load_s": t2 - t1, "verify_s": 0.0, "probe_error": error}
-        tolerance = LORA_PROBE_TOLERANCE[self.dtype]
+        tolerance = adapter_tolerance(LORA_PROBE_TOLERANCE[self.dtype], self.lora)
         if not error <= tolerance:  # `not <=`: NaN fails too
             self._drop(request)
             raise InstallVerificationError(

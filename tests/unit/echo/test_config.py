@@ -46,6 +46,26 @@ def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):
     assert "trainer.learning_rate" in msg and str(bad) in msg and "lr" in msg
 
 
+def test_an_error_says_where_the_key_was_written_and_what_to_write():
+    """A typo or a bad value typed on the command line was reported 'in configs/demo.toml', a
+    typo got no suggestion, and a check of keys together (nproc with float16) printed the whole
+    resolved config before its message."""
+    demo = ROOT / "configs/demo.toml"
+    with pytest.raises(ConfigError) as e:
+        load_learner_config(demo, ["--trainer.minibatch", "2"])
+    line = str(e.value).splitlines()[1]
+    assert "trainer.minibatch: unknown key (given as --trainer.minibatch on the command line)" in line
+    assert "did you mean 'minibatches'?" in line and str(demo) not in line
+    with pytest.raises(ConfigError, match=r"trainer.kl_coef = 'high': .*valid number.*given as --trainer.kl_coef"):
+        load_learner_config(demo, ["--trainer.kl_coef", "high"])
+    with pytest.raises(ConfigError, match=r"did you mean 'alpha'"):
+        load_learner_config(demo, ["--trainer.lora", "{rank = 4, alpa = 16}"])
+    with pytest.raises(ConfigError) as e:
+        load_learner_config(demo, ["--run.nproc", "2", "--trainer.compute_dtype", "float16"])
+    line = str(e.value).splitlines()[1]
+    assert line.startswith("  [trainer] compute_dtype = 'float16'") and "'run':" not in line and len(line) < 200
+
+
 def test_bad_value_lists_allowed_values():
     with pytest.raises(ConfigError, match="buffer.type.*'queue-drop' or 'queue-max'"):
         load_learner_config(ROOT / "configs/demo.toml", ["--buffer.type", "fifo"])

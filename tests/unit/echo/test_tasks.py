@@ -374,3 +374,32 @@ def test_math_reward_times_out_on_a_runaway_check_and_recovers():
         assert task.reward(p, "2") == 1.0
     finally:
         task.close()
+
+
+def test_the_calculator_has_an_expert_for_build_models_warm_start(tmp_path, monkeypatch):
+    """`echo-rl build-model` warm-starts a multi-turn task on its environment's expert. The
+    calculator had none: the build died with a traceback and left an untrained model directory
+    that the next build took for a built one ('already exists')."""
+    from echo.tasks.calculator import CalculatorEnv, CalculatorTask
+    from learner.tinymodel import cli
+
+    task = CalculatorTask(CalculatorTask.Options(digits=1, operands=2, turns=3))
+    for prompt in task.eval_prompts()[:20]:
+        env = task.environment(prompt)
+        env.reset(prompt.seed)
+        first = env.expert_action()
+        assert first.startswith("calc ") and not env.step(first).done  # the tool, then the answer
+        step = env.step(env.expert_action())
+        assert step.done and step.reward == 1.0
+    one_turn = task.environment(task.eval_prompts()[0])
+    one_turn.turns = 1
+    assert one_turn.expert_action().startswith("answer ")
+
+    config = tmp_path / "calc.toml"
+    out = tmp_path / "calc-model"
+    config.write_text(f'[model]\npath = "{out}"\n[task]\nname = "calculator"\ndigits = 1\noperands = 2\n'
+                      'turns = 2\neval_size = 2\n[eval]\nwhere = "learner"\n')
+    monkeypatch.delattr(CalculatorEnv, "expert_action")  # a task without an expert
+    assert cli(["--config", str(config), "--hidden", "32", "--layers", "1", "--positions", "256",
+                "--warmup-steps", "2"]) == 2
+    assert not out.exists()  # nothing left to pass for a built model

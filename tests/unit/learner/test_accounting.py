@@ -31,3 +31,25 @@ def test_claimed_prices_rates_and_install_times_are_not_believed():
     assert first["dollars_step"] == out["dollars_step"] == 0.001  # the learner's $3.60/h for 1 s, no worker's claim
     assert 0 < out["delivered"] <= 40 / 0.05  # what the buffer accepted, not 5 × 10^7
     assert out["install_s"] == 0.6  # the median of the two proven workers' own medians
+
+
+def test_a_resumed_runs_summary_says_which_counts_are_the_whole_runs():
+    """After kill -9 and --resume, the summary read '40 in 25.7 s' with 240 groups: the steps
+    were the run's 40 but the wall time and groups only the resumed process's 30."""
+    from rich.console import Console
+
+    from learner.status import StatusDisplay
+
+    summary = {"eval_accuracy_start": 0.19, "eval_accuracy_end": 0.14, "eval_version_end": 46, "steps": 40,
+               "wall_s": 25.7, "learner_idle_ratio": 0.1, "groups_trained": 240, "recycled": 0, "dropped_overflow": 0,
+               "rejected": {}, "leases_reissued": 0, "sampled_mean_length": 2.4, "trained_mean_length": 2.4,
+               "cost": {"dollars": 0.01, "dollars_per_step": 0.0003}, "workers": [], "run_dir": "runs/x",
+               "resumed_after_update": 10}
+    display = StatusDisplay(40, enabled=False)
+    display.console = Console(record=True, width=400)
+    display.summary(summary)
+    text = display.console.export_text()
+    assert "40, of which 30 after resuming at update 10 in 25.7 s" in text
+    display.console = Console(record=True, width=400)
+    display.summary({**summary, "resumed_after_update": None})
+    assert "40 in 25.7 s" in display.console.export_text()

@@ -20,3 +20,18 @@ def test_a_recovered_lease_keeps_its_seed(tmp_path):
     ledger.close()
     _, recovery = Ledger.open_run(tmp_path / "ledger.jsonl", 1, resumed=True)
     assert [(p.id, p.seed) for p in recovery.pending] == [("p2", 9)]
+
+
+def test_the_resume_note_counts_updates_not_versions(tmp_path):
+    """A 40-step run checkpointed after 10 updates, killed after publishing v15: the note said
+    'resumed at update 16' (the next version), which is not what the run counts or will redo."""
+    from pathlib import Path
+
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger.leased([Prompt("p1", "t", "x")])
+    ledger.published(15)
+    ledger.close()
+    _, recovery = Ledger.open_run(tmp_path / "ledger.jsonl", 10, resumed=True)
+    note = recovery.note(10, 40, Path("checkpoints/step-000010"))
+    assert note.startswith("resumed after update 10 of 40 (checkpoint step-000010)")
+    assert "versions continue after v15" in note

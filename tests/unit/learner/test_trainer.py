@@ -336,3 +336,19 @@ def test_a_lora_trainer_trains_the_adapter_alone_and_publishes_it(tiny_model):
 
     names = set(load(v1))
     assert names and all(n.startswith("base_model.model.") and ".lora_" in n for n in names)
+
+
+def test_preflight_sizes_a_small_adapter_and_warns_of_a_rank_past_the_layers_width(tiny_model):
+    """A tiny model's LoRA line read '0.0M adapter parameters ... 0.0 MB each', and a rank wider
+    than the layers (an adapter larger than the model) '0× more', with nothing said."""
+    from learner.train.preflight import preflight
+
+    def weights_line(*overrides):
+        lines = preflight(load_learner_config(None, ["--model.path", str(tiny_model), *overrides]), 1, "cpu").lines
+        return lines[1], [x for x in lines if "warning" in x]
+
+    small, warnings = weights_line("--trainer.lora", "{rank = 2, alpha = 8}")
+    assert "0.0M" not in small and "0.0 MB" not in small and "k adapter parameters" in small and " kB each" in small
+    assert not warnings
+    wide, warnings = weights_line("--trainer.lora", "{rank = 4096, alpha = 8}")
+    assert "× less" in wide and warnings and "use a rank below" in warnings[0]

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from echo.hf import completion_logprobs
+from learner.train.dist import full_tensor
+from learner.train.load import write_whole
 from worker.engines.base import (
     EngineBusy,
     EngineError,
@@ -275,16 +277,16 @@ class LoraLearner:
 
     RANK, ALPHA = 4, 8.0
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, *overrides: str):
         from learner.config import load_learner_config
         from learner.train.lora import adapter_parameters
         from learner.train.trainer import Trainer as LearnerTrainer
 
         cfg = load_learner_config(None, ["--model.path", str(model_dir), "--rollout.group_size", "4",
-                                         "--trainer.lora", f"{{rank={self.RANK}, alpha={self.ALPHA}}}"])
+                                         "--trainer.lora", f"{{rank={self.RANK}, alpha={self.ALPHA}}}", *overrides])
         self.trainer = LearnerTrainer(cfg)
         self.params = adapter_parameters(self.trainer.hf)
-        self.initial = {k: p.detach().clone() for k, p in self.params}
+        self.initial = {k: full_tensor(p.detach()).clone() for k, p in self.params}  # bf16: sharded (FSDP2)
         self.current: int | None = None
 
     def info(self, keep: int = 3):
@@ -296,7 +298,7 @@ class LoraLearner:
             return
         g = torch.Generator().manual_seed(version)
         for k, p in self.params:
-            p.copy_(self.initial[k] + (0.5 * torch.randn(p.shape, generator=g) if version else 0))
+            write_whole(p, self.initial[k] + (0.5 * torch.randn(p.shape, generator=g) if version else 0))
         self.current = version
 
     def snapshot(self, version: int) -> bytes:
@@ -305,7 +307,7 @@ class LoraLearner:
 
     def tensors(self, version: int) -> dict[str, torch.Tensor]:
         self.set(version)
-        return {k: p.detach().clone() for k, p in self.params}
+        return {k: full_tensor(p.detach()).clone() for k, p in self.params}
 
     @torch.no_grad()
     def logprobs(self, version: int, prompt: list[int], completion: list[int], temperature: float = 1.0,
@@ -445,6 +447,25 @@ def test_lora_a_silent_no_op_load_is_caught_and_the_worker_takes_no_work(tmp_pat
     engine.install(1, learner.snapshot(1))  # a load that works: live, and it is v1's function
     kl, _ = engine_vs_trainer(engine, learner, 1, params())
     assert abs(kl) < 1e-6
+
+
+def test_lora_a_bf16_learners_adapters_install_on_an_fp32_worker(tmp_path, monkeypatch):
+    """A learner computing in bf16 (`[trainer] compute_dtype`, the GPU setting) publishes probes
+    as exact as bf16; the demo's fp32 worker refused every version of such a run at its fp32
+    tolerance, v0 included, and the run waited for rollouts forever. The join says the probe's
+    dtype and the worker allows for it; a silent no-op load is still caught."""
+    torch.set_num_threads(1)
+    model_dir = build_model_dir(tmp_path, tied=False)
+    learner = LoraLearner(model_dir, "--trainer.compute_dtype", "bfloat16")
+    engine = make_engine("transformers", model_dir, "cpu", "float32", 1, 0, lora=learner.info())
+    for v in (0, 1):
+        engine.install(v, learner.snapshot(v))
+        assert engine.version == v and 0 < engine.last_install["probe_error"] <= 0.1
+    assert learner.info().probe_dtype == "bfloat16"
+    monkeypatch.setattr(engine, "_load", lambda params, state: None)
+    with pytest.raises(InstallVerificationError, match="not live"):
+        engine.install(2, learner.snapshot(2))
+    assert engine.version == 1
 
 
 def test_lora_engine_refuses_a_different_base(tmp_path):

@@ -1,0 +1,34 @@
+"""The learner says so when workers joined and none installed a snapshot (a LoRA run on a bf16
+learner waited ten silent minutes while both fp32 workers refused every adapter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from learner.stalls import NoInstalls
+
+
+def worker(version: int, joined: float = 0.0, quarantined: str = ""):
+    return SimpleNamespace(version=version, joined=joined, quarantined=quarantined)
+
+
+def test_workers_that_installed_nothing_are_noted_once_and_again_after_a_recovery():
+    notes: list[str] = []
+    stalls = NoInstalls(60.0, notes.append, Path("runs/r/workers"))
+    refusing = [worker(-1), worker(-1, joined=5.0)]
+    assert not stalls.check(refusing, published=0, now=30.0)  # too soon: loading takes time
+    assert stalls.check(refusing, published=0, now=70.0)
+    assert "2 workers joined" in notes[0] and "none has installed" in notes[0] and "runs/r/workers/*.log" in notes[0]
+    assert not stalls.check(refusing, published=0, now=200.0)  # once per stall
+    assert not stalls.check([worker(3), worker(-1)], published=3, now=300.0)  # one installed: not a stall
+    assert stalls.check(refusing, published=3, now=400.0) and len(notes) == 2
+
+
+def test_no_note_without_workers_a_publication_or_with_only_quarantined_ones():
+    notes: list[str] = []
+    stalls = NoInstalls(60.0, notes.append, Path("w"))
+    assert not stalls.check([], published=0, now=1e6)
+    assert not stalls.check([worker(-1)], published=-1, now=1e6)
+    assert not stalls.check([worker(-1, quarantined="forged")], published=0, now=1e6)
+    assert not notes
