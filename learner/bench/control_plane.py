@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,7 +149,7 @@ async def _serve(args) -> int:
 
     await publish(0)
     runner = api.runner()
-    at_learner: dict[str, list[float]] = {}
+    at_learner: dict[str, array] = {}  # 8 bytes a sample: the bench's own records must not look like growth
     runner.app.middlewares.insert(0, _sent_to_reply(at_learner))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
@@ -157,7 +158,7 @@ async def _serve(args) -> int:
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    lags: list[float] = []
+    lags = array("d")
 
     async def lag_monitor() -> None:  # how late a 20 ms sleep wakes up = how long something held the loop
         while True:
@@ -197,7 +198,18 @@ async def _serve(args) -> int:
     gc.freeze()  # as echo-learner does once serving: start-up's objects stay out of full collections
     tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer())]
     cpu0, wall0 = _cpu(), time.monotonic()
+    traced = None
+    if os.environ.get("ECHO_TRACE_MEMORY"):  # where memory grows after the first minute (slow: diagnosis only)
+        import tracemalloc
+
+        tracemalloc.start(8)
+        await asyncio.sleep(60.0)
+        traced = tracemalloc.take_snapshot()
     await stop.wait()
+    if traced is not None:
+        grown = tracemalloc.take_snapshot().compare_to(traced, "traceback")[:12]
+        print("\n".join(f"GROWN {s.size_diff / 1024:+.0f} KiB in {s.count_diff:+d} blocks at\n  "
+                        + "\n  ".join(s.traceback.format()[-6:]) for s in grown), file=sys.stderr)
     cpu, wall = _cpu() - cpu0, time.monotonic() - wall0
     for t in tasks:
         t.cancel()
@@ -213,7 +225,7 @@ async def _serve(args) -> int:
         "max_inflight_prompts": leases.max_outstanding, "lease_first_prompts": cfg.server.lease_first_prompts,
         "relays_probed": _counts(api.metrics.relays_probed, "result"),  # a relay URL that made the learner connect
         "auth_refused": _counts(api.metrics.auth_refused, "credential"),
-        "at_learner": at_learner,
+        "at_learner": {route: list(xs) for route, xs in at_learner.items()},
         "rss_mb": {"first": rss[0] if rss else 0.0, "peak": max(rss, default=0.0), "last": rss[-1] if rss else 0.0,
                    "half": rss[len(rss) // 2] if rss else 0.0}}))
     await publisher.stop()
@@ -231,7 +243,7 @@ SENT_HEADER = "X-Bench-Sent"
 _ROUTES = {"/v1/heartbeat": "heartbeat", "/v1/join": "join", "/v1/lease": "lease", "/v1/trajectories": "trajectories"}
 
 
-def _sent_to_reply(into: dict[str, list[float]]):
+def _sent_to_reply(into: dict[str, array]):
     from aiohttp import web
 
     @web.middleware
@@ -244,7 +256,7 @@ def _sent_to_reply(into: dict[str, list[float]]):
                 body = json.loads(response.body) if getattr(response, "body", None) else {}
                 route = "lease" if body.get("lease_id") else "lease (empty)"
                 took -= float(body.get("waited_s", 0.0))
-            into.setdefault(route, []).append(took)
+            into.setdefault(route, array("d")).append(took)
         return response
 
     return timed
@@ -449,9 +461,12 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
         learner.send_signal(signal.SIGTERM)
         await asyncio.to_thread(learner.wait, 60)
         server = json.loads((d / "learner.json").read_text())
-        slow = [line for line in log.read_text().splitlines() if line.startswith(("SLOW", "preempted"))]
+        text = log.read_text()
+        slow = [line for line in text.splitlines() if line.startswith(("SLOW", "preempted"))]
         if slow:
             print("\n".join(slow[:20]), file=sys.stderr)
+        if "GROWN" in text:  # ECHO_TRACE_MEMORY
+            print(text[text.index("GROWN"):], file=sys.stderr)
     if attackers is not None and attacks is None:
         return None
     return Measured(fleet, server, client_cpu, attacks, load)
