@@ -120,7 +120,7 @@ TOP_P_SORT = 12  # more per logit of a chunk with top-p < 1, at the peak (the ch
 #   recomputed forward sorts): the sorted values (4) and their int64 order (8). The sort's forward alone
 #   holds 28 per logit at once (logits, scaled, values, order, softmax, cumsum: 28.3 measured on the head
 #   alone, 8.3 without top-p), but not beside the chunk's gradients; the step's peak rose 11.4-12.8 per
-#   logit of a chunk with top-p (152k vocabulary, 512 tokens: two chunks)
+#   logit of a chunk with top-p (152k vocabulary, 512 tokens: two chunks; 10-16 pairing any runs)
 TOP_P_MASKS_CPU = 0.5  # more per logit of the whole micro-batch (T × V) on a CPU: a chunk's bool masks (c·V
 #   bytes, under glibc's 32 MiB ceiling of its mmap threshold) are heap-allocated and their holes stay resident
 #   across the chunks: measured 112 MiB after the head's forward at 2 chunks, 797 MiB at 14 (1.3-1.5 bytes per
