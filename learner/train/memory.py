@@ -11,13 +11,17 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
                                    fp32, with their unsharded gradients before reduce-scatter;
                  (2b+4)·(…)         in bf16 mixed precision (any N): gathered and differentiated
                                    in b, the gradient reduced in fp32
-    activations  T·(k·L·r·H + A)   checkpointed: each layer's input kept (k = 1 on a GPU, 7 on a
-                                   CPU: glibc's heap), one layer's saved tensors A recomputed
-                 or 1.55·T·L·A      without: every layer's A, its gradients and allocator slack
+    activations  T·k·L·r·H         checkpointed: each layer's input kept (k = 1 on a GPU, 8.5 on a
+                                   CPU: glibc's heap); the one layer recomputed in the backward,
+                 + max(0, T·A − head)  its saved tensors A, only beyond the head's transient: the
+                                   head's backward ends before the first layer is recomputed
+                 or 1.55·T·L·A      without: every layer's A, held at the head's backward (the
+                                   step's peak), and the CPU allocator's slack
                  + 128·T·H          outside the layers: embeddings, final norm, the head's inputs
-    head         c·V·(8 [+16])     one chunk of c tokens: fp32 logits, then their gradient (+ top-p's
+    head         c·V·(8 [+12])     one chunk of c tokens: fp32 logits, then their gradient (+ top-p's
                  + 2.5·b·V·H        sort: values and int64 order); the head's weight gradient of a
-                                   chunk and autograd's sum of it over chunks (not in LoRA)
+                 [+ 0.5·T·V]        chunk and autograd's sum of it over chunks (not in LoRA); on a
+                                   CPU with top-p, the chunks' masks glibc's heap keeps
     runtime      1 GiB on a GPU    CUDA context and workspaces; 0.4 GiB on a CPU (the
                                    interpreter with torch and transformers imported, 0.25 GiB, and
                                    what the allocator keeps between steps)
@@ -28,8 +32,11 @@ in fp32 and bf16: the two RMSNorms' fp32 copies of their input, six hidden-sized
 k and v, four intermediate-sized ones; SDPA keeps no attention matrix. `r`: the residual stream's
 bytes (4, or b in bf16 mixed precision). The factors beyond the tensor counts were fitted to the
 peaks `echo-rl bench learner --only memory` measures on this CPU (table 8 of docs/benchmarks.md,
-the points in tests/unit/learner/test_memory_model.py): never below a measured peak, within 5%
-of ten of twelve, 7% of all. Not measured on a GPU: its allocator will move the fitted factors.
+the points in tests/unit/learner/test_memory_model.py, each the highest of 2-6 runs). The same
+step's peak varies by up to 8% between runs on this CPU (glibc's heap), so the band is against
+the highest run: 1.00-1.05 on eleven of twelve points, 0.986 on one (1024 × 8 at 2,048 tokens,
+whose saved tensors sit 1.55× their count in the resident set where another model's same bytes
+sit 1.15×). Not measured on a GPU: its allocator will move the fitted factors.
 
 Loading adds no term: a sharded rank allocates its shards and reads its rows of each tensor into
 them (`learner.train.load`), one tensor's rows in transit; one plain rank loads the model whole,
@@ -93,17 +100,32 @@ class ModelShape:
 # docs/benchmarks.md; tests/unit/learner/test_memory_model.py holds the points): every measured
 # peak ≤ the prediction ≤ 1.05× it. Each is a count of tensors autograd or the head really keep,
 # times what this CPU's resident set shows above that count (the allocator keeps freed blocks).
-ACTIVATION_FACTOR = 1.55  # × `saved_per_token_layer`, no checkpointing: the peak is the start of the
-#   backward, every layer's saved tensors held, plus one layer's gradients and allocator slack
+ACTIVATION_FACTOR = 1.55  # × `saved_per_token_layer`, no checkpointing: every layer's saved tensors, held
+#   at the step's peak, which is the head's backward (measured phase by phase on every point tried; the
+#   layers' own backward peaks lower). Beyond the count (1.0): glibc's slack between them (resident after
+#   the forward, measured 1.0× on the 152k-vocabulary model, 1.15-1.3× on the 32k ones at 4,096 tokens)
+#   and what the head's transient holds beyond its count (574 MiB measured at 32k, 4,096 tokens; 412 counted)
 CHECKPOINTED_INPUT = 1  # × a layer's input (r·H per token), kept per layer when checkpointing: the tensor count
-CHECKPOINTED_INPUT_CPU = 7  # the same on a CPU: glibc's heap keeps each layer's freed forward temporaries
-#   between the inputs kept (measured: 5-9× the input per layer; 1.0× with MALLOC_MMAP_THRESHOLD_=65536)
-RECOMPUTED_LAYER = 1  # × `saved_per_token_layer`: the one layer recomputed in the backward, its saved tensors
+CHECKPOINTED_INPUT_CPU = 8.5  # the same on a CPU: glibc's heap keeps each layer's freed forward temporaries
+#   between the inputs kept (resident after the forward, 512 × 8 at 4,096 tokens: 4.7× the input per layer;
+#   the 16-layer peak implies ~7×; 1.0× with MALLOC_MMAP_THRESHOLD_=65536), and the head's transient beyond
+#   its count, which coexists with them (fitted: the 16-layer point at 4,096 tokens)
+RECOMPUTED_LAYER = 1  # × `saved_per_token_layer`: the one layer recomputed in the backward, its saved tensors;
+#   it does not coexist with the head's transient (the head's backward, chunks and weight-gradient sum,
+#   ends before the first layer is recomputed), so the step's peak counts the larger of the two
 OUTSIDE_LAYERS = 128  # bytes × H per token outside the layers: embeddings' output, the final norm (fp32
 #   statistics), the completions' hidden states gathered for the head, their gradients, allocator slack
 HEAD_CHUNK = 8  # bytes per logit of one chunk (c × V): the fp32 logits, then their gradient
-TOP_P_SORT = 16  # more per logit with top-p < 1: the sorted values (4) and their int64 order (8), then
-#   the softmax/cumsum over them (4) — all freed before the chunk's backward
+TOP_P_SORT = 12  # more per logit of a chunk with top-p < 1, at the peak (the chunk's backward, whose
+#   recomputed forward sorts): the sorted values (4) and their int64 order (8). The sort's forward alone
+#   holds 28 per logit at once (logits, scaled, values, order, softmax, cumsum: 28.3 measured on the head
+#   alone, 8.3 without top-p), but not beside the chunk's gradients; the step's peak rose 11.4-12.8 per
+#   logit of a chunk with top-p (152k vocabulary, 512 tokens: two chunks; 10-16 pairing any runs)
+TOP_P_MASKS_CPU = 0.5  # more per logit of the whole micro-batch (T × V) on a CPU: a chunk's bool masks (c·V
+#   bytes, under glibc's 32 MiB ceiling of its mmap threshold) are heap-allocated and their holes stay resident
+#   across the chunks: measured 112 MiB after the head's forward at 2 chunks, 797 MiB at 14 (1.3-1.5 bytes per
+#   logit of the micro-batch); counted 0.5 because the activation term already over-counts the 152k-vocabulary
+#   model at 4,096 tokens by ~400 MiB (measured 4,728-4,760 MiB, predicted 5,176 without top-p)
 HEAD_GRAD = 2.5  # × b·V·H: each chunk's gradient of the head's weight, and autograd's running sum of it
 #   over the chunks, beside the gradient held in the state (the head's weight is an input of every chunk)
 CPU_RUNTIME = 0.4  # GiB: the interpreter with torch, transformers and the model's code (0.25 GiB measured
@@ -154,14 +176,17 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
     b = compute_bytes
     r = b if mixed else 4  # bytes of one residual-stream value: fp32 under autocast or fp32 compute
     saved = saved_per_token_layer(shape, b)
-    if checkpointing:  # every layer's input kept; one layer recomputed and differentiated at a time
+    lora = adapter_params > 0
+    head = (chunk_tokens * shape.vocab * (HEAD_CHUNK + (TOP_P_SORT if top_p < 1 else 0))
+            + (0 if lora else HEAD_GRAD * b * shape.vocab * H)
+            + (T * shape.vocab * TOP_P_MASKS_CPU if top_p < 1 and not gpu else 0))
+    if checkpointing:  # every layer's input kept; then the head's backward, or one layer recomputed, whichever is larger
         kept = CHECKPOINTED_INPUT if gpu else CHECKPOINTED_INPUT_CPU
-        activations = T * (kept * shape.layers * r * H + RECOMPUTED_LAYER * saved)
+        activations = T * kept * shape.layers * r * H + max(0, RECOMPUTED_LAYER * saved * T - head)
     else:
         activations = T * shape.layers * ACTIVATION_FACTOR * saved
     activations += T * OUTSIDE_LAYERS * H  # embeddings, final norm, the completions' hidden states, their gradients
     unit = shape.root_params + 2 * shape.layer_params  # unsharded at once: the root and two layers (one prefetched)
-    lora = adapter_params > 0
     return MemoryPlan(
         state=(b * P + 16 * adapter_params) / N if lora else 16 * P / N,
         reference=b * P / N if reference else 0.0,
@@ -171,8 +196,7 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
         gathered=(b * unit if lora and (mixed or N > 1) else (2 * b + 4) * unit if mixed
                   else 8 * unit if N > 1 else 0.0),
         activations=float(activations),
-        head=float(chunk_tokens * shape.vocab * (HEAD_CHUNK + (TOP_P_SORT if top_p < 1 else 0))
-                   + (0 if lora else HEAD_GRAD * b * shape.vocab * H)),
+        head=float(head),
         runtime=GiB if gpu else CPU_RUNTIME * GiB,
     )
 
