@@ -390,7 +390,7 @@ def safety(attacks: dict, learner: dict) -> dict[str, dict]:
     # The learner's count: a hoarder never learns that its leases expired (they die after a few of
     # the fleet's turnarounds), so what it received over the run is more than it ever held at once.
     held_most = learner["max_leased_by_kind"].get("hostile", 0)
-    honest_caught = learner["quarantined_by_kind"].get("sim", 0)
+    honest_caught = sum(learner["quarantined_by_kind"].get(kind, 0) for kind in ("sim", "probe"))
     probed = sum(learner["relays_probed"].values())
 
     def goal(ok: bool, detail: str) -> dict:

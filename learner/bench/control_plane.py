@@ -82,8 +82,14 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin the learner to a core of its own (default: pinned, the clients on the others, "
                         "so that what the attackers' processes burn is not taken from the learner)")
+    p.add_argument("--probes", type=int, default=20,
+                   help="of the honest workers, how many run in a light process of their own (default 20): their "
+                        "latency is the one judged, as a worker on its own machine sees it; the big fleet's process "
+                        "adds its own queueing to what it measures")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: run the learner side in DIR
+    p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run the probes against URL, results to --out
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from learner.bench.attacks import CLASSES
 
@@ -93,6 +99,8 @@ def cli(argv: list[str]) -> int:
     more_files()
     if args.serve:
         return asyncio.run(_serve(args))
+    if args.probe:
+        return asyncio.run(_probe(args))
     return asyncio.run(_drive(args))
 
 
@@ -149,8 +157,6 @@ async def _serve(args) -> int:
 
     await publish(0)
     runner = api.runner()
-    at_learner: dict[str, array] = {}  # 8 bytes a sample: the bench's own records must not look like growth
-    runner.app.middlewares.insert(0, _sent_to_reply(at_learner))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
     await site.start()
@@ -225,41 +231,12 @@ async def _serve(args) -> int:
         "max_inflight_prompts": leases.max_outstanding, "lease_first_prompts": cfg.server.lease_first_prompts,
         "relays_probed": _counts(api.metrics.relays_probed, "result"),  # a relay URL that made the learner connect
         "auth_refused": _counts(api.metrics.auth_refused, "credential"),
-        "at_learner": {route: list(xs) for route, xs in at_learner.items()},
         "rss_mb": {"first": rss[0] if rss else 0.0, "peak": max(rss, default=0.0), "last": rss[-1] if rss else 0.0,
                    "half": rss[len(rss) // 2] if rss else 0.0}}))
     await publisher.stop()
     await runner.cleanup()
     api.close()
     return 0
-
-
-#: The honest fleet stamps each request with the time it sent it (CLOCK_MONOTONIC is the
-#: machine's, shared by both processes), so the learner can time a request from its sending to
-#: its reply being ready: the network, the learner's queueing and the route's own time, without
-#: the simulated fleet's queueing when the reply comes back to a process of a thousand workers
-#: on one core. Real workers are machines of their own: that queueing is this bench's, not theirs.
-SENT_HEADER = "X-Bench-Sent"
-_ROUTES = {"/v1/heartbeat": "heartbeat", "/v1/join": "join", "/v1/lease": "lease", "/v1/trajectories": "trajectories"}
-
-
-def _sent_to_reply(into: dict[str, array]):
-    from aiohttp import web
-
-    @web.middleware
-    async def timed(request, handler):
-        sent, route = request.headers.get(SENT_HEADER), _ROUTES.get(request.path)
-        response = await handler(request)
-        if sent and route:
-            took = time.monotonic() - float(sent)
-            if route == "lease":  # as the fleet counts it: the intentional long-poll wait left out
-                body = json.loads(response.body) if getattr(response, "body", None) else {}
-                route = "lease" if body.get("lease_id") else "lease (empty)"
-                took -= float(body.get("waited_s", 0.0))
-            into.setdefault(route, array("d")).append(took)
-        return response
-
-    return timed
 
 
 def _counts(counter, label: str) -> dict[str, int]:
@@ -283,9 +260,21 @@ def _by_kind(workers, held: dict[str, int], most_held: dict[str, int]) -> dict[s
 # --- the simulated workers -------------------------------------------------------------------------
 
 
+async def _probe(args) -> int:
+    """`--probes` honest workers, no churn, in a process of their own: what they measure is the
+    learner's answer, not this process's queueing."""
+    args.churn = 0.0
+    fleet = Fleet(args.probe, args, _tokenizer(), args.probes, prefix="probe")
+    await fleet.run()
+    args.out.write_text(json.dumps({"size": fleet.size, "latency": fleet.latency, "acked": fleet.acked, "errors": fleet.errors,
+                                    "refused": fleet.refused}))
+    return 0
+
+
 class Fleet:
-    def __init__(self, url: str, args, tokenizer, size: int):
+    def __init__(self, url: str, args, tokenizer, size: int, prefix: str = "sim"):
         self.url, self.args, self.tokenizer, self.size = url, args, tokenizer, size  # size: honest workers at once
+        self.prefix = prefix  # the workers' names: <prefix>-<n>
         self.latency: dict[str, list[float]] = {}
         self.acked = self.killed = self.errors = 0
         self.refused: dict[str, int] = {}
@@ -359,15 +348,9 @@ class Fleet:
         a = self.args
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
-        stamp = aiohttp.TraceConfig()
-
-        async def sent(session, ctx, params) -> None:  # SENT_HEADER: when this request left
-            params.headers[SENT_HEADER] = repr(time.monotonic())
-
-        stamp.on_request_start.append(sent)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[stamp]) as session:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             def start(i: int, delay: float = 0.0) -> None:
-                task = asyncio.create_task(self.worker(session, f"sim-{i}", delay))
+                task = asyncio.create_task(self.worker(session, f"{self.prefix}-{i}", delay))
                 task.add_done_callback(self._done)
                 self.tasks.append(task)
 
@@ -376,7 +359,7 @@ class Fleet:
             end, next_kill, n = time.monotonic() + a.seconds, time.monotonic() + a.churn_every, self.size
             while time.monotonic() < end:
                 await asyncio.sleep(min(0.5, max(0.0, end - time.monotonic())))
-                if time.monotonic() >= next_kill:
+                if a.churn and time.monotonic() >= next_kill:
                     next_kill += a.churn_every
                     alive = [t for t in self.tasks if not t.done()]
                     for t in random.sample(alive, int(a.churn * len(alive))):
@@ -404,6 +387,7 @@ class Measured:
     client_cpu: float
     attacks: dict | None
     load: float  # the machine's 1-minute load average at the end
+    probes: dict  # the probe workers' latencies and counts (`_probe`)
 
 
 async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
@@ -421,7 +405,16 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
             await asyncio.sleep(0.1)
         url = (d / "url").read_text()
         clients = _pin(learner.pid) if args.pin else None
-        fleet = Fleet(url, args, _tokenizer(), args.workers - hostile)
+        probes = min(args.probes, args.workers - hostile - 1)
+        fleet = Fleet(url, args, _tokenizer(), args.workers - hostile - probes)
+        prober = subprocess.Popen([sys.executable, "-m", "learner.bench.control_plane", "--probe", url,
+                                   "--probes", str(probes), "--out", str(d / "probes.json"), *_forward(args),
+                                   "--seconds", str(args.seconds), "--ramp-s", str(args.ramp_s), "--gen-s", str(args.gen_s)],
+                                  stderr=(d / "probes.log").open("w"),
+                                  # above the big fleet's process, so that its queueing is not theirs
+                                  preexec_fn=(lambda: os.nice(-5)) if args.pin and os.geteuid() == 0 else None)
+        if clients:
+            os.sched_setaffinity(prober.pid, clients)
         print(f"{args.workers - hostile} honest simulated workers{f' and {hostile} hostile ones' if hostile else ''} "
               f"for {args.seconds:.0f} s against the control plane (the trainer is a stand-in consuming "
               f"{args.step_rate:g} batches/s of {args.batch_prompts} groups)...", file=sys.stderr, flush=True)
@@ -449,6 +442,12 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
         cpu0 = _cpu()
         await fleet.run()
         client_cpu = (_cpu() - cpu0) / args.seconds
+        await asyncio.to_thread(prober.wait, 120)
+        if prober.returncode != 0:
+            print(f"echo-rl bench control-plane: the probes failed:\n{(d / 'probes.log').read_text()}", file=sys.stderr)
+            learner.terminate()
+            return None
+        probed = json.loads((d / "probes.json").read_text())
         load = os.getloadavg()[0]  # the machine's, others' work included: a busy one moves every latency
         attacks = None
         if attackers is not None:  # the learner's counts are read once the attackers are done
@@ -469,7 +468,7 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
             print(text[text.index("GROWN"):], file=sys.stderr)
     if attackers is not None and attacks is None:
         return None
-    return Measured(fleet, server, client_cpu, attacks, load)
+    return Measured(fleet, server, client_cpu, attacks, load, probed)
 
 
 async def _drive(args) -> int:
@@ -515,8 +514,8 @@ def over_pairs(pairs: list[dict]) -> dict:
         ratios = [p["routes"][r]["p99_ratio"] for p in pairs if r in p["routes"] and p["routes"][r]["p99_ratio"]]
         client = [p["routes"][r]["client_p99_ratio"] for p in pairs
                   if r in p["routes"] and p["routes"][r]["client_p99_ratio"]]
-        noise = [p["benign"]["routes"][r]["learner_p99_ms"] / pairs[0]["benign"]["routes"][r]["learner_p99_ms"]
-                 for p in pairs[1:] if r in p["benign"]["routes"] and pairs[0]["benign"]["routes"][r]["learner_p99_ms"]]
+        noise = [p["benign"]["routes"][r]["probe_p99_ms"] / pairs[0]["benign"]["routes"][r]["probe_p99_ms"]
+                 for p in pairs[1:] if r in p["benign"]["routes"] and pairs[0]["benign"]["routes"][r]["probe_p99_ms"]]
         client_noise = [p["benign"]["routes"][r]["p99_ms"] / pairs[0]["benign"]["routes"][r]["p99_ms"]
                         for p in pairs[1:] if r in p["benign"]["routes"] and pairs[0]["benign"]["routes"][r]["p99_ms"]]
         x.update(p99_ratio=med(ratios) if ratios else None, p99_ratios=ratios, benign_noise=noise,
@@ -549,13 +548,14 @@ def _results(args, m: Measured) -> dict:
     buf = server["buffer"]
     dropped = buf["recycled"] + buf["dropped_overflow"] + buf.get("dropped_untrusted", 0)
     accounted = buf["trained"] + dropped + buf["queue_size"]
-    at_learner = server.get("at_learner", {})
+    probed = m.probes["latency"]
     routes = {route: {"requests": len(xs), "p50_ms": 1e3 * _pct(xs, 0.5), "p99_ms": 1e3 * _pct(xs, 0.99),
-                      "max_ms": 1e3 * max(xs), "learner_p50_ms": 1e3 * _pct(at_learner.get(route, []), 0.5),
-                      "learner_p99_ms": 1e3 * _pct(at_learner.get(route, []), 0.99)}
+                      "max_ms": 1e3 * max(xs), "probe_requests": len(probed.get(route, [])),
+                      "probe_p50_ms": 1e3 * _pct(probed.get(route, []), 0.5),
+                      "probe_p99_ms": 1e3 * _pct(probed.get(route, []), 0.99)}
               for route, xs in sorted(fleet.latency.items())}
     return {
-        "workers": fleet.size, "seconds": args.seconds, "heartbeat_s": args.heartbeat_s,
+        "workers": fleet.size + m.probes["size"], "seconds": args.seconds, "heartbeat_s": args.heartbeat_s,
         "killed_and_replaced": fleet.killed, "routes": routes,
         "learner": {k: server[k] for k in ("cpu_cores", "loop_lag_max_ms", "loop_lag_p99_ms", "max_rss_mb", "rss_mb",
                                             "steps", "workers_known", "quarantined", "rejected", "joins_refused",
@@ -564,9 +564,10 @@ def _results(args, m: Measured) -> dict:
                                             "auth_refused")},
         "client_cpu_cores": m.client_cpu, "machine_load_1min": m.load, "client_errors": fleet.errors,
         "uploads_refused": fleet.refused,
-        "ledger": {"acknowledged_to_workers": fleet.acked, "accepted_by_learner": buf["accepted"],
+        "probe_errors": m.probes["errors"],
+        "ledger": {"acknowledged_to_workers": fleet.acked + m.probes["acked"], "accepted_by_learner": buf["accepted"],
                    "trained": buf["trained"], "dropped": dropped, "queued": buf["queue_size"],
-                   "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet.acked - buf["accepted"],
+                   "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet.acked + m.probes["acked"] - buf["accepted"],
                    "leases_expired_prompts": server["leases"]["expired_prompts"]},
         **({"attacks": m.attacks} if m.attacks is not None else {}),
         "goals": GOALS,
@@ -582,10 +583,10 @@ def compare(args, benign: dict, hostile: dict) -> dict:
     def per_min(run: dict, groups: int) -> float:
         return 60.0 * groups / run["seconds"]
 
-    # Judged at the learner (SENT_HEADER); what the simulated fleet's own process measured is shown beside.
-    routes = {r: {"benign_p50_ms": benign["routes"][r]["learner_p50_ms"], "benign_p99_ms": benign["routes"][r]["learner_p99_ms"],
-                  "hostile_p50_ms": x["learner_p50_ms"], "hostile_p99_ms": x["learner_p99_ms"],
-                  "p99_ratio": _ratio([benign["routes"][r]["learner_p99_ms"], x["learner_p99_ms"]]),
+    # Judged on the probes (`--probes`); what the big fleet's own process measured is shown beside.
+    routes = {r: {"benign_p50_ms": benign["routes"][r]["probe_p50_ms"], "benign_p99_ms": benign["routes"][r]["probe_p99_ms"],
+                  "hostile_p50_ms": x["probe_p50_ms"], "hostile_p99_ms": x["probe_p99_ms"],
+                  "p99_ratio": _ratio([benign["routes"][r]["probe_p99_ms"], x["probe_p99_ms"]]),
                   "client_p99_ratio": _ratio([benign["routes"][r]["p99_ms"], x["p99_ms"]])}
               for r, x in hostile["routes"].items() if r in benign["routes"]}
     trained = [per_min(run, run["ledger"]["trained"]) for run in (benign, hostile)]
@@ -654,9 +655,9 @@ def compared_table(out: dict) -> str:
         f"then the hostile one on this machine; hostile: {out['workers'] - n} honest + {n} attackers "
         f"({out['hostile_share']:.0%}), one attack each every 1-2 s, and a forger each"
         + (f" (only these attacks: {', '.join(a['classes_run'])})" if len(a["classes_run"]) < len(CLASSES) else ""),
-        "honest fleet, per route, timed at the learner from each request's sending to its reply (ms; lease: the "
-        "route's own time, the long-poll wait subtracted); the last column: the same ratio as the simulated fleet's "
-        "process saw it, its own queueing included:",
+        "honest fleet, per route, as the probe workers measured it (a light process of their own: a worker on its "
+        "own machine; ms; lease: the route's own time, the long-poll wait subtracted); the last column: the same "
+        "ratio as the big fleet's process saw it, its own queueing included:",
         table(["route", "benign p50", "benign p99", "hostile p50", "hostile p99", "p99 ratio", "within 10%",
                "fleet-side ratio"], rows),
         *([f"over {out['pairs']} benign/hostile pairs (the p50/p99 columns: the last pair): p99 ratio per pair "
@@ -687,7 +688,7 @@ def compared_table(out: dict) -> str:
         + (f"{_pct(caught, 0.5):.1f} s (median; max {max(caught):.1f} s) after their first forged upload, "
            f"{_pct(acked, 0.5):.0f} forged groups acknowledged each before (their rewards recomputed all the same)"
            if caught else "")
-        + f"; honest workers quarantined: {lh['quarantined_by_kind'].get('sim', 0)}",
+        + f"; honest workers quarantined: {lh['quarantined_by_kind'].get('sim', 0) + lh['quarantined_by_kind'].get('probe', 0)}",
         f"relay URLs the learner probed: {sum(lh['relays_probed'].values())}; the attackers' process: "
         f"{a['cpu_cores']:.2f} cores, {len(a['failures'])} failures",
         "goals: " + "; ".join(f"{k} {yes[c['ok']]} ({c['detail']})" for k, c in checks.items()),
@@ -700,15 +701,15 @@ def _table(out: dict) -> str:
     from echo.table import fmt, table
 
     rows = [[route, str(r["requests"]), fmt(r["p50_ms"]), fmt(r["p99_ms"]), fmt(r["max_ms"]),
-             "yes" if r["p99_ms"] < GOALS["p99_ms"] else "NO", fmt(r["learner_p50_ms"]), fmt(r["learner_p99_ms"])]
+             "yes" if r["p99_ms"] < GOALS["p99_ms"] else "NO", fmt(r["probe_p50_ms"]), fmt(r["probe_p99_ms"])]
             for route, r in out["routes"].items()]
     lr, lg = out["learner"], out["ledger"]
     lines = [f"control plane: {out['workers']} workers, {out['seconds']:.0f} s, heartbeats every {out['heartbeat_s']:g} s, "
              f"{out['killed_and_replaced']} killed and replaced; the trainer is a stand-in consuming batches at a fixed rate",
              table(["route", "requests", "p50 ms", "p99 ms", "max ms", f"p99 < {GOALS['p99_ms']:.0f} ms",
-                    "at learner p50", "p99"], rows),
-             "  (lease: the route's own time; the long-poll wait the learner reports is subtracted. At the learner: "
-             "from the request's sending to its reply, without the simulated fleet's own queueing)",
+                    "probes p50", "p99"], rows),
+             "  (lease: the route's own time; the long-poll wait the learner reports is subtracted. Probes: the "
+             "honest workers of a light process of their own, without the big fleet's process's queueing)",
              f"learner: {lr['cpu_cores']:.2f} cores, event-loop lag max {lr['loop_lag_max_ms']:.0f} ms "
              f"(p99 {lr['loop_lag_p99_ms']:.0f} ms; goal < {GOALS['loop_lag_ms']:.0f}), max RSS {lr['max_rss_mb']:.0f} MB, "
              f"{lr['steps']} batches trained, {lr['workers_known']} workers known, {lr['quarantined']} quarantined",

@@ -12,16 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_control_plane_bench_smoke_run_balances_its_ledger():
     out = subprocess.run([sys.executable, "-m", "learner.bench.control_plane", "--workers", "30", "--seconds", "8",
                           "--churn", "0.3", "--churn-every", "3", "--ramp-s", "1", "--step-rate", "2", "--batch-prompts", "8",
-                          "--gen-s", "0.5", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "--gen-s", "0.5", "--probes", "5", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert {"join", "heartbeat", "lease", "trajectories"} <= set(r["routes"]), r["routes"]
-    # Each route is also timed at the learner, from the request's send stamp: never longer than
-    # the fleet's own view of it at the median (that adds the fleet's receive-side queueing).
+    # The probe workers (a process of their own, whose latency the hostile comparison judges)
+    # used every route too.
     for route in ("join", "heartbeat", "lease", "trajectories"):
-        x = r["routes"][route]
-        assert 0 < x["learner_p50_ms"] <= x["p50_ms"] + 1.0, (route, x)
-    assert r["killed_and_replaced"] >= 15 and r["client_errors"] == 0
+        assert r["routes"][route]["probe_requests"] > 0 and r["routes"][route]["probe_p50_ms"] > 0, (route, r["routes"][route])
+    assert r["probe_errors"] == 0 and r["workers"] == 30
+    assert r["killed_and_replaced"] >= 10 and r["client_errors"] == 0  # 0.3 of the 25 in the big fleet, twice
     ledger = r["ledger"]
     assert ledger["lost"] == 0 and ledger["trained"] > 0
     # What workers saw acknowledged, the learner accepted (it may have accepted a little more:

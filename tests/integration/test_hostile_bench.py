@@ -32,7 +32,7 @@ def test_a_hostile_share_of_the_fleet_is_refused_and_contained():
     assert learner["max_leased_by_kind"].get("hostile", 0) <= learner["lease_first_prompts"]
     assert any(f["caught"] for f in attacks["forgers"])
     assert set(classes["rejoin"]["outcomes"]) <= {"403"}  # a caught forger's address may not join again
-    assert learner["quarantined_by_kind"].get("sim", 0) == 0  # no honest worker caught
+    assert learner["quarantined_by_kind"].get("sim", 0) + learner["quarantined_by_kind"].get("probe", 0) == 0  # no honest worker caught
     assert not learner["relays_probed"]  # no relay URL made the learner connect anywhere
     # Every safety goal as the benchmark judges it (the timing goals are left to the benchmark).
     checks = r["goals"]["checks"]
