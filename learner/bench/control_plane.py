@@ -82,8 +82,9 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin the learner to a core of its own (default: pinned, the clients on the others, "
                         "so that what the attackers' processes burn is not taken from the learner)")
-    p.add_argument("--probes", type=int, default=20,
-                   help="of the honest workers, how many run in a light process of their own (default 20): their "
+    p.add_argument("--probes", type=int, default=100,
+                   help="of the honest workers, how many run in a light process of their own (default 100, at most a "
+                        "quarter of the honest fleet): their "
                         "latency is the one judged, as a worker on its own machine sees it; the big fleet's process "
                         "adds its own queueing to what it measures")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -405,7 +406,7 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
             await asyncio.sleep(0.1)
         url = (d / "url").read_text()
         clients = _pin(learner.pid) if args.pin else None
-        probes = min(args.probes, args.workers - hostile - 1)
+        probes = max(1, min(args.probes, (args.workers - hostile) // 4))
         fleet = Fleet(url, args, _tokenizer(), args.workers - hostile - probes)
         prober = subprocess.Popen([sys.executable, "-m", "learner.bench.control_plane", "--probe", url,
                                    "--probes", str(probes), "--out", str(d / "probes.json"), *_forward(args),
