@@ -571,6 +571,25 @@ def test_one_address_cannot_fill_the_fleet_or_guess_tokens(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path, **{"server.max_workers_per_address": 3, "server.auth_failure_burst": 4})
 
 
+def test_wrong_credentials_from_an_address_do_not_lock_out_its_honest_workers(tokenizer, tmp_path):
+    """Workers behind one NAT (or containers on one rented host) share an address: a neighbour
+    presenting wrong credentials throttles the guesses, not the honest worker's own calls."""
+    async def test(api: Api):
+        _, honest = await api.join("honest")
+        for _ in range(6):
+            await api.call("/v1/heartbeat", {}, token="w1.guess")
+        status, body, _ = await api.call("/v1/heartbeat", {}, token="w1.guess")
+        assert (status, body["error"]) == (429, "throttled")  # the guesser waits
+        status, hb, _ = await api.call("/v1/heartbeat", {}, token=honest)
+        assert status == 200 and hb["state"] in ("active", "idle")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=honest)
+        assert status == 200 and lease["lease_id"]
+        status, body, _ = await api.call("/v1/join", {"name": "x"})
+        assert status == 429  # the run token, which may be guessable, stays throttled
+
+    run_api(tokenizer, test, tmp_path, **{"server.auth_failure_burst": 4, "server.long_poll_s": 0})
+
+
 def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):
     async def test(api: Api):
         _, cred = await api.join("w")
