@@ -32,3 +32,23 @@ def test_fresh_groups_keep_the_absolute_bound():
     for _ in range(3):
         verdicts += v.logprobs_checked(batch({"a": 0.01, "liar": 0.8}, staleness=0))
     assert {d.worker_id for d in verdicts} == {"liar"}
+
+
+def test_a_forger_sending_most_groups_at_a_staleness_does_not_set_its_own_drift():
+    """One forger's 12 groups of μ 50 nats/token off against one honest worker's 4 groups at the
+    same staleness: counted by groups (its own included) the drift was the forger's and its
+    excess 0; held to the other workers' drift it is caught, and the honest worker is not."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for _ in range(3):
+        groups = [("honest", 3, 0.05 * 40, 40)] * 4 + [("forger", 3, 50.0 * 40, 40)] * 12
+        verdicts += v.logprobs_checked(groups)
+    assert {d.worker_id for d in verdicts} == {"forger"}
+
+
+def test_a_lone_worker_at_a_staleness_is_held_to_the_fresh_bound():
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for _ in range(3):
+        verdicts += v.logprobs_checked([("forger", 5, 50.0 * 40, 40)] * 8)
+    assert {d.worker_id for d in verdicts} == {"forger"}
