@@ -722,6 +722,37 @@ def test_a_compressed_body_is_refused_not_inflated(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path)
 
 
+def test_one_worker_cannot_hold_every_upload_byte_the_learner_reads_at_once(tokenizer, tmp_path):
+    """One lease, then stalled uploads declaring [server] max_body_mb each: the learner's whole
+    max_inflight_upload_mb was one worker's, and every other worker's upload got 503 (echo-worker
+    drops a refused batch). A worker holds two uploads' worth at once; another's still goes in."""
+    async def test(api: Api):
+        hog, cred = await api.join("hog")
+        await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+        host, port = api.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write((f"POST /v1/trajectories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                          f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {1 << 20}\r\n\r\n").encode() + b"\0" * 1000)
+            await writer.drain()
+            stalled.append(writer)
+        await asyncio.sleep(0.2)
+        status, body, headers = await api.call("/v1/trajectories", token=cred, raw=b"\0" * (1 << 20),
+                                               content_type=CONTENT_TYPE)
+        assert (status, body["error"]) == (429, "uploads-in-flight") and headers["Retry-After"]
+        wid, honest = await api.join("honest")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=honest)
+        sub = Submission(wid, lease["lease_id"], [group(tokenizer, lease["prompts"][0]["id"], ["9"] * 4, 0.0)])
+        status, body = await api.upload(honest, sub)
+        assert (status, body["accepted"]) == (200, 1)
+        for writer in stalled:
+            writer.close()
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_body_mb": 1.0, "server.max_inflight_upload_mb": 2.5,
+                                          "server.long_poll_s": 0})
+
+
 def test_a_body_cut_off_by_its_sender_is_counted_not_logged(tokenizer, tmp_path, caplog):
     """A worker that hangs up mid-body (an upload or a JSON call) costs a count, not a traceback
     in the learner's log; the learner serves on."""
