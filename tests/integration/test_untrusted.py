@@ -753,6 +753,27 @@ def test_one_worker_cannot_hold_every_upload_byte_the_learner_reads_at_once(toke
                                           "server.long_poll_s": 0})
 
 
+def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path):
+    """One worker looping over GET /v1/snapshots/{v} sent 7.8 Gbit/s of the learner's uplink; each
+    reader now gets each version a few times (retries), then 429."""
+    async def test(api: Api):
+        _, hog = await api.join("hog")
+        _, other = await api.join("other")
+
+        async def get(cred: str, path: str = "/v1/snapshots/0") -> tuple[int, bytes]:
+            async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {cred}"}) as resp:
+                return resp.status, await resp.read()
+
+        for _ in range(4):
+            assert await get(hog) == (200, b"weights")
+        status, body = await get(hog)
+        assert status == 429 and json.loads(body)["error"] == "downloads"
+        assert (await get(hog, "/v1/snapshots/latest"))[0] == 200  # the announcement is a few bytes
+        assert await get(other) == (200, b"weights")
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_body_cut_off_by_its_sender_is_counted_not_logged(tokenizer, tmp_path, caplog):
     """A worker that hangs up mid-body (an upload or a JSON call) costs a count, not a traceback
     in the learner's log; the learner serves on."""
