@@ -774,6 +774,29 @@ def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path
     run_api(tokenizer, test, tmp_path)
 
 
+def test_one_address_cannot_hold_every_connection_the_learner_may_open(tokenizer, tmp_path):
+    """Idle connections, no credential: 24,000 from three addresses took the learner to its file
+    limit (each closed by the header timer only after 20 s). An address holds 8 per worker it may
+    join; the rest are closed as they open, and the learner serves on."""
+    async def test(api: Api):
+        host, port = api.url.removeprefix("http://").split(":")
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
+        await asyncio.sleep(0.3)
+        closed = 0
+        for reader, _ in held:
+            try:
+                closed += await asyncio.wait_for(reader.read(1), 0.05) == b""
+            except asyncio.TimeoutError:
+                pass
+        assert closed == 20 - 8
+        for _, writer in held:
+            writer.close()
+        await asyncio.sleep(0.1)
+        await api.join("honest")  # the address's connections are its own again
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_workers_per_address": 1})
+
+
 def test_a_body_cut_off_by_its_sender_is_counted_not_logged(tokenizer, tmp_path, caplog):
     """A worker that hangs up mid-body (an upload or a JSON call) costs a count, not a traceback
     in the learner's log; the learner serves on."""
