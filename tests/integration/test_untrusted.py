@@ -797,6 +797,30 @@ def test_one_address_cannot_hold_every_connection_the_learner_may_open(tokenizer
     run_api(tokenizer, test, tmp_path, **{"server.max_workers_per_address": 1})
 
 
+def test_the_run_token_does_not_show_a_worker_the_others_addresses(tokenizer, tmp_path):
+    """Every worker holds the run token, which opens /v1/status: each learnt every other worker's
+    address and relay URL, and could loop over the costliest route. Away from the operator's
+    machines (`metrics_from`) the status leaves them out, and it is rebuilt at most once a second."""
+    async def test(api: Api):
+        await api.join("w", relay_url="http://127.0.0.1:9")
+
+        async def status() -> tuple[dict, str]:
+            async with api.session.get(api.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                assert resp.status == 200
+                text = await resp.text()
+                return json.loads(text), text
+
+        view, text = await status()
+        assert view["workers"][0]["name"] == "w" and "address" not in view["workers"][0]
+        assert "127.0.0.1" not in text and "relay_url" not in text
+        await api.join("v")
+        assert len((await status())[0]["workers"]) == 1  # the same second: the same bytes
+        await asyncio.sleep(1.05)
+        assert len((await status())[0]["workers"]) == 2
+
+    run_api(tokenizer, test, tmp_path, **{"server.metrics_from": ["10.0.0.0/8"]})
+
+
 def test_a_body_cut_off_by_its_sender_is_counted_not_logged(tokenizer, tmp_path, caplog):
     """A worker that hangs up mid-body (an upload or a JSON call) costs a count, not a traceback
     in the learner's log; the learner serves on."""
