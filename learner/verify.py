@@ -106,13 +106,15 @@ class Drift:
         if staleness >= self._first and tokens > 0:
             self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append((worker, gap_sum / tokens))
 
-    def at(self, staleness: int, excluding: str = "") -> float:
+    def at(self, staleness: int, excluding: str | set = "") -> float:
+        """The drift at `staleness`, without the votes of the worker(s) `excluding`."""
         recent = self._recent.get(staleness)
         if staleness < self._first or not recent:
             return 0.0
+        skip = {excluding} if isinstance(excluding, str) else excluding
         by_worker: dict[str, list[float]] = {}
         for worker, gap in recent:
-            if worker != excluding or not worker:
+            if not worker or worker not in skip:
                 by_worker.setdefault(worker, []).append(gap)
         if not by_worker:
             return 0.0
@@ -168,22 +170,33 @@ class Verifier:
         fleet's drift learns from all of them first; then each worker is judged on its excess."""
         for worker_id, staleness, gap_sum, tokens in groups:
             self.drift.add(staleness, gap_sum, tokens, worker_id)
-        judged = []
+        # Twice: the workers the first pass finds dishonest have no vote in the second (three
+        # forgers' medians of 47, 1e30 and 4 nats let the one at 4 pass beside one honest worker).
+        judged = {w for w, ev in self.evidence.items()
+                  if ev.gap_tokens >= self.cfg.min_gap_tokens and ev.mean_gap > self.cfg.max_logprob_gap}
+        dishonest = judged | {v.worker_id for v in self._judge_gaps(groups, judged, record=False)}
+        return self._judge_gaps(groups, dishonest, record=True)
+
+    def _judge_gaps(self, groups: list[tuple[str, int, float, int]], unheard: set, record: bool) -> list[Verdict]:
+        excess: dict[str, list[float]] = {}  # worker -> [Σ excess, tokens] of this batch
         for worker_id, staleness, gap_sum, tokens in groups:
             if tokens <= 0 or not worker_id:
                 continue
-            ev = self._of(worker_id)
-            ev.gap_sum += max(0.0, gap_sum - tokens * self.drift.at(staleness, excluding=worker_id))
-            ev.gap_tokens += tokens
-            if worker_id not in judged:
-                judged.append(worker_id)
+            drift = self.drift.at(staleness, excluding=unheard | {worker_id})
+            acc = excess.setdefault(worker_id, [0.0, 0])
+            acc[0] += max(0.0, gap_sum - tokens * drift)
+            acc[1] += tokens
         verdicts = []
-        for worker_id in judged:
+        for worker_id, (gap, tokens) in excess.items():
             ev = self._of(worker_id)
-            if ev.gap_tokens >= self.cfg.min_gap_tokens and ev.mean_gap > self.cfg.max_logprob_gap:
+            gap_sum, gap_tokens = ev.gap_sum + gap, ev.gap_tokens + tokens
+            if record:
+                ev.gap_sum, ev.gap_tokens = gap_sum, gap_tokens
+            mean = gap_sum / gap_tokens if gap_tokens else 0.0
+            if gap_tokens >= self.cfg.min_gap_tokens and mean > self.cfg.max_logprob_gap:
                 verdicts.append(Verdict(worker_id, "logprobs",
-                                        f"its behaviour log-probs differ from the trainer's by {ev.mean_gap:.3f} nats "
-                                        f"per token beyond the fleet's drift at their staleness, on {ev.gap_tokens} "
+                                        f"its behaviour log-probs differ from the trainer's by {mean:.3f} nats "
+                                        f"per token beyond the fleet's drift at their staleness, on {gap_tokens} "
                                         f"tokens (allowed {self.cfg.max_logprob_gap})"))
         return verdicts
 

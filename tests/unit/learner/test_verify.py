@@ -52,3 +52,14 @@ def test_a_lone_worker_at_a_staleness_is_held_to_the_fresh_bound():
     for _ in range(3):
         verdicts += v.logprobs_checked([("forger", 5, 50.0 * 40, 40)] * 8)
     assert {d.worker_id for d in verdicts} == {"forger"}
+
+
+def test_forgers_caught_in_a_batch_have_no_vote_on_the_others():
+    """Three forgers beside one honest worker at one staleness: one vote each, the two far-off
+    ones (47 and 1e30 nats/token) made the drift the modest one (4) was judged against."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for _ in range(3):
+        gaps = {"honest": 0.03, "far": 47.0, "farther": 1e30, "modest": 4.0}
+        verdicts += v.logprobs_checked(batch(gaps, staleness=3))
+    assert {d.worker_id for d in verdicts} == {"far", "farther", "modest"}
