@@ -106,6 +106,10 @@ class Drift:
         if staleness >= self._first and tokens > 0:
             self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append((worker, gap_sum / tokens))
 
+    def voters(self, stalenesses: set) -> set:
+        """The workers with a vote at any of `stalenesses`."""
+        return {w for k in stalenesses for w, _ in self._recent.get(k, ())}
+
     def at(self, staleness: int, excluding: str | set = "") -> float:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`."""
         recent = self._recent.get(staleness)
@@ -172,8 +176,9 @@ class Verifier:
             self.drift.add(staleness, gap_sum, tokens, worker_id)
         # Twice: the workers the first pass finds dishonest have no vote in the second (three
         # forgers' medians of 47, 1e30 and 4 nats let the one at 4 pass beside one honest worker).
-        judged = {w for w, ev in self.evidence.items()
-                  if ev.gap_tokens >= self.cfg.min_gap_tokens and ev.mean_gap > self.cfg.max_logprob_gap}
+        judged = {w for w in self.drift.voters({g[1] for g in groups}) if w in self.evidence
+                  and self.evidence[w].gap_tokens >= self.cfg.min_gap_tokens
+                  and self.evidence[w].mean_gap > self.cfg.max_logprob_gap}
         dishonest = judged | {v.worker_id for v in self._judge_gaps(groups, judged, record=False)}
         return self._judge_gaps(groups, dishonest, record=True)
 
@@ -203,33 +208,54 @@ class Verifier:
     def tokens_checked(self, groups: list[tuple[str, int, float, float, float, float]]) -> list[Verdict]:
         """One batch's token checks: per checked group (worker id, staleness, Σ(surprisal −
         entropy), Σ variance, tokens inside π's nucleus, outside it). The fleet's drift learns
-        from all of them first; then each worker is judged on its recent window."""
-        for _, staleness, excess, _, inside, _ in groups:
-            self.token_drift.add(staleness, excess, int(inside))
-        judged = []
+        from all of them first; then each worker is judged on its recent window, against the
+        other workers' drift (one vote each; none for workers judged dishonest, before or by a
+        first pass over this batch, or by their log-probs): pooled, forgers' groups moved the drift
+        so far that an honest worker's sampled tokens read as greedy (z = -10.5) and it was
+        quarantined. Forgers outnumbering the honest workers at a staleness still set it."""
+        for worker_id, staleness, excess, _, inside, _ in groups:
+            self.token_drift.add(staleness, excess, int(inside), worker_id)
+        voters = self.token_drift.voters({g[1] for g in groups})
+        judged = {w for w in voters if w in self.evidence and (  # by its tokens, or its log-probs
+                  self._token_verdict(w, list(self.evidence[w].token_checks)) is not None
+                  or (self.evidence[w].gap_tokens >= self.cfg.min_gap_tokens
+                      and self.evidence[w].mean_gap > self.cfg.max_logprob_gap))}
+        dishonest = judged | {v.worker_id for v in self._judge_tokens(groups, judged, record=False)}
+        return self._judge_tokens(groups, dishonest, record=True)
+
+    def _judge_tokens(self, groups, unheard: set, record: bool) -> list[Verdict]:
+        checks: dict[str, list[tuple]] = {}
         for worker_id, staleness, excess, variance, inside, outside in groups:
             if not worker_id:
                 continue
-            self._of(worker_id).token_checks.append(
-                (excess - inside * self.token_drift.at(staleness), variance, int(inside), int(outside)))
-            if worker_id not in judged:
-                judged.append(worker_id)
+            drift = self.token_drift.at(staleness, excluding=unheard | {worker_id})
+            checks.setdefault(worker_id, []).append((excess - inside * drift, variance, int(inside), int(outside)))
         verdicts = []
-        for worker_id in judged:
-            ev = self._of(worker_id)
-            counted = sum(c[2] + c[3] for c in ev.token_checks)
-            if counted < self.cfg.min_token_checks:
-                continue
-            if abs(ev.token_z) > self.cfg.max_token_z:
-                verdicts.append(Verdict(worker_id, "tokens", (
-                    f"its tokens were not sampled from the policy: their surprisal lies {ev.token_z:+.1f} standard "
-                    f"deviations from the entropy ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
-                    f"gives) over its last {counted} checked tokens (allowed {self.cfg.max_token_z:g})")))
-            elif ev.outside_share > self.cfg.max_outside_nucleus:
-                verdicts.append(Verdict(worker_id, "tokens", (
-                    f"{ev.outside_share:.1%} of its last {counted} checked tokens lie outside the policy's top-p "
-                    f"nucleus, which sampling never gives (allowed {self.cfg.max_outside_nucleus:.0%})")))
+        for worker_id, new in checks.items():
+            window = deque(self._of(worker_id).token_checks, maxlen=TOKEN_WINDOW)
+            window.extend(new)
+            if record:
+                self._of(worker_id).token_checks = window
+            verdict = self._token_verdict(worker_id, list(window))
+            if verdict is not None:
+                verdicts.append(verdict)
         return verdicts
+
+    def _token_verdict(self, worker_id: str, window: list[tuple]) -> Verdict | None:
+        ev = Evidence(token_checks=deque(window, maxlen=TOKEN_WINDOW))
+        counted = sum(c[2] + c[3] for c in window)
+        if counted < self.cfg.min_token_checks:
+            return None
+        if abs(ev.token_z) > self.cfg.max_token_z:
+            return Verdict(worker_id, "tokens", (
+                f"its tokens were not sampled from the policy: their surprisal lies {ev.token_z:+.1f} standard "
+                f"deviations from the entropy ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
+                f"gives) over its last {counted} checked tokens (allowed {self.cfg.max_token_z:g})"))
+        if ev.outside_share > self.cfg.max_outside_nucleus:
+            return Verdict(worker_id, "tokens", (
+                f"{ev.outside_share:.1%} of its last {counted} checked tokens lie outside the policy's top-p "
+                f"nucleus, which sampling never gives (allowed {self.cfg.max_outside_nucleus:.0%})"))
+        return None
 
     def lease_returned(self, worker_id: str, rollouts: int, seconds: float) -> None:
         """A lease came back: `rollouts` in `seconds` from issue to upload."""

@@ -63,3 +63,21 @@ def test_forgers_caught_in_a_batch_have_no_vote_on_the_others():
         gaps = {"honest": 0.03, "far": 47.0, "farther": 1e30, "modest": 4.0}
         verdicts += v.logprobs_checked(batch(gaps, staleness=3))
     assert {d.worker_id for d in verdicts} == {"far", "farther", "modest"}
+
+
+def test_forgers_cannot_move_the_token_drift_onto_an_honest_worker():
+    """Token checks at one staleness: three honest workers whose tokens read as sampled (excess 0)
+    beside a forger sending most of the groups, far above the entropy, and three more whose
+    log-probs already gave them away. Pooled by groups, the forgers were the fleet's drift, the
+    honest workers read as greedy (z far below 0) and were quarantined."""
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=64, max_logprob_gap=0.5, min_gap_tokens=64))
+    caught = v.logprobs_checked([(f"honest{i}", 2, 0.05 * 80, 80) for i in range(3)]
+                                + [(f"liar{i}", 2, 50.0 * 80, 80) for i in range(3)])  # caught by their μ
+    assert {d.worker_id for d in caught} == {"liar0", "liar1", "liar2"}
+    verdicts = []
+    for _ in range(4):
+        groups = [(f"honest{i}", 2, 0.0, 40.0, 40.0, 0.0) for i in range(3) for _ in range(2)]
+        groups += [("forger", 2, 3.0 * 40, 40.0, 40.0, 0.0)] * 12
+        groups += [(f"liar{i}", 2, 3.0 * 40, 40.0, 40.0, 0.0) for i in range(3)]
+        verdicts += v.tokens_checked(groups)
+    assert {d.worker_id for d in verdicts} == {"forger", "liar0", "liar1", "liar2"}
