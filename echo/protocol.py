@@ -27,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 MAX_JSON_BYTES = 256 << 10  # a JSON body larger than this is refused before it is parsed
 
-Name = Annotated[str, StringConstraints(max_length=64)]
+# No control characters (C0, DEL, C1): a worker's name is printed in the learner's log and
+# status, where a newline or an ANSI escape forged whole lines ("quarantined <honest worker>").
+Name = Annotated[str, StringConstraints(max_length=64, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
 Id = Annotated[str, StringConstraints(max_length=128)]
 Url = Annotated[str, StringConstraints(max_length=256, pattern=r"^(|https?://\S+|p2p:/\S+)$")]
 # A worker's relay: where other workers and the learner connect, so nothing but an address and a

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from broadcast.links import MBIT, LinkTable
 from echo import protocol as P
+from learner.addresses import address_key
 from learner.admission import Waiters
 from learner.api.evals import EvalRoom
 from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json
@@ -40,6 +43,107 @@ UNKNOWN_LINK_MBIT = 1000.0  # planning assumption for a link nobody declared or 
 def link_table(broadcast: BroadcastSection) -> LinkTable:
     """Every worker's links, declared at join and refreshed by heartbeats' measurements."""
     return LinkTable(uplink=broadcast.uplink_mbit * MBIT, default=UNKNOWN_LINK_MBIT * MBIT)
+
+
+CONNECTIONS_PER_WORKER = 8  # a worker's heartbeat, long-polled lease, uploads, downloads, with room
+
+
+class ConnectionCap:
+    """aiohttp's protocol factory, with at most `limit` open connections per address: 24,000 idle
+    connections from three addresses, each closed by the header timer only after 20 s, took the
+    learner to its file-descriptor limit (accept() failing, an honest heartbeat waiting 7 s, the
+    learner's own file opens failing). A connection past the limit is closed as it opens."""
+
+    def __init__(self, server, limit: int, trusted: list):
+        self.server, self.limit, self.trusted = server, limit, trusted
+        self.open: dict[str, int] = {}
+        self.refused = 0
+
+    def __getattr__(self, name):  # shutdown, connections, ...: the wrapped server's
+        return getattr(self.server, name)
+
+    def __call__(self, *args, **kwargs):
+        return _Counted(self, self.server(*args, **kwargs))
+
+    def opened(self, transport) -> str | None:
+        """Count a new connection; close it if its address holds too many. Its key, or None."""
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if peer else ""
+        try:
+            if any(ipaddress.ip_address(host) in net for net in self.trusted):
+                return None  # a reverse proxy speaks for many workers
+        except ValueError:
+            pass
+        key = address_key(host)
+        self.open[key] = self.open.get(key, 0) + 1
+        if self.open[key] > self.limit:
+            self.refused += 1
+            transport.abort()
+        return key
+
+    def closed(self, key: str | None) -> None:
+        if key is not None:
+            left = self.open.get(key, 0) - 1
+            if left > 0:
+                self.open[key] = left
+            else:
+                self.open.pop(key, None)
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's request handler (slotted, so not patched) behind a counting protocol."""
+
+    def __init__(self, cap: ConnectionCap, handler):
+        self.cap, self.handler, self.key = cap, handler, None
+
+    def connection_made(self, transport) -> None:
+        self.handler.connection_made(transport)
+        self.key = self.cap.opened(transport)
+
+    def connection_lost(self, exc) -> None:
+        self.cap.closed(self.key)
+        self.key = None
+        self.handler.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.handler.data_received(data)
+
+    def eof_received(self):
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+
+class MalformedRequests(logging.Filter):
+    """Counts, instead of logging, aiohttp's "Error handling request" for a request it could not
+    parse (a negative Content-Length, a bad header...): each was a 540-byte traceback in the
+    learner's log, so anyone could write 0.4 MB/s to the operator's disk without a credential."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and exc.code == 400:
+            self.counter.labels("malformed-http").inc()
+            return False
+        return True
+
+
+class CappedRunner(web.AppRunner):
+    """An AppRunner whose server is wrapped in a `ConnectionCap`."""
+
+    def __init__(self, app: web.Application, limit: int, trusted: list, **kwargs):
+        super().__init__(app, **kwargs)
+        self.cap_limit, self.cap_trusted = limit, trusted
+
+    async def _make_server(self):
+        return ConnectionCap(await super()._make_server(), self.cap_limit, self.cap_trusted)
 
 
 class ControlApi:
@@ -99,8 +203,16 @@ class ControlApi:
 
     def runner(self) -> web.AppRunner:
         """The app's runner. aiohttp's keep-alive timer also runs from a connection's opening: a
-        connection that has not sent a whole request by then (slow headers, or nothing) is closed."""
-        return web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s)
+        connection that has not sent a whole request by then (slow headers, or nothing) is closed.
+        Each address (IPv6: its /64) holds at most `CONNECTIONS_PER_WORKER` connections per worker
+        it may join (trusted proxies: any number)."""
+        server_log = logging.getLogger("aiohttp.server")
+        for old in [f for f in server_log.filters if isinstance(f, MalformedRequests)]:
+            server_log.removeFilter(old)  # one per process: this API's counter
+        server_log.addFilter(MalformedRequests(self.metrics.rejected))
+        return CappedRunner(self.app(), CONNECTIONS_PER_WORKER * self.cfg.server.max_workers_per_address,
+                            [ipaddress.ip_network(n, strict=False) for n in self.cfg.server.trusted_proxies],
+                            access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s)
 
     async def start(self, host: str, port: int, reap_every: float) -> str:
         """Serve on `host:port` (0: a free port) and start the reaper; returns the URL workers join."""

@@ -152,11 +152,16 @@ class Auth:
                  "start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
 
     def worker(self, request: web.Request):
-        """The calling worker (its `last_seen` renewed, unless it is quarantined), or 401."""
-        address = self._throttled(request)
+        """The calling worker (its `last_seen` renewed, unless it is quarantined), or 401.
+
+        A valid credential is served even from a throttled address: the throttle is there to stop
+        guessing, and a 192-bit secret is not guessed, so it refuses only wrong ones. Checked
+        first, a neighbour behind the same NAT sending wrong credentials locked every honest
+        worker of that address out (429 on its uploads: the worker exited)."""
         wid, _, secret = self.bearer(request).partition(".")
         worker = self.workers.get(wid)
         if worker is None or not secret or not hmac.compare_digest(secret_hash(secret), worker.secret_hash):
+            address = self._throttled(request)
             self.addresses.failed(address, time.monotonic())
             self.refused.labels("credential").inc()
             raise web.HTTPUnauthorized(reason="unknown-credential",

@@ -48,6 +48,12 @@ class UploadRoom:
         self.max_tokens = max_tokens  # an episode's tokens after its prompt
         self.inflight_cap = int(cfg.server.max_inflight_upload_mb * (1 << 20))
         self.inflight = 0  # bytes of the uploads being read now (declared lengths, or the cap per chunked body)
+        # ... and by whom: one worker (one address) may hold only its share of them, else a worker
+        # holding one lease opened 32 stalled 8 MiB uploads and every other worker's got 503.
+        self.by_worker: dict[str, int] = {}
+        self.by_address: dict[str, int] = {}
+        self.worker_cap = 2 * int(self.max_body_mb * (1 << 20))  # two whole uploads at once
+        self.address_cap = self.inflight_cap // 2
 
     def routes(self, auth: Auth) -> list[web.RouteDef]:
         async def trajectories(request: web.Request) -> web.Response:
@@ -75,7 +81,15 @@ class UploadRoom:
             self.metrics.rejected.labels("busy").inc()
             return json_error(503, "busy", "the learner is reading as many uploads as it holds at once "
                                            "([server] max_inflight_upload_mb); retry shortly", {"Retry-After": "2"})
+        mine, here = self.by_worker.get(worker.id, 0), self.by_address.get(worker.address, 0)
+        if mine + claim > self.worker_cap or here + claim > self.address_cap:
+            self.metrics.rejected.labels("uploads-in-flight").inc()
+            return json_error(429, "uploads-in-flight", "this worker (or its address) is already sending as many "
+                                                        "upload bytes as one may at once; send the next when those "
+                                                        "are answered", {"Retry-After": "2"})
         self.inflight += claim
+        self.by_worker[worker.id] = mine + claim
+        self.by_address[worker.address] = here + claim
         try:
             raw = await read_in_time(request, request.read, self.metrics.rejected)
         except web.HTTPRequestEntityTooLarge:
@@ -83,6 +97,8 @@ class UploadRoom:
                                              "submit fewer groups per request") from None
         finally:
             self.inflight -= claim
+            _release(self.by_worker, worker.id, claim)
+            _release(self.by_address, worker.address, claim)
         loop = asyncio.get_running_loop()
         sub = await loop.run_in_executor(self.offload, lambda: decode_submission(
             raw, vocab_size=self.vocab_size, max_tokens=self.max_tokens, group_size=self.rollout.group_size))
@@ -181,6 +197,14 @@ class UploadRoom:
                       masks=group_masks(g.samples),
                       truncated=[s.truncated for s in g.samples],
                       prompt=prompts[g.prompt_id]) for g in fresh], age
+
+
+def _release(table: dict[str, int], key: str, claim: int) -> None:
+    left = table.get(key, 0) - claim
+    if left > 0:
+        table[key] = left
+    else:
+        table.pop(key, None)  # the tables hold only the senders with bytes in flight
 
 
 def group_masks(samples) -> list[list[int]] | None:

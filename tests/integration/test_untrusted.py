@@ -571,6 +571,25 @@ def test_one_address_cannot_fill_the_fleet_or_guess_tokens(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path, **{"server.max_workers_per_address": 3, "server.auth_failure_burst": 4})
 
 
+def test_wrong_credentials_from_an_address_do_not_lock_out_its_honest_workers(tokenizer, tmp_path):
+    """Workers behind one NAT (or containers on one rented host) share an address: a neighbour
+    presenting wrong credentials throttles the guesses, not the honest worker's own calls."""
+    async def test(api: Api):
+        _, honest = await api.join("honest")
+        for _ in range(6):
+            await api.call("/v1/heartbeat", {}, token="w1.guess")
+        status, body, _ = await api.call("/v1/heartbeat", {}, token="w1.guess")
+        assert (status, body["error"]) == (429, "throttled")  # the guesser waits
+        status, hb, _ = await api.call("/v1/heartbeat", {}, token=honest)
+        assert status == 200 and hb["state"] in ("active", "idle")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=honest)
+        assert status == 200 and lease["lease_id"]
+        status, body, _ = await api.call("/v1/join", {"name": "x"})
+        assert status == 429  # the run token, which may be guessable, stays throttled
+
+    run_api(tokenizer, test, tmp_path, **{"server.auth_failure_burst": 4, "server.long_poll_s": 0})
+
+
 def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):
     async def test(api: Api):
         _, cred = await api.join("w")
@@ -699,6 +718,123 @@ def test_a_compressed_body_is_refused_not_inflated(tokenizer, tmp_path):
         status, body, _ = await api.call("/v1/trajectories", token=cred, raw=encode_submission(sub),
                                          content_type=CONTENT_TYPE, headers={"Content-Encoding": "identity"})
         assert (status, body["accepted"]) == (200, 1)
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_one_worker_cannot_hold_every_upload_byte_the_learner_reads_at_once(tokenizer, tmp_path):
+    """One lease, then stalled uploads declaring [server] max_body_mb each: the learner's whole
+    max_inflight_upload_mb was one worker's, and every other worker's upload got 503 (echo-worker
+    drops a refused batch). A worker holds two uploads' worth at once; another's still goes in."""
+    async def test(api: Api):
+        hog, cred = await api.join("hog")
+        await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+        host, port = api.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write((f"POST /v1/trajectories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                          f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {1 << 20}\r\n\r\n").encode() + b"\0" * 1000)
+            await writer.drain()
+            stalled.append(writer)
+        await asyncio.sleep(0.2)
+        status, body, headers = await api.call("/v1/trajectories", token=cred, raw=b"\0" * (1 << 20),
+                                               content_type=CONTENT_TYPE)
+        assert (status, body["error"]) == (429, "uploads-in-flight") and headers["Retry-After"]
+        wid, honest = await api.join("honest")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=honest)
+        sub = Submission(wid, lease["lease_id"], [group(tokenizer, lease["prompts"][0]["id"], ["9"] * 4, 0.0)])
+        status, body = await api.upload(honest, sub)
+        assert (status, body["accepted"]) == (200, 1)
+        for writer in stalled:
+            writer.close()
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_body_mb": 1.0, "server.max_inflight_upload_mb": 2.5,
+                                          "server.long_poll_s": 0})
+
+
+def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path):
+    """One worker looping over GET /v1/snapshots/{v} sent 7.8 Gbit/s of the learner's uplink; each
+    reader now gets each version a few times (retries), then 429."""
+    async def test(api: Api):
+        _, hog = await api.join("hog")
+        _, other = await api.join("other")
+
+        async def get(cred: str, path: str = "/v1/snapshots/0") -> tuple[int, bytes]:
+            async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {cred}"}) as resp:
+                return resp.status, await resp.read()
+
+        for _ in range(4):
+            assert await get(hog) == (200, b"weights")
+        status, body = await get(hog)
+        assert status == 429 and json.loads(body)["error"] == "downloads"
+        assert (await get(hog, "/v1/snapshots/latest"))[0] == 200  # the announcement is a few bytes
+        assert await get(other) == (200, b"weights")
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_one_address_cannot_hold_every_connection_the_learner_may_open(tokenizer, tmp_path):
+    """Idle connections, no credential: 24,000 from three addresses took the learner to its file
+    limit (each closed by the header timer only after 20 s). An address holds 8 per worker it may
+    join; the rest are closed as they open, and the learner serves on."""
+    async def test(api: Api):
+        host, port = api.url.removeprefix("http://").split(":")
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
+        await asyncio.sleep(0.3)
+        closed = 0
+        for reader, _ in held:
+            try:
+                closed += await asyncio.wait_for(reader.read(1), 0.05) == b""
+            except asyncio.TimeoutError:
+                pass
+        assert closed == 20 - 8
+        for _, writer in held:
+            writer.close()
+        await asyncio.sleep(0.1)
+        await api.join("honest")  # the address's connections are its own again
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_workers_per_address": 1})
+
+
+def test_the_run_token_does_not_show_a_worker_the_others_addresses(tokenizer, tmp_path):
+    """Every worker holds the run token, which opens /v1/status: each learnt every other worker's
+    address and relay URL, and could loop over the costliest route. Away from the operator's
+    machines (`metrics_from`) the status leaves them out, and it is rebuilt at most once a second."""
+    async def test(api: Api):
+        await api.join("w", relay_url="http://127.0.0.1:9")
+
+        async def status() -> tuple[dict, str]:
+            async with api.session.get(api.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                assert resp.status == 200
+                text = await resp.text()
+                return json.loads(text), text
+
+        view, text = await status()
+        assert view["workers"][0]["name"] == "w" and "address" not in view["workers"][0]
+        assert "127.0.0.1" not in text and "relay_url" not in text
+        await api.join("v")
+        assert len((await status())[0]["workers"]) == 1  # the same second: the same bytes
+        await asyncio.sleep(1.05)
+        assert len((await status())[0]["workers"]) == 2
+
+    run_api(tokenizer, test, tmp_path, **{"server.metrics_from": ["10.0.0.0/8"]})
+
+
+def test_a_request_aiohttp_cannot_parse_is_counted_not_logged(tokenizer, tmp_path, caplog):
+    """Each unparsable request (here a negative Content-Length, no credential) wrote aiohttp's
+    traceback to the learner's log: 540 bytes a request, 0.4 MB/s from one client."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
+
+    async def test(api: Api):
+        host, port = api.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+            assert (await reader.read()).startswith(b"HTTP/1.0 400")
+            writer.close()
+        assert "Error handling request" not in caplog.text
+        assert api.metric('echo_trajectories_rejected_total{reason="malformed-http"}') == 3
 
     run_api(tokenizer, test, tmp_path)
 

@@ -78,3 +78,12 @@ def test_any_bad_json_body_is_a_protocol_error(raw):
 def test_a_json_body_parses_as_its_model():
     assert P.parse_json(P.Report, b'{"name": "w1", "rollouts_per_s": 2.5}').name == "w1"
     assert P.parse_json(P.LeaseRequest, b"").max_prompts == 1
+
+
+@pytest.mark.parametrize("field", ["name", "gpu", "device", "engine"])
+@pytest.mark.parametrize("text", ["evil\nquarantined honest (w1, 10.0.0.1)", "\x1b[2Jred", "a\rb", "tab\there", "c1\x9bx"])
+def test_a_report_with_control_characters_is_refused(field, text):
+    """A worker's name and hardware strings reach the operator's log and terminal as they are."""
+    with pytest.raises(P.ProtocolError, match=field):
+        P.parse(P.Report, {field: text})
+    assert P.parse(P.Report, {field: "RTX 4090 · node-7 (ünïcode ok)"})

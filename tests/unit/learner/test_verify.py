@@ -32,3 +32,52 @@ def test_fresh_groups_keep_the_absolute_bound():
     for _ in range(3):
         verdicts += v.logprobs_checked(batch({"a": 0.01, "liar": 0.8}, staleness=0))
     assert {d.worker_id for d in verdicts} == {"liar"}
+
+
+def test_a_forger_sending_most_groups_at_a_staleness_does_not_set_its_own_drift():
+    """One forger's 12 groups of μ 50 nats/token off against one honest worker's 4 groups at the
+    same staleness: counted by groups (its own included) the drift was the forger's and its
+    excess 0; held to the other workers' drift it is caught, and the honest worker is not."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for _ in range(3):
+        groups = [("honest", 3, 0.05 * 40, 40)] * 4 + [("forger", 3, 50.0 * 40, 40)] * 12
+        verdicts += v.logprobs_checked(groups)
+    assert {d.worker_id for d in verdicts} == {"forger"}
+
+
+def test_a_lone_worker_at_a_staleness_is_held_to_the_fresh_bound():
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for _ in range(3):
+        verdicts += v.logprobs_checked([("forger", 5, 50.0 * 40, 40)] * 8)
+    assert {d.worker_id for d in verdicts} == {"forger"}
+
+
+def test_forgers_caught_in_a_batch_have_no_vote_on_the_others():
+    """Three forgers beside one honest worker at one staleness: one vote each, the two far-off
+    ones (47 and 1e30 nats/token) made the drift the modest one (4) was judged against."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for _ in range(3):
+        gaps = {"honest": 0.03, "far": 47.0, "farther": 1e30, "modest": 4.0}
+        verdicts += v.logprobs_checked(batch(gaps, staleness=3))
+    assert {d.worker_id for d in verdicts} == {"far", "farther", "modest"}
+
+
+def test_forgers_cannot_move_the_token_drift_onto_an_honest_worker():
+    """Token checks at one staleness: three honest workers whose tokens read as sampled (excess 0)
+    beside a forger sending most of the groups, far above the entropy, and three more whose
+    log-probs already gave them away. Pooled by groups, the forgers were the fleet's drift, the
+    honest workers read as greedy (z far below 0) and were quarantined."""
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=64, max_logprob_gap=0.5, min_gap_tokens=64))
+    caught = v.logprobs_checked([(f"honest{i}", 2, 0.05 * 80, 80) for i in range(3)]
+                                + [(f"liar{i}", 2, 50.0 * 80, 80) for i in range(3)])  # caught by their μ
+    assert {d.worker_id for d in caught} == {"liar0", "liar1", "liar2"}
+    verdicts = []
+    for _ in range(4):
+        groups = [(f"honest{i}", 2, 0.0, 40.0, 40.0, 0.0) for i in range(3) for _ in range(2)]
+        groups += [("forger", 2, 3.0 * 40, 40.0, 40.0, 0.0)] * 12
+        groups += [(f"liar{i}", 2, 3.0 * 40, 40.0, 40.0, 0.0) for i in range(3)]
+        verdicts += v.tokens_checked(groups)
+    assert {d.worker_id for d in verdicts} == {"forger", "liar0", "liar1", "liar2"}
