@@ -98,7 +98,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
                                 results=results, run=run, links=control.links, eval_room=control.evals,
-                                registry=control.registry)
+                                registry=control.registry, status_room=control.status)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
         runner = control.runner()
@@ -976,5 +976,29 @@ def test_a_forgotten_worker_leaves_the_metrics(tokenizer, tmp_path):
         api.state.registry.forget(api.state.workers[gone])
         text = await exported()
         assert f'peer="{gone}"' not in text and f'peer="{stays}"' in text
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_the_operators_status_is_fresh_and_the_workers_view_is_shared(tokenizer, tmp_path):
+    """/v1/status is rebuilt at most once a second for run-token holders elsewhere (a worker
+    looping over it), never for the operator's own machine: a tool that acts, then reads, must
+    see what it did."""
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        operator = {"Authorization": f"Bearer {TOKEN}"}
+
+        async def leased() -> int:
+            async with api.session.get(api.url + "/v1/status", headers=operator) as resp:
+                return next(w["leased_prompts"] for w in (await resp.json())["workers"] if w["id"] == wid)
+
+        assert await leased() == 0
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2}, token=cred)
+        assert status == 200 and await leased() == 2  # at once, not a second later
+        room = api.state.status_room
+        first = room.status_json(False, now=100.0)
+        api.state.leases.lease("other", 1, now=0.0)
+        assert room.status_json(False, now=100.5) == first  # the workers' view: shared for a second
+        assert room.status_json(False, now=101.0) != first
 
     run_api(tokenizer, test, tmp_path)
