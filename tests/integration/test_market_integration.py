@@ -30,9 +30,9 @@ def fake(tmp_path, monkeypatch):
     vast.stop()
 
 
-def vast_provider(fake: FakeVast, tmp_path, gpus: dict, **extra) -> dict:
+def vast_provider(fake: FakeVast, tmp_path, gpus: dict, worker_args: str = "", **extra) -> dict:
     # The image's entrypoint is echo-worker (the fake puts one on PATH); the cache is per machine here.
-    onstart = f"{DEFAULT_ONSTART} --worker.cache_dir {tmp_path}/cache-{{id}}"
+    onstart = f"{DEFAULT_ONSTART} --worker.cache_dir {tmp_path}/cache-{{id}} {worker_args}".rstrip()
     return {"type": "vast", "gpus": gpus, "api_url": fake.url, "api_key_env": "VAST_API_KEY", "refresh_s": 0.5,
             "query": "reliability>0.98", "onstart": onstart, **extra}
 
@@ -76,7 +76,11 @@ def test_a_preempted_instance_is_replaced_and_the_budget_stops_the_run_cleanly(l
     lp = learner_factory(
         run={"steps": steps},
         server={"lease_ttl": 60.0},  # a lease re-issued before its TTL was re-issued by the preemption
-        scheduler={"provider": vast_provider(fake, tmp_path, {"RTX 3090": 1000.0}, interruptible=True),
+        # Throttled so that a lease takes its worker a second or two: the machine is preempted while it
+        # holds one (unthrottled, the tiny model answers in milliseconds and the worker is mostly
+        # between leases, so the preemption could land after its lease came back: reissued 0).
+        scheduler={"provider": vast_provider(fake, tmp_path, {"RTX 3090": 1000.0}, interruptible=True,
+                                             worker_args="--worker.max_rollouts_per_s 10"),
                    "t_train_s": 10.0, "t_bcast_s": 0.0, "window_s": 1000.0, "tick_s": 0.25,
                    "learner_price_per_hour": 36.0, "max_total_dollars": 0.35})
     lp.wait_until(lambda: len(lp.records()) >= 4, 90, "the first rented machine to train 4 steps")

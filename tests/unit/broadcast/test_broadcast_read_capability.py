@@ -18,11 +18,11 @@ from broadcast.tickets import SKEW_S, Readers, TicketOffice, issue
 from broadcast.transport import Hop, Refused
 
 KEY = SigningKey.generate()
-TOKEN = issue(KEY, "w1")
 
 
 def test_nothing_is_served_without_the_read_capability():
     key = KEY
+    TOKEN = issue(KEY, "w1")  # issued now: one made at import expired before a long suite reached this test
 
     async def run():
         src = Source(key, read_token=issue(key, "learner"))
@@ -60,7 +60,7 @@ def test_a_relay_with_the_capability_fetches_and_one_without_is_refused():
     blob = os.urandom(1 << 20)
 
     async def run():
-        src = Source(key, read_token=TOKEN)
+        src = Source(key, read_token=issue(key, "learner"))
         await src.start()
         await src.publish(blob, 1, chunk_size=256 << 10)
         holder = Relay("w1", key.public_key(), read_token=issue(key, "w1"), source_url=src.url, stall_timeout=3)
