@@ -41,11 +41,11 @@ class Accounting:
     def published(self, version: int) -> None:
         self.published_at[version] = time.monotonic()
 
-    def step(self, *, wait: float, train: float) -> dict:
+    def step(self, *, wait: float, train: float, useful_share: float = 1.0) -> dict:
         """Cost of the step and the fleet's view of capacity (run-log fields)."""
         fleet = self.fleet
         if fleet is not None:
-            fleet.trained(train)
+            fleet.trained(train, useful_share)
             prices = fleet.active_prices()
         else:  # no pool, no provider: nobody the learner could take a price from (a worker's own is a claim)
             prices = []

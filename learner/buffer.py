@@ -26,10 +26,20 @@ plus the freshest `δN` groups with a correct sample (reward > 0) that are not a
 takes more fresh groups, so a batch is always `G` groups. With `S = 0` nothing can be replayed:
 a group trained at version `t` is already one version stale at `t + 1`.
 
+Dynamic sampling (`skip_uniform`, DAPO's): a group whose rewards are all equal has no
+group-normalised advantage, so under GRPO it adds no policy gradient; queued, it only takes a
+batch's place, and a step of such groups is a step at Adam's full size on the few that carry
+signal. A worker can send them at will (answer every sample right: every claim is true, no
+check fires; an upload flood of them cut a run's accuracy from 0.74 to 0.2). Skipped, they are
+counted and their prompts are done (`on_skip`); a batch is then `G` groups that each carry
+signal, and the share of skipped groups says how many more rollouts a step needs
+(`useful_share`).
+
 `StalenessBuffer` is plain synchronous logic (tested without a network or torch);
 `AsyncBuffer` adds the one `asyncio.Condition` the learner's event loop waits on.
 
-Invariant (asserted): accepted = trained + dropped_stale + dropped_overflow + queued, where
+Invariant (asserted): accepted = trained + dropped_stale + dropped_overflow + dropped_untrusted +
+skipped_uniform + queued, where
 `trained` counts first uses only (replays are `replayed`).
 """
 
@@ -46,6 +56,8 @@ from typing import Any, Literal
 from echo.tasks import Prompt
 
 Policy = Literal["queue-drop", "queue-max"]
+USEFUL_WINDOW = 256  # recent accepted groups the share of useful ones is measured over
+MIN_USEFUL_SHARE = 0.2  # what a step may need at most: 5 G groups generated
 
 
 @dataclass
@@ -87,6 +99,7 @@ class BufferStats:
     dropped_stale: int = 0  # "recycled": exceeded the staleness bound S
     dropped_overflow: int = 0  # queue-drop only: pushed out by newer groups
     dropped_untrusted: int = 0  # queued groups of a worker quarantined afterwards
+    skipped_uniform: int = 0  # dynamic sampling: groups of equal rewards, never queued
     sampled_length_sum: float = 0.0  # over every accepted group (what workers produced)
     trained_length_sum: float = 0.0  # over every trained group (what the trainer saw)
     replayed: int = 0  # uses after the first (replay)
@@ -125,7 +138,8 @@ class BatchInfo:
 class StalenessBuffer:
     def __init__(self, policy: Policy, max_staleness: int, batch_groups: int, queue_factor: float,
                  staleness_filter: bool = True, on_drop: Callable[[Group, str], None] | None = None,
-                 reuse: int = 1, replay_size: int = 0, positive_bias: float = 0.0, seed: int = 0):
+                 reuse: int = 1, replay_size: int = 0, positive_bias: float = 0.0, seed: int = 0,
+                 skip_uniform: bool = False, on_skip: Callable[[Group], None] | None = None):
         if policy not in ("queue-drop", "queue-max"):
             raise ValueError(f"unknown buffer policy {policy!r}; use 'queue-drop' or 'queue-max'")
         if max_staleness < 0 or batch_groups < 1 or queue_factor < 1:
@@ -146,14 +160,20 @@ class StalenessBuffer:
         self._replay: deque[Group] = deque()  # trained groups with uses left, oldest first
         self._rng = random.Random(seed)
         self.taken_at = -1  # learner version of the latest batch taken (it is being trained)
+        self.skip_uniform = skip_uniform
+        self.on_skip = on_skip or (lambda group: None)
+        self._useful: deque[tuple[str, bool]] = deque(maxlen=USEFUL_WINDOW)  # recent groups: (worker, carried signal?)
 
     @classmethod
     def from_section(cls, section: Any, batch_groups: int, on_drop: Callable[[Group, str], None] | None = None,
-                     seed: int = 0) -> StalenessBuffer:
-        """From `[buffer]` (`learner.config.BufferSection`)."""
+                     seed: int = 0, skip_uniform: bool = False,
+                     on_skip: Callable[[Group], None] | None = None) -> StalenessBuffer:
+        """From `[buffer]` (`learner.config.BufferSection`); `skip_uniform` is the config's resolved
+        `dynamic_sampling` (it depends on the loss: `LearnerConfig.dynamic_sampling`)."""
         return cls(section.type, section.max_staleness, batch_groups, section.queue_factor,
                    staleness_filter=section.staleness_filter, on_drop=on_drop, reuse=section.reuse,
-                   replay_size=section.replay_size, positive_bias=section.positive_bias, seed=seed)
+                   replay_size=section.replay_size, positive_bias=section.positive_bias, seed=seed,
+                   skip_uniform=skip_uniform, on_skip=on_skip)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -171,10 +191,33 @@ class StalenessBuffer:
         arrives = learner_version + 1 if self.taken_at == learner_version else learner_version
         return version <= learner_version and (not self.filters or arrives - version <= self.max_staleness)
 
+    @property
+    def useful_share(self) -> float:
+        """The share of recently accepted groups that were queued for training (1 without dynamic
+        sampling): a step needs `G / useful_share` groups generated. The median worker's share,
+        at least `MIN_USEFUL_SHARE`: a flood of uniform groups from a few identities would
+        otherwise have the scheduler rent machines for rollouts nobody trains."""
+        if not self.skip_uniform or not self._useful:
+            return 1.0
+        by_worker: dict[str, list[int]] = {}
+        for worker, useful in self._useful:
+            n = by_worker.setdefault(worker, [0, 0])
+            n[0] += useful
+            n[1] += 1
+        shares = sorted(u / n for u, n in by_worker.values())
+        return max(MIN_USEFUL_SHARE, shares[len(shares) // 2])
+
     def put(self, group: Group) -> None:
-        self._queue.append(group)
         self.stats.accepted += 1
         self.stats.sampled_length_sum += group.mean_length
+        if self.skip_uniform:
+            self._useful.append((group.worker_id, group.varied))
+            if not group.varied:
+                self.stats.skipped_uniform += 1
+                self.on_skip(group)
+                self._check()
+                return
+        self._queue.append(group)
         if self.policy == "queue-drop":
             while len(self._queue) > self.capacity:
                 self.stats.dropped_overflow += 1
@@ -284,6 +327,8 @@ class StalenessBuffer:
             "recycled": s.dropped_stale,
             "dropped_overflow": s.dropped_overflow,
             "dropped_untrusted": s.dropped_untrusted,
+            "skipped_uniform": s.skipped_uniform,
+            "useful_share": round(self.useful_share, 4),
             "sampled_mean_length": s.sampled_length_sum / s.accepted if s.accepted else 0.0,
             "trained_mean_length": s.trained_length_sum / s.trained if s.trained else 0.0,
             "replayed": s.replayed,
@@ -294,7 +339,8 @@ class StalenessBuffer:
 
     def _check(self) -> None:
         s = self.stats
-        assert s.accepted == s.trained + s.dropped_stale + s.dropped_overflow + s.dropped_untrusted + len(self._queue)
+        assert s.accepted == (s.trained + s.dropped_stale + s.dropped_overflow + s.dropped_untrusted
+                              + s.skipped_uniform + len(self._queue))
 
 
 def check_replay(reuse: int, replay_size: int, positive_bias: float, max_staleness: int) -> None:

@@ -149,6 +149,7 @@ class BufferSection(Section):
     backpressure: bool = Field(True, description="[buffer] backpressure: lease no prompts while q·G groups are queued, so workers idle instead of generating rollouts that would be dropped")
     reuse: int = Field(1, ge=1, le=64, description="[buffer] reuse: times one group may be trained while within S (1: no replay); a step then needs ceil(G / reuse) fresh groups and samples the rest from the replay pool (needs max_staleness >= 1)")
     replay_size: int = Field(0, ge=0, le=1_000_000, description="[buffer] replay_size: N, trained groups the replay pool keeps (0: q·G)")
+    dynamic_sampling: bool | None = Field(None, description="[buffer] dynamic_sampling: train only groups whose rewards differ (DAPO's dynamic sampling); groups of equal rewards are counted (skipped_uniform) and their prompts done. Default: on with [trainer] loss = 'grpo', where such a group has no advantage and only takes a batch's place (and a worker can send them at will), off with 'asymre', whose shifted baseline gives them one")
     positive_bias: float = Field(0.0, ge=0.0, lt=1.0, description="[buffer] positive_bias: δ; the replay pool keeps the freshest (1 - δ)N groups plus the freshest δN groups with a correct sample not among them (0: freshest only). Only groups whose rewards vary enter the pool (equal rewards: no advantage, no gradient), freshest by the version that generated them")
 
     @model_validator(mode="after")
@@ -363,6 +364,12 @@ class LearnerConfig(Section):
     def publish_every(self) -> int:
         """I: explicit, else S - 1 so the worst-case staleness stays within S."""
         return self.publish.every or max(1, self.buffer.max_staleness - 1)
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """`[buffer] dynamic_sampling` resolved: on by default where equal rewards carry no advantage."""
+        ds = self.buffer.dynamic_sampling
+        return self.trainer.loss == "grpo" if ds is None else ds
 
     @property
     def batch_rollouts(self) -> int:

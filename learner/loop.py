@@ -78,7 +78,8 @@ class Loop:
                     await self.publishing.publish()
                 step = record.step(trainer.updates, trainer.version, run.published_version, batch, stats,
                                    wait=t1 - t0, train=t2 - t1)
-                step.update(self.accounting.step(wait=t1 - t0, train=t2 - t1))
+                step.update(self.accounting.step(wait=t1 - t0, train=t2 - t1,
+                                                 useful_share=self.buffer.buffer.useful_share))
                 accuracy = await evaluation.stepped(trainer.version, published, last)
                 if accuracy is not None:
                     step["eval_accuracy"] = accuracy

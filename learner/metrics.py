@@ -37,6 +37,8 @@ class LearnerMetrics:
         self.queue = Gauge("echo_buffer_queue_groups", "Groups waiting in the buffer", registry=r)
         self.recycled = Gauge("echo_buffer_recycled_groups", "Groups dropped for exceeding max staleness", registry=r)
         self.overflow = Gauge("echo_buffer_overflow_groups", "Groups dropped by queue-drop's capacity", registry=r)
+        self.uniform = Gauge("echo_buffer_skipped_uniform_groups",
+                             "Groups of equal rewards not trained ([buffer] dynamic_sampling)", registry=r)
         self.staleness_avg = Gauge("echo_off_policy_staleness_avg", "Mean staleness of the last batch", registry=r)
         self.staleness_max = Gauge("echo_off_policy_staleness_max", "Max staleness of the last batch", registry=r)
         self.mismatch_kl = Gauge("echo_off_policy_mismatch_kl", "E_mu[log mu - log pi] of the last batch", registry=r)

@@ -47,6 +47,7 @@ class RunRecord:
         m.queue.set(buf["queue_size"])
         m.recycled.set(buf["recycled"])
         m.overflow.set(buf["dropped_overflow"])
+        m.uniform.set(buf["skipped_uniform"])
         m.staleness_avg.set(batch.avg_staleness)
         m.staleness_max.set(batch.max_staleness)
         m.mismatch_kl.set(stats["mismatch_kl"])
@@ -59,6 +60,7 @@ class RunRecord:
             "avg_staleness": batch.avg_staleness, "max_staleness": batch.max_staleness,
             "staleness": batch.staleness, **batch.reuse_fields(), "recycled": buf["recycled"],
             "queue_size": buf["queue_size"], "dropped_overflow": buf["dropped_overflow"],
+            "skipped_uniform": buf["skipped_uniform"],
             "sampled_mean_length": round(buf["sampled_mean_length"], 4),
             "trained_mean_length": round(buf["trained_mean_length"], 4),
             "wait_s": round(wait, 4), "train_s": round(train, 4), "idle_ratio": round(idle, 4),
@@ -86,7 +88,7 @@ class RunRecord:
             "eval_version_end": last_eval.version if last_eval else None,
             "wall_s": round(wall, 1), "learner_idle_ratio": round(self.waited / max(wall, 1e-9), 3),
             "groups_trained": buf["trained"], "recycled": buf["recycled"],
-            "dropped_overflow": buf["dropped_overflow"], "rejected": rejected,
+            "dropped_overflow": buf["dropped_overflow"], "skipped_uniform": buf["skipped_uniform"], "rejected": rejected,
             "leases_reissued": self.leases.stats.reissued, "dropped_reissued": self.leases.stats.dropped_reissued,
             "sampled_mean_length": round(buf["sampled_mean_length"], 3),
             "trained_mean_length": round(buf["trained_mean_length"], 3),

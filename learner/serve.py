@@ -29,7 +29,7 @@ from learner.publishing import Publishing
 from learner.record import RunRecord
 from learner.rundir import RunDir
 from learner.scheduling import make_fleet, make_provider, schedule
-from learner.stalls import NoInstalls
+from learner.stalls import NoInstalls, NoSignal
 from learner.status import StatusDisplay, banner
 from learner.train.dist import World
 from learner.verify import Rescorer
@@ -66,7 +66,9 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                      retry=recovery.pending, on_lease=ledger.leased, per_worker=WorkerCap.of(cfg.server))
     buffer = AsyncBuffer(StalenessBuffer.from_section(
         cfg.buffer, G, seed=cfg.run.seed,
-        on_drop=lambda group, reason: group.prompt and book.recycle(group.prompt)))  # dropped: issue it again
+        on_drop=lambda group, reason: group.prompt and book.recycle(group.prompt),  # dropped: issue it again
+        skip_uniform=cfg.dynamic_sampling,  # skipped: its prompt is done, as if trained now
+        on_skip=lambda group: ledger.trained(driver.version, [group.prompt_id])))
     run, links = Run(BlobStore(keep=cfg.publish.keep), version=trainer.version), link_table(b)
     metrics, waiters, cost = LearnerMetrics(), Waiters(), CostMeter(cfg.scheduler.learner_price_per_hour)
     display, log = StatusDisplay(cfg.run.steps, enabled=not as_json), RunLog(run_dir / "metrics.jsonl")
@@ -110,6 +112,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     workers.spawn(url)
     stalls = NoInstalls(60.0, display.note, run_dir / "workers")
     background = [api.reaping, asyncio.create_task(workers.watch()), asyncio.create_task(stalls.watch(api.registry, run))]
+    if cfg.dynamic_sampling:  # every group skipped for equal rewards: say why no batch fills
+        background.append(asyncio.create_task(NoSignal(8 * G, display.note).watch(buffer.buffer)))
     if fleet is not None:
         background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
                                                        display.note)))

@@ -1,4 +1,9 @@
-"""Say so when the run cannot start: workers joined, and none has installed a snapshot.
+"""Say so when the run cannot go on, and why, instead of waiting in silence.
+
+`NoSignal`: every group comes back with equal rewards (all wrong: a task too hard for the
+model; all right: too easy) and dynamic sampling skips them all, so no batch fills.
+
+`NoInstalls`: workers joined, and none has installed a snapshot.
 
 A worker that refuses every version (an adapter probe it cannot match, a snapshot of another
 shape) takes no leases and logs why on its own machine; the learner then waits for rollouts
@@ -40,3 +45,35 @@ class NoInstalls:
         while True:
             await asyncio.sleep(every_s)
             self.check(registry.alive(time.monotonic()), run.published_version, time.monotonic())
+
+
+class NoSignal:
+    """Note once per stall when the last `after` groups all had equal rewards and so were skipped
+    (`[buffer] dynamic_sampling`) while no batch was taken."""
+
+    def __init__(self, after: int, note: Callable[[str], None]):
+        self.after, self.note = after, note
+        self.seen = (0, 0)  # (groups with signal queued, groups trained) at the last check
+        self.since = 0  # skipped groups counted when either last changed
+        self.said = False
+
+    def check(self, stats) -> bool:
+        """`stats`: the buffer's `BufferStats`. Returns whether it noted now."""
+        seen = (stats.accepted - stats.skipped_uniform, stats.trained)
+        if seen != self.seen:  # a group with signal arrived, or a batch was taken: not stalled
+            self.seen, self.since, self.said = seen, stats.skipped_uniform, False
+        skipped = stats.skipped_uniform - self.since
+        if self.said or skipped < self.after:
+            return False
+        self.said = True
+        self.note(f"waiting: the last {skipped} groups all had equal rewards within each group, and "
+                  "no batch filled: under GRPO such a group has no advantage, so [buffer] dynamic_sampling skips it. "
+                  "The task is too hard (every answer wrong) or too easy for this model: warm-start the model "
+                  "(echo-rl build-model --warmup-steps), use a larger rollout.group_size, or set "
+                  "[buffer] dynamic_sampling = false to take steps without a gradient")
+        return True
+
+    async def watch(self, buffer, every_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            self.check(buffer.stats)

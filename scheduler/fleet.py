@@ -73,6 +73,7 @@ class Fleet:
         self._install_times: deque[float] = deque(maxlen=5)
         self.status: FleetStatus | None = None
         self.version_bytes = version_bytes  # one published version on the wire (prior, then measured)
+        self.useful_share = 1.0  # trainable share of generated groups (learner.buffer.useful_share)
         self.stopped = ""  # why every machine was released for good (the budget)
         if pool is not None:  # a static provider's pool entries become available when they join
             for c in pool.candidates():
@@ -197,8 +198,11 @@ class Fleet:
             cand.last_seen = now
             self.controller.observe(now, name, alive=True, rollouts_per_s=capacity_per_s if capacity_per_s > 0 else None)
 
-    def trained(self, seconds: float) -> None:
+    def trained(self, seconds: float, useful_share: float = 1.0) -> None:
+        """A step took `seconds`; of the groups generated lately, `useful_share` were trainable
+        (dynamic sampling skips the rest), so a step needs `batch / useful_share` rollouts."""
         self._train_times.append(seconds)
+        self.useful_share = min(1.0, max(useful_share, 1e-3))
 
     def broadcast(self, seconds: float) -> None:
         self._bcast_times.append(seconds)
@@ -241,7 +245,7 @@ class Fleet:
                                     alive=self.provider.launches_machines and not waiting and not self.stopped)
         infeasible, binding = "", ""
         try:  # learner-visible broadcast: reception by the workers, then their install
-            req = requirement(self.rule, batch=self.batch, t_train=self.t_train, t_bcast=self.t_bcast + self.install_s,
+            req = requirement(self.rule, batch=self.batch / self.useful_share, t_train=self.t_train, t_bcast=self.t_bcast + self.install_s,
                               publish_every=self.publish_every, max_staleness=self.max_staleness,
                               install_s=self.install_s)
             r_req, binding = req.r_req, req.binding

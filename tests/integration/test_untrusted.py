@@ -1002,3 +1002,47 @@ def test_the_operators_status_is_fresh_and_the_workers_view_is_shared(tokenizer,
         assert room.status_json(False, now=101.0) != first
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_a_flood_of_groups_without_an_advantage_is_not_trained(learner_factory, tiny_model):
+    """A worker answering every prompt right in every sample (every claim true, so no check
+    fires) fills no batch with dynamic sampling: its groups are counted and skipped, each batch
+    is groups whose rewards differ, so no step's mean reward is 0 or 1. Trained, such a flood
+    made every step the attacker's (training reward 1.000) and accuracy fell from 0.74 to 0.2."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    steps = 4
+    lp = learner_factory(run={"steps": steps}, buffer={"max_staleness": 2, "dynamic_sampling": True},
+                         rollout={"group_size": 8}, verify={"ban_address": False})
+    lp.worker("honest")
+    joined = lp.join_reply("flood")
+    wid, cred = joined["worker_id"], joined["credential"]
+    flooded, version = 0, 0
+    while lp.proc.poll() is None:
+        try:
+            status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 4, "version": version, "wait_s": 1},
+                                       token=cred)
+        except OSError:  # the learner finished and closed its port
+            break
+        if status == 200 and lease.get("snapshot"):
+            version = lease["snapshot"]["version"]
+        if status != 200 or not lease.get("lease_id") or lease.get("eval_version") is not None:
+            continue
+        groups = []
+        for p in lease["prompts"]:
+            answer = str(eval(p["text"].split("=")[0].split(":")[-1].strip()))  # noqa: S307 (the task's own sums)
+            ids = tok(answer + tok.eos_token, add_special_tokens=False)["input_ids"]
+            groups.append(GroupMsg(p["id"], lease["snapshot"]["version"],
+                                   [SampleMsg(ids, [-0.05] * len(ids), 1.0) for _ in range(8)]))
+        with contextlib.suppress(OSError):
+            status, body = lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
+                                      content_type=CONTENT_TYPE, token=cred)
+            flooded += len(groups) if status == 200 else 0
+    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    steps_logged = lp.records()
+    assert len(steps_logged) == steps and all(0.0 < s["reward_mean"] < 1.0 for s in steps_logged), \
+        [s["reward_mean"] for s in steps_logged]
+    assert summary["groups_trained"] == steps * 4
+    assert flooded >= 8 and summary["skipped_uniform"] >= flooded

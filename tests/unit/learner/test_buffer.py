@@ -254,3 +254,57 @@ def test_replay_keeps_only_groups_with_a_gradient_freshest_by_generation_version
     assert not same.varied and scored(0, "x").varied
     assert [g.prompt_id for g in buf._replay] == ["late-v2", "v3a"]  # N = 2 freshest by version, not by arrival
     assert buf.metrics()["reuse_counts"] == {1: 4}  # every group counted once, in the pool or retired
+
+
+# --- dynamic sampling ------------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_skips_groups_of_equal_rewards_and_counts_them():
+    """A flood of all-correct groups (every claim true) neither fills a batch nor advances the
+    learner: the batch is the groups that carry signal, and each skipped prompt is reported done."""
+    done = []
+    buf = StalenessBuffer("queue-drop", max_staleness=4, batch_groups=2, queue_factor=2,
+                          skip_uniform=True, on_skip=lambda g: done.append(g.prompt_id))
+    for i in range(50):
+        buf.put(Group(f"flood{i}", 0, [1], [[5], [5]], [[-0.1]] * 2, [1.0, 1.0], worker_id="sybil"))
+    assert buf.take(0) is None and len(buf) == 0  # nothing to train, nothing pushed out
+    buf.put(scored(0, "a", 1.0))
+    buf.put(scored(0, "b", 1.0))
+    batch = buf.take(0)
+    assert [g.prompt_id for g in batch.groups] == ["a", "b"]
+    m = buf.metrics()
+    assert m["skipped_uniform"] == 50 and len(done) == 50 and m["dropped_overflow"] == 0
+    assert m["accepted"] == 52 and m["trained"] == 2  # the invariant counts the skipped groups
+
+
+def test_without_dynamic_sampling_equal_rewards_are_trained():
+    buf = StalenessBuffer("queue-drop", max_staleness=4, batch_groups=2, queue_factor=2)
+    for i in range(2):
+        buf.put(Group(f"u{i}", 0, [1], [[5], [5]], [[-0.1]] * 2, [1.0, 1.0]))
+    assert len(buf.take(0).groups) == 2 and buf.useful_share == 1.0
+
+
+def test_useful_share_is_the_median_workers_and_a_flood_cannot_push_it_below_the_floor():
+    buf = StalenessBuffer("queue-drop", max_staleness=4, batch_groups=2, queue_factor=100, skip_uniform=True)
+    for i in range(40):  # two honest workers: half their groups carry signal
+        for w in ("w1", "w2"):
+            g = scored(0, f"{w}-{i}", 1.0) if i % 2 else Group(f"{w}-{i}u", 0, [1], [[5]], [[-0.1]], [0.0])
+            g.worker_id = w
+            buf.put(g)
+    assert buf.useful_share == pytest.approx(0.5)
+    for i in range(150):  # one identity floods: the median worker is still an honest one
+        buf.put(Group(f"f{i}", 0, [1], [[5]], [[-0.1]], [1.0], worker_id="sybil"))
+    assert buf.useful_share == pytest.approx(0.5, abs=0.1)
+    for s in range(3):  # a majority of flooding identities: the floor bounds what the scheduler would rent
+        for i in range(60):
+            buf.put(Group(f"s{s}-{i}", 0, [1], [[5]], [[-0.1]], [1.0], worker_id=f"sybil{s}"))
+    from learner.buffer import MIN_USEFUL_SHARE
+    assert buf.useful_share == MIN_USEFUL_SHARE
+
+
+def test_dynamic_sampling_defaults_on_for_grpo_and_off_for_asymre():
+    from learner.config import LearnerConfig
+
+    assert LearnerConfig().dynamic_sampling is True
+    assert LearnerConfig.model_validate({"trainer": {"loss": "asymre"}}).dynamic_sampling is False
+    assert LearnerConfig.model_validate({"buffer": {"dynamic_sampling": False}}).dynamic_sampling is False

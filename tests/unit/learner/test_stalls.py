@@ -32,3 +32,22 @@ def test_no_note_without_workers_a_publication_or_with_only_quarantined_ones():
     assert not stalls.check([worker(-1)], published=-1, now=1e6)
     assert not stalls.check([worker(-1, quarantined="forged")], published=0, now=1e6)
     assert not notes
+
+
+def test_no_signal_notes_once_when_every_group_is_skipped_and_again_after_progress():
+    from learner.buffer import BufferStats
+    from learner.stalls import NoSignal
+
+    notes = []
+    watch, stats = NoSignal(after=16, note=notes.append), BufferStats()
+    stats.accepted = stats.skipped_uniform = 15
+    assert not watch.check(stats)
+    stats.accepted = stats.skipped_uniform = 16
+    assert watch.check(stats) and "equal rewards" in notes[0] and "dynamic_sampling = false" in notes[0]
+    stats.accepted = stats.skipped_uniform = 40
+    assert not watch.check(stats)  # once per stall
+    stats.accepted, stats.trained = 41, 1  # a group with signal came, a batch was taken: a new stall may be noted
+    assert not watch.check(stats)
+    stats.accepted = stats.skipped_uniform = stats.skipped_uniform + 16
+    stats.accepted += 1
+    assert watch.check(stats) and len(notes) == 2
