@@ -12,19 +12,21 @@ Three pieces of evidence, each kept per worker:
   to kernels and dtype; a group `k` versions old differs by the drift of `k` updates, which the
   learner measures on the whole fleet: the median gap of recent groups at staleness `k`
   (`Drift`), one vote per worker and never the judged worker's own, robust to a dishonest
-  minority of workers. A worker is judged on its *excess*: its mean
-  Σ|log π − log μ| per token beyond that drift; past `max_logprob_gap` nats it is dishonest.
-  Labelling a group older (or newer) than it is buys nothing: the excess is measured at the
-  staleness the label claims.
+  minority of workers; once a worker with *standing* (its own checked work passed) is heard at
+  that staleness, only such workers vote, so a new identity has none. A worker is judged on its
+  *excess*: its mean Σ|log π − log μ| per token beyond that drift; past `max_logprob_gap` nats
+  it is dishonest. Labelling a group older (or newer) than it is buys nothing: the excess is
+  measured at the staleness the label claims.
 - **Tokens.** Right μ for chosen tokens passes the log-prob check: a worker can write what it
   likes (greedy answers, a trigger phrase, "Hail to the Thief"'s poisoned completions with right
   rewards) and report π honestly. Sampled tokens betray themselves statistically: under π a
   token's surprisal −log π has the entropy as its mean and a known variance whatever came before,
   so over a worker's recent checked tokens z = Σ(surprisal − entropy) / √Σ variance is a standard
   normal. A worker is judged on z beyond the fleet's own at the groups' staleness (the drift of a
-  stale version, and the engines' numerics, are the fleet's too): past `max_token_z` it chose its
-  tokens (z < 0: likelier than sampling, such as greedy; z > 0: a phrase π would rarely say), and
-  past `max_outside_nucleus` of its tokens outside π's top-p nucleus, which sampling never gives.
+  stale version, and the engines' numerics, are the fleet's too, voted on the same way): past
+  `max_token_z` it chose its tokens (z < 0: likelier than sampling, such as greedy; z > 0: a
+  phrase π would rarely say), and past `max_outside_nucleus` of its tokens outside π's top-p
+  nucleus, which sampling never gives.
 - **Claims.** A worker's heartbeat says how fast it generates. The learner believes it up to
   `capacity_claim_factor` times the rate it measured itself on the worker's leases (issue to
   upload, an underestimate of the true rate), and not at all before one lease came back.
@@ -106,8 +108,21 @@ class Drift:
 
     A worker is held to the *other* workers' drift, one vote each (each its median): counted by
     groups and with its own, a forger sending most of a staleness's recent groups set the drift it
-    was judged against (μ = -50 nats/token passed with an excess of 0). A worker alone at a
-    staleness is held to the fresh bound."""
+    was judged against (μ = -50 nats/token passed with an excess of 0). Only workers with
+    *standing* vote (`Verifier._judge`: enough of their own work checked to judge them, and no
+    verdict) wherever one of them has a recent group, the judged worker included: with a vote
+    each, three new identities beside one honest worker were the drift (they passed, and the
+    honest worker's sampled tokens read as greedy). Until then (the start of a run, a staleness
+    no worker with standing has one of the last `DRIFT_WINDOW` groups at), every worker not
+    judged dishonest votes, so a fleet earns standing at any staleness, from stale work alone
+    too. A worker with no other vote is held to the fresh bound: a worker alone at a staleness,
+    or the only one with standing there.
+
+    Still open: forgers outnumbering the honest workers with standing at a staleness set its
+    drift, each identity having earned standing with checked work that passed (`min_gap_tokens`
+    of its log-probs, `min_token_checks` of its tokens); and where no worker with standing is
+    heard, identities without it outnumbering the others still set it, as before: a staleness the
+    honest fleet does not send, or whose last `DRIFT_WINDOW` groups were all the forgers'."""
 
     def __init__(self, fresh: bool = False) -> None:
         self._recent: dict[int, deque] = {}
@@ -118,18 +133,23 @@ class Drift:
             self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append((worker, gap_sum / tokens))
 
     def voters(self, stalenesses: set) -> set:
-        """The workers with a vote at any of `stalenesses`."""
+        """The workers with a recent group at any of `stalenesses`."""
         return {w for k in stalenesses for w, _ in self._recent.get(k, ())}
 
-    def at(self, staleness: int, excluding: str | set = "") -> float:
-        """The drift at `staleness`, without the votes of the worker(s) `excluding`."""
+    def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
+        """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
+        of `standing` is among those with a recent group there (the judged one included), only
+        the workers of `standing` vote."""
         recent = self._recent.get(staleness)
         if staleness < self._first or not recent:
             return 0.0
         skip = {excluding} if isinstance(excluding, str) else excluding
+        heard = {worker for worker, _ in recent}
+        if heard & standing:
+            heard &= standing
         by_worker: dict[str, list[float]] = {}
         for worker, gap in recent:
-            if not worker or worker not in skip:
+            if worker in heard and worker not in skip:
                 by_worker.setdefault(worker, []).append(gap)
         if not by_worker:
             return 0.0
@@ -143,8 +163,8 @@ class _Check:
 
     drift: Drift
     tokens: Callable[[tuple], int]  # the tokens a group's Σ is over: its per-token value in the drift is Σ / tokens
-    add: Callable[[Evidence, tuple, float], None]  # a group's evidence beyond the drift at its staleness, into a worker's
-    enough: Callable[[Evidence], bool]  # enough of a worker's work checked to judge it
+    add: Callable[[Evidence, tuple, float], None]  # a group's evidence beyond the drift there, into a worker's
+    enough: Callable[[Evidence], bool]  # enough of a worker's work checked to judge it (and, passing, to vote)
     verdict: Callable[[str, Evidence], Verdict | None]  # on enough evidence: dishonest?
 
 
@@ -162,8 +182,8 @@ class Verifier:
         self.token_drift = Drift(fresh=True)  # the fleet's per-token surprisal − entropy, by staleness
         self._gaps = _Check(self.drift, tokens=lambda g: g[3], add=self._add_gap, verdict=self._gap_verdict,
                             enough=lambda ev: ev.gap_tokens >= self.cfg.min_gap_tokens)
-        self._tokens = _Check(self.token_drift, tokens=lambda g: int(g[4]), add=self._add_tokens, verdict=self._token_verdict,
-                              enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks)
+        self._tokens = _Check(self.token_drift, tokens=lambda g: int(g[4]), add=self._add_tokens,
+                              verdict=self._token_verdict, enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks)
         self._rng = random.Random(seed)
 
     def _of(self, worker_id: str) -> Evidence:
@@ -206,35 +226,42 @@ class Verifier:
         entropy), Σ variance, tokens inside π's nucleus, outside it). The fleet's drift learns
         from all of them first; then each worker is judged on its recent window, against the
         other workers' drift (one vote each; none for workers judged dishonest, before or by a
-        first pass over this batch, or by their log-probs): pooled, forgers' groups moved the drift
-        so far that an honest worker's sampled tokens read as greedy (z = -10.5) and it was
-        quarantined. Forgers outnumbering the honest workers at a staleness still set it."""
+        first pass over this batch, or by their log-probs; only with standing, `Drift`): pooled,
+        forgers' groups moved the drift so far that an honest worker's sampled tokens read as
+        greedy (z = -10.5) and it was quarantined."""
         return self._judge(self._tokens, groups, also=(self._gaps,))
 
     def _judge(self, check: _Check, groups: list[tuple], also: tuple[_Check, ...] = ()) -> list[Verdict]:
         """One batch of `check`'s evidence, per group (worker id, staleness, Σ, ...): recorded into
-        the fleet's drift, then each worker judged against the other workers' drift. Twice: the
-        workers judged dishonest before (by `check`, or by any of `also`), and those the first
-        pass finds dishonest, have no vote in the second (three forgers' medians of 47, 1e30 and
-        4 nats let the one at 4 pass beside one honest worker)."""
+        the fleet's drift, then each worker judged against the other workers' drift. A worker has
+        *standing* (a vote wherever one with standing is heard) when enough of its work was checked
+        to judge it, before this batch, and no verdict stands against it. Twice: the workers
+        judged dishonest before (by `check`, or by any of `also`), and those the first pass finds
+        dishonest, have no vote in the second (three forgers' medians of 47, 1e30 and 4 nats let
+        the one at 4 pass beside one honest worker)."""
         for group in groups:
             check.drift.add(group[1], group[2], check.tokens(group), group[0])
-        judged = {w for w in check.drift.voters({g[1] for g in groups}) if w in self.evidence
-                  and any(self._verdict(c, w, self.evidence[w]) is not None for c in (check, *also))}
-        dishonest = judged | {v.worker_id for v in self._judge_pass(check, groups, judged, record=False)}
-        return self._judge_pass(check, groups, dishonest, record=True)
+        heard = {w for w in check.drift.voters({g[1] for g in groups}) if w in self.evidence}
+        judged = {w for w in heard
+                  if any(self._verdict(c, w, self.evidence[w]) is not None for c in (check, *also))}
+        standing = {w for w in heard - judged if check.enough(self.evidence[w])}
+        dishonest = judged | {v.worker_id for v in self._judge_pass(check, groups, judged, standing, record=False)}
+        return self._judge_pass(check, groups, dishonest, standing, record=True)
 
-    def _judge_pass(self, check: _Check, groups: list[tuple], unheard: set, record: bool) -> list[Verdict]:
+    def _judge_pass(self, check: _Check, groups: list[tuple], unheard: set, standing: set,
+                    record: bool) -> list[Verdict]:
         """Each worker's evidence with this batch's added, each group beyond the drift at its
-        staleness without the votes of `unheard` and the worker's own; kept if `record`."""
+        staleness without the votes of `unheard` and the worker's own (and, where a worker with
+        standing is heard, of those without); kept if `record`."""
         evidence: dict[str, Evidence] = {}
+        voting = standing - unheard
         for group in groups:
             worker_id, staleness = group[0], group[1]
             if not worker_id:
                 continue
             if worker_id not in evidence:
                 evidence[worker_id] = self._of(worker_id) if record else self._of(worker_id).copy()
-            check.add(evidence[worker_id], group, check.drift.at(staleness, excluding=unheard | {worker_id}))
+            check.add(evidence[worker_id], group, check.drift.at(staleness, unheard | {worker_id}, voting))
         return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]
 
     @staticmethod
