@@ -63,7 +63,7 @@ class HttpTransport(Transport):
     # -- client half -----------------------------------------------------------------------------
     def _read(self) -> dict[str, str]:
         """Every request presents the node's read ticket, as renewed now."""
-        return {"Authorization": f"Bearer {self.node.read_token}"} if getattr(self.node, "read_token", None) else {}
+        return {"Authorization": f"Bearer {self.node.read_token}"} if self.node.read_token else {}
 
     async def push(self, url: str, body: Any) -> tuple[int, str]:
         async with self._session.post(f"{url}{PREFIX}/push", data=body,

@@ -12,19 +12,21 @@ Three pieces of evidence, each kept per worker:
   to kernels and dtype; a group `k` versions old differs by the drift of `k` updates, which the
   learner measures on the whole fleet: the median gap of recent groups at staleness `k`
   (`Drift`), one vote per worker and never the judged worker's own, robust to a dishonest
-  minority of workers. A worker is judged on its *excess*: its mean
-  Σ|log π − log μ| per token beyond that drift; past `max_logprob_gap` nats it is dishonest.
-  Labelling a group older (or newer) than it is buys nothing: the excess is measured at the
-  staleness the label claims.
+  minority of workers; once a worker with *standing* (its own checked work passed) is heard at
+  that staleness, only such workers vote, so a new identity has none. A worker is judged on its
+  *excess*: its mean Σ|log π − log μ| per token beyond that drift; past `max_logprob_gap` nats
+  it is dishonest. Labelling a group older (or newer) than it is buys nothing: the excess is
+  measured at the staleness the label claims.
 - **Tokens.** Right μ for chosen tokens passes the log-prob check: a worker can write what it
   likes (greedy answers, a trigger phrase, "Hail to the Thief"'s poisoned completions with right
   rewards) and report π honestly. Sampled tokens betray themselves statistically: under π a
   token's surprisal −log π has the entropy as its mean and a known variance whatever came before,
   so over a worker's recent checked tokens z = Σ(surprisal − entropy) / √Σ variance is a standard
   normal. A worker is judged on z beyond the fleet's own at the groups' staleness (the drift of a
-  stale version, and the engines' numerics, are the fleet's too): past `max_token_z` it chose its
-  tokens (z < 0: likelier than sampling, such as greedy; z > 0: a phrase π would rarely say), and
-  past `max_outside_nucleus` of its tokens outside π's top-p nucleus, which sampling never gives.
+  stale version, and the engines' numerics, are the fleet's too, voted on the same way): past
+  `max_token_z` it chose its tokens (z < 0: likelier than sampling, such as greedy; z > 0: a
+  phrase π would rarely say), and past `max_outside_nucleus` of its tokens outside π's top-p
+  nucleus, which sampling never gives.
 - **Claims.** A worker's heartbeat says how fast it generates. The learner believes it up to
   `capacity_claim_factor` times the rate it measured itself on the worker's leases (issue to
   upload, an underestimate of the true rate), and not at all before one lease came back.
@@ -37,7 +39,8 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from echo.episodes import Episodes
 
@@ -68,8 +71,13 @@ class Evidence:
         return sum(c[0] for c in self.token_checks) / variance ** 0.5 if variance > 0 else 0.0
 
     @property
+    def checked_tokens(self) -> int:
+        """Tokens in its recent token checks, inside π's nucleus or not."""
+        return sum(c[2] + c[3] for c in self.token_checks)
+
+    @property
     def outside_share(self) -> float:
-        counted = sum(c[2] + c[3] for c in self.token_checks)
+        counted = self.checked_tokens
         return sum(c[3] for c in self.token_checks) / counted if counted else 0.0
 
     @property
@@ -79,6 +87,11 @@ class Evidence:
     @property
     def mean_gap(self) -> float:
         return self.gap_sum / self.gap_tokens if self.gap_tokens else 0.0
+
+    def copy(self) -> Evidence:
+        """To add a batch to without keeping it (a first pass)."""
+        return replace(self, rewards=deque(self.rewards, maxlen=WINDOW),
+                       token_checks=deque(self.token_checks, maxlen=TOKEN_WINDOW))
 
 
 @dataclass(frozen=True)
@@ -95,8 +108,21 @@ class Drift:
 
     A worker is held to the *other* workers' drift, one vote each (each its median): counted by
     groups and with its own, a forger sending most of a staleness's recent groups set the drift it
-    was judged against (μ = -50 nats/token passed with an excess of 0). A worker alone at a
-    staleness is held to the fresh bound."""
+    was judged against (μ = -50 nats/token passed with an excess of 0). Only workers with
+    *standing* vote (`Verifier._judge`: enough of their own work checked to judge them, and no
+    verdict) wherever one of them has a recent group, the judged worker included: with a vote
+    each, three new identities beside one honest worker were the drift (they passed, and the
+    honest worker's sampled tokens read as greedy). Until then (the start of a run, a staleness
+    no worker with standing has one of the last `DRIFT_WINDOW` groups at), every worker not
+    judged dishonest votes, so a fleet earns standing at any staleness, from stale work alone
+    too. A worker with no other vote is held to the fresh bound: a worker alone at a staleness,
+    or the only one with standing there.
+
+    Still open: forgers outnumbering the honest workers with standing at a staleness set its
+    drift, each identity having earned standing with checked work that passed (`min_gap_tokens`
+    of its log-probs, `min_token_checks` of its tokens); and where no worker with standing is
+    heard, identities without it outnumbering the others still set it, as before: a staleness the
+    honest fleet does not send, or whose last `DRIFT_WINDOW` groups were all the forgers'."""
 
     def __init__(self, fresh: bool = False) -> None:
         self._recent: dict[int, deque] = {}
@@ -107,22 +133,39 @@ class Drift:
             self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append((worker, gap_sum / tokens))
 
     def voters(self, stalenesses: set) -> set:
-        """The workers with a vote at any of `stalenesses`."""
+        """The workers with a recent group at any of `stalenesses`."""
         return {w for k in stalenesses for w, _ in self._recent.get(k, ())}
 
-    def at(self, staleness: int, excluding: str | set = "") -> float:
-        """The drift at `staleness`, without the votes of the worker(s) `excluding`."""
+    def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
+        """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
+        of `standing` is among those with a recent group there (the judged one included), only
+        the workers of `standing` vote."""
         recent = self._recent.get(staleness)
         if staleness < self._first or not recent:
             return 0.0
         skip = {excluding} if isinstance(excluding, str) else excluding
+        heard = {worker for worker, _ in recent}
+        if heard & standing:
+            heard &= standing
         by_worker: dict[str, list[float]] = {}
         for worker, gap in recent:
-            if not worker or worker not in skip:
+            if worker in heard and worker not in skip:
                 by_worker.setdefault(worker, []).append(gap)
         if not by_worker:
             return 0.0
         return _median([_median(gaps) for gaps in by_worker.values()])
+
+
+@dataclass(frozen=True)
+class _Check:
+    """What the log-prob and the token check differ in (`Verifier._judge` is what they share). A
+    group is a tuple (worker id, staleness, Σ over its tokens, ...)."""
+
+    drift: Drift
+    tokens: Callable[[tuple], int]  # the tokens a group's Σ is over: its per-token value in the drift is Σ / tokens
+    add: Callable[[Evidence, tuple, float], None]  # a group's evidence beyond the drift there, into a worker's
+    enough: Callable[[Evidence], bool]  # enough of a worker's work checked to judge it (and, passing, to vote)
+    verdict: Callable[[str, Evidence], Verdict | None]  # on enough evidence: dishonest?
 
 
 def _median(values: list[float]) -> float:
@@ -137,6 +180,10 @@ class Verifier:
         self.checked = self.mismatched = 0  # rewards recomputed, and how many disagreed, over the run
         self.drift = Drift()
         self.token_drift = Drift(fresh=True)  # the fleet's per-token surprisal − entropy, by staleness
+        self._gaps = _Check(self.drift, tokens=lambda g: g[3], add=self._add_gap, verdict=self._gap_verdict,
+                            enough=lambda ev: ev.gap_tokens >= self.cfg.min_gap_tokens)
+        self._tokens = _Check(self.token_drift, tokens=lambda g: int(g[4]), add=self._add_tokens,
+                              verdict=self._token_verdict, enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks)
         self._rng = random.Random(seed)
 
     def _of(self, worker_id: str) -> Evidence:
@@ -172,88 +219,81 @@ class Verifier:
     def logprobs_checked(self, groups: list[tuple[str, int, float, int]]) -> list[Verdict]:
         """One batch's gaps: per group (worker id, staleness, Σ|log π − log μ|, tokens). The
         fleet's drift learns from all of them first; then each worker is judged on its excess."""
-        for worker_id, staleness, gap_sum, tokens in groups:
-            self.drift.add(staleness, gap_sum, tokens, worker_id)
-        # Twice: the workers the first pass finds dishonest have no vote in the second (three
-        # forgers' medians of 47, 1e30 and 4 nats let the one at 4 pass beside one honest worker).
-        judged = {w for w in self.drift.voters({g[1] for g in groups}) if w in self.evidence
-                  and self.evidence[w].gap_tokens >= self.cfg.min_gap_tokens
-                  and self.evidence[w].mean_gap > self.cfg.max_logprob_gap}
-        dishonest = judged | {v.worker_id for v in self._judge_gaps(groups, judged, record=False)}
-        return self._judge_gaps(groups, dishonest, record=True)
-
-    def _judge_gaps(self, groups: list[tuple[str, int, float, int]], unheard: set, record: bool) -> list[Verdict]:
-        excess: dict[str, list[float]] = {}  # worker -> [Σ excess, tokens] of this batch
-        for worker_id, staleness, gap_sum, tokens in groups:
-            if tokens <= 0 or not worker_id:
-                continue
-            drift = self.drift.at(staleness, excluding=unheard | {worker_id})
-            acc = excess.setdefault(worker_id, [0.0, 0])
-            acc[0] += max(0.0, gap_sum - tokens * drift)
-            acc[1] += tokens
-        verdicts = []
-        for worker_id, (gap, tokens) in excess.items():
-            ev = self._of(worker_id)
-            gap_sum, gap_tokens = ev.gap_sum + gap, ev.gap_tokens + tokens
-            if record:
-                ev.gap_sum, ev.gap_tokens = gap_sum, gap_tokens
-            mean = gap_sum / gap_tokens if gap_tokens else 0.0
-            if gap_tokens >= self.cfg.min_gap_tokens and mean > self.cfg.max_logprob_gap:
-                verdicts.append(Verdict(worker_id, "logprobs",
-                                        f"its behaviour log-probs differ from the trainer's by {mean:.3f} nats "
-                                        f"per token beyond the fleet's drift at their staleness, on {gap_tokens} "
-                                        f"tokens (allowed {self.cfg.max_logprob_gap})"))
-        return verdicts
+        return self._judge(self._gaps, [g for g in groups if g[3] > 0])
 
     def tokens_checked(self, groups: list[tuple[str, int, float, float, float, float]]) -> list[Verdict]:
         """One batch's token checks: per checked group (worker id, staleness, Σ(surprisal −
         entropy), Σ variance, tokens inside π's nucleus, outside it). The fleet's drift learns
         from all of them first; then each worker is judged on its recent window, against the
         other workers' drift (one vote each; none for workers judged dishonest, before or by a
-        first pass over this batch, or by their log-probs): pooled, forgers' groups moved the drift
-        so far that an honest worker's sampled tokens read as greedy (z = -10.5) and it was
-        quarantined. Forgers outnumbering the honest workers at a staleness still set it."""
-        for worker_id, staleness, excess, _, inside, _ in groups:
-            self.token_drift.add(staleness, excess, int(inside), worker_id)
-        voters = self.token_drift.voters({g[1] for g in groups})
-        judged = {w for w in voters if w in self.evidence and (  # by its tokens, or its log-probs
-                  self._token_verdict(w, list(self.evidence[w].token_checks)) is not None
-                  or (self.evidence[w].gap_tokens >= self.cfg.min_gap_tokens
-                      and self.evidence[w].mean_gap > self.cfg.max_logprob_gap))}
-        dishonest = judged | {v.worker_id for v in self._judge_tokens(groups, judged, record=False)}
-        return self._judge_tokens(groups, dishonest, record=True)
+        first pass over this batch, or by their log-probs; only with standing, `Drift`): pooled,
+        forgers' groups moved the drift so far that an honest worker's sampled tokens read as
+        greedy (z = -10.5) and it was quarantined."""
+        return self._judge(self._tokens, groups, also=(self._gaps,))
 
-    def _judge_tokens(self, groups, unheard: set, record: bool) -> list[Verdict]:
-        checks: dict[str, list[tuple]] = {}
-        for worker_id, staleness, excess, variance, inside, outside in groups:
+    def _judge(self, check: _Check, groups: list[tuple], also: tuple[_Check, ...] = ()) -> list[Verdict]:
+        """One batch of `check`'s evidence, per group (worker id, staleness, Σ, ...): recorded into
+        the fleet's drift, then each worker judged against the other workers' drift. A worker has
+        *standing* (a vote wherever one with standing is heard) when enough of its work was checked
+        to judge it, before this batch, and no verdict stands against it. Twice: the workers
+        judged dishonest before (by `check`, or by any of `also`), and those the first pass finds
+        dishonest, have no vote in the second (three forgers' medians of 47, 1e30 and 4 nats let
+        the one at 4 pass beside one honest worker)."""
+        for group in groups:
+            check.drift.add(group[1], group[2], check.tokens(group), group[0])
+        heard = {w for w in check.drift.voters({g[1] for g in groups}) if w in self.evidence}
+        judged = {w for w in heard
+                  if any(self._verdict(c, w, self.evidence[w]) is not None for c in (check, *also))}
+        standing = {w for w in heard - judged if check.enough(self.evidence[w])}
+        dishonest = judged | {v.worker_id for v in self._judge_pass(check, groups, judged, standing, record=False)}
+        return self._judge_pass(check, groups, dishonest, standing, record=True)
+
+    def _judge_pass(self, check: _Check, groups: list[tuple], unheard: set, standing: set,
+                    record: bool) -> list[Verdict]:
+        """Each worker's evidence with this batch's added, each group beyond the drift at its
+        staleness without the votes of `unheard` and the worker's own (and, where a worker with
+        standing is heard, of those without); kept if `record`."""
+        evidence: dict[str, Evidence] = {}
+        voting = standing - unheard
+        for group in groups:
+            worker_id, staleness = group[0], group[1]
             if not worker_id:
                 continue
-            drift = self.token_drift.at(staleness, excluding=unheard | {worker_id})
-            checks.setdefault(worker_id, []).append((excess - inside * drift, variance, int(inside), int(outside)))
-        verdicts = []
-        for worker_id, new in checks.items():
-            window = deque(self._of(worker_id).token_checks, maxlen=TOKEN_WINDOW)
-            window.extend(new)
-            if record:
-                self._of(worker_id).token_checks = window
-            verdict = self._token_verdict(worker_id, list(window))
-            if verdict is not None:
-                verdicts.append(verdict)
-        return verdicts
+            if worker_id not in evidence:
+                evidence[worker_id] = self._of(worker_id) if record else self._of(worker_id).copy()
+            check.add(evidence[worker_id], group, check.drift.at(staleness, unheard | {worker_id}, voting))
+        return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]
 
-    def _token_verdict(self, worker_id: str, window: list[tuple]) -> Verdict | None:
-        ev = Evidence(token_checks=deque(window, maxlen=TOKEN_WINDOW))
-        counted = sum(c[2] + c[3] for c in window)
-        if counted < self.cfg.min_token_checks:
+    @staticmethod
+    def _verdict(check: _Check, worker_id: str, ev: Evidence) -> Verdict | None:
+        return check.verdict(worker_id, ev) if check.enough(ev) else None
+
+    def _add_gap(self, ev: Evidence, group: tuple, drift: float) -> None:
+        _, _, gap_sum, tokens = group
+        ev.gap_sum += max(0.0, gap_sum - tokens * drift)
+        ev.gap_tokens += tokens
+
+    def _gap_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
+        if ev.mean_gap <= self.cfg.max_logprob_gap:
             return None
+        return Verdict(worker_id, "logprobs",
+                       f"its behaviour log-probs differ from the trainer's by {ev.mean_gap:.3f} nats "
+                       f"per token beyond the fleet's drift at their staleness, on {ev.gap_tokens} "
+                       f"tokens (allowed {self.cfg.max_logprob_gap})")
+
+    def _add_tokens(self, ev: Evidence, group: tuple, drift: float) -> None:
+        _, _, excess, variance, inside, outside = group
+        ev.token_checks.append((excess - inside * drift, variance, int(inside), int(outside)))
+
+    def _token_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
         if abs(ev.token_z) > self.cfg.max_token_z:
             return Verdict(worker_id, "tokens", (
                 f"its tokens were not sampled from the policy: their surprisal lies {ev.token_z:+.1f} standard "
                 f"deviations from the entropy ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
-                f"gives) over its last {counted} checked tokens (allowed {self.cfg.max_token_z:g})"))
+                f"gives) over its last {ev.checked_tokens} checked tokens (allowed {self.cfg.max_token_z:g})"))
         if ev.outside_share > self.cfg.max_outside_nucleus:
             return Verdict(worker_id, "tokens", (
-                f"{ev.outside_share:.1%} of its last {counted} checked tokens lie outside the policy's top-p "
+                f"{ev.outside_share:.1%} of its last {ev.checked_tokens} checked tokens lie outside the policy's top-p "
                 f"nucleus, which sampling never gives (allowed {self.cfg.max_outside_nucleus:.0%})"))
         return None
 

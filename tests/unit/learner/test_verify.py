@@ -81,3 +81,70 @@ def test_forgers_cannot_move_the_token_drift_onto_an_honest_worker():
         groups += [(f"liar{i}", 2, 3.0 * 40, 40.0, 40.0, 0.0) for i in range(3)]
         verdicts += v.tokens_checked(groups)
     assert {d.worker_id for d in verdicts} == {"forger", "liar0", "liar1", "liar2"}
+
+
+def test_sybils_without_standing_have_no_vote_on_the_drift():
+    """One honest worker whose checked work passed (standing) beside three new identities sending
+    stale groups with μ 50 nats/token off: one vote each, the sybils were the drift (each passed
+    with an excess of 0). Only workers with standing vote where one is heard: they are caught."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    for _ in range(2):  # alone at staleness 3, held to the fresh bound: 80 tokens that pass
+        assert v.logprobs_checked(batch({"honest": 0.05}, staleness=3)) == []
+    verdicts = []
+    for _ in range(3):
+        verdicts += v.logprobs_checked(batch({"honest": 0.05, "sybil0": 50.0, "sybil1": 50.0, "sybil2": 50.0}, staleness=3))
+    assert {d.worker_id for d in verdicts} == {"sybil0", "sybil1", "sybil2"}
+
+
+def test_sybils_without_standing_cannot_move_the_token_drift():
+    """The same at the token check: three new identities whose tokens lie 3 nats/token above the
+    entropy at staleness 1 set the drift, passed, and read the one honest worker with standing as
+    greedy (it was quarantined)."""
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=64))
+    for _ in range(2):
+        assert v.tokens_checked([("honest", 1, 0.0, 40.0, 40.0, 0.0)] * 2) == []
+    verdicts = []
+    for _ in range(4):
+        groups = [("honest", 1, 0.0, 40.0, 40.0, 0.0)] * 2
+        groups += [(f"sybil{i}", 1, 3.0 * 40, 40.0, 40.0, 0.0) for i in range(3) for _ in range(2)]
+        verdicts += v.tokens_checked(groups)
+    assert {d.worker_id for d in verdicts} == {"sybil0", "sybil1", "sybil2"}
+
+
+def fleet_batch(workers: list[str], gap: dict[int, float], shift: dict[int, float]):
+    """One batch of honest work at stalenesses 1 and 2, with a real drift above the fresh bound:
+    per worker and staleness, a group of 40 tokens for the log-prob check and one for the token
+    check (variance 0.25 per token), each worker a little off the others."""
+    gaps = [(w, k, (gap[k] + 0.01 * i) * 40, 40) for i, w in enumerate(workers) for k in gap]
+    tokens = [(w, k, (shift[k] + 0.005 * i) * 40, 10.0, 40.0, 0.0) for i, w in enumerate(workers) for k in shift]
+    return gaps, tokens
+
+
+def test_a_fresh_honest_fleet_is_held_to_its_own_drift_until_it_has_standing():
+    """Nobody has standing at the start of a run: each worker is held to the other workers' drift
+    (a worker alone to the fresh bound), as before. Held to the fresh bound instead, this fleet's
+    real drift (0.7 and 0.9 nats/token; tokens 0.3 and 0.5 nats above the entropy) would be
+    dishonest the moment it was enough evidence to judge."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64, max_token_z=8.0, min_token_checks=512))
+    workers = ["a", "b", "c"]
+    for _ in range(12):
+        gaps, tokens = fleet_batch(workers, {1: 0.7, 2: 0.9}, {1: 0.3, 2: 0.5})
+        assert v.logprobs_checked(gaps) == [] and v.tokens_checked(tokens) == []
+    assert all(v.evidence[w].gap_tokens >= 64 and v.evidence[w].checked_tokens >= 512 for w in workers)
+
+
+def test_standing_is_earned_by_stale_work_alone():
+    """A fleet that never sends a fresh group earns standing all the same (judged against each
+    other's drift), and then three sybils outnumbering it at a staleness are caught."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64, max_token_z=8.0, min_token_checks=64))
+    honest = ["a", "b"]
+    for _ in range(3):
+        gaps, tokens = fleet_batch(honest, {1: 0.7, 2: 0.9}, {1: 0.3, 2: 0.5})
+        assert v.logprobs_checked(gaps) == [] and v.tokens_checked(tokens) == []
+    verdicts, token_verdicts = [], []
+    for _ in range(4):
+        gaps, tokens = fleet_batch(honest, {1: 0.7, 2: 0.9}, {1: 0.3, 2: 0.5})
+        sybils = [f"sybil{i}" for i in range(3)]
+        verdicts += v.logprobs_checked(gaps + [(s, 2, 50.0 * 40, 40) for s in sybils])
+        token_verdicts += v.tokens_checked(tokens + [(s, 2, 3.0 * 40, 10.0, 40.0, 0.0) for s in sybils])
+    assert {d.worker_id for d in verdicts} == {d.worker_id for d in token_verdicts} == {"sybil0", "sybil1", "sybil2"}
