@@ -27,7 +27,7 @@ from aiohttp import web
 from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
 from learner.addresses import AddressBook, address_key, remember
-from learner.admission import JoinGate
+from learner.admission import JoinGate, TokenBucket
 from learner.api.http import Auth, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
@@ -68,6 +68,9 @@ class WorkerInfo:
     machine: str = ""  # the machine its machine token proved (one live identity per machine), or ""
     probed_at: float = -1e9  # the last reachability probe of its relay
     ticket_at: float = -1e9  # when its read ticket was last issued (monotonic)
+    # Its requests per second ([server] worker_requests_per_s), checked by `Auth.worker`; kept on
+    # the record, so it goes when the worker is forgotten. None: not limited.
+    requests: TokenBucket | None = field(default=None, repr=False)
 
     def row(self, now: float, alive: bool, leased: int) -> dict:
         """The worker as /v1/status shows it (no secrets, bounded size)."""
@@ -177,7 +180,8 @@ class WorkerRegistry:
         that machine's previous identity (a machine restarted: one live identity per machine)."""
         wid, secret = f"w{next(self._ids)}", secrets.token_urlsafe(24)
         info = WorkerInfo(id=wid, name=machine or report.name or wid, joined=now, last_seen=now,
-                          secret_hash=secret_hash(secret), address=address, fleet_key=wid, machine=machine or "")
+                          secret_hash=secret_hash(secret), address=address, fleet_key=wid, machine=machine or "",
+                          requests=TokenBucket(self.server.worker_requests_per_s, self.server.worker_request_burst, now))
         self.update(info, report)
         previous = self.of_machine(machine)
         if previous is not None:  # its credential stops working now, its leases go out again now

@@ -1002,3 +1002,34 @@ def test_the_operators_status_is_fresh_and_the_workers_view_is_shared(tokenizer,
         assert room.status_json(False, now=101.0) != first
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_one_credential_cannot_send_requests_as_fast_as_it_likes(tokenizer, tmp_path):
+    """One worker with a valid credential sending 2-3k cheap requests a second kept 0.6-0.9 of a
+    learner core busy. Each credential has a token bucket ([server] worker_requests_per_s after
+    worker_request_burst): past it, every route answers 429 `rate-limited` with Retry-After, and
+    other workers (the same address too) are served as before."""
+    async def test(api: Api):
+        wid, flood = await api.join("flood")
+        _, other = await api.join("other")
+        for _ in range(5):
+            status, _, _ = await api.call("/v1/heartbeat", {}, token=flood)
+            assert status == 200
+        seen = api.state.workers[wid].last_seen
+        for path, body in (("/v1/heartbeat", {}), ("/v1/lease", {"max_prompts": 1})):
+            status, reply, headers = await api.call(path, body, token=flood)
+            assert (status, reply["error"]) == (429, "rate-limited"), reply
+            assert "worker_requests_per_s" in reply["message"] and int(headers["Retry-After"]) >= 1
+        status, reply, headers = await api.call("/v1/trajectories", token=flood, raw=b"x", content_type=CONTENT_TYPE)
+        assert (status, reply["error"]) == (429, "rate-limited") and int(headers["Retry-After"]) >= 1
+        assert api.state.workers[wid].last_seen == seen  # a refused request renews nothing
+        assert api.metric('echo_auth_refused_total{credential="rate-limited"}') == 3
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=other)
+        assert status == 200  # per credential, not per address
+        status, reply, _ = await api.call("/v1/heartbeat", {}, token=f"{wid}.wrong-secret")
+        assert (status, reply["error"]) == (401, "unknown-credential")  # a wrong secret: its own path
+        await asyncio.sleep(2.1)  # 0.5/s: one request's worth again
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=flood)
+        assert status == 200
+
+    run_api(tokenizer, test, tmp_path, **{"server.worker_requests_per_s": 0.5, "server.worker_request_burst": 5})
