@@ -23,3 +23,10 @@ class Run:
     def published_version(self) -> int:
         latest = self.blobs.latest
         return latest.version if latest else -1
+
+    def installable(self, claim: int) -> int:
+        """A worker's claimed installed version as far as it can be true: at most the newest
+        published (nobody installs a version before it is published; a claim beyond it was shown in
+        /v1/status and read by the broadcast planner). Clamped, not refused: after the learner
+        resumed from an older checkpoint an honest worker may still hold a newer version."""
+        return min(claim, self.published_version)

@@ -206,7 +206,10 @@ class WorkerRegistry:
             samples = [LinkSample.from_dict(d) for d in r.links]
         except ValueError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
-        w.version, w.rollouts_per_s, w.price_per_hour = r.version, r.rollouts_per_s, r.price_per_hour
+        w.version = self.run.installable(r.version)
+        if w.version < r.version:
+            self.metrics.claims_clamped.labels("version").inc()
+        w.rollouts_per_s, w.price_per_hour = r.rollouts_per_s, r.price_per_hour
         w.download_mbit, w.upload_mbit = r.download_mbit, r.upload_mbit
         w.device, w.gpu, w.engine = r.device, r.gpu, r.engine
         w.claimed_capacity_per_s = r.capacity_per_s
@@ -221,8 +224,9 @@ class WorkerRegistry:
                 w.probed_at = w.last_seen
                 self.probe(w)
         known = w.installs[-1][0] if w.installs else -1
+        published = self.run.published_version
         for item in r.installs:  # "seconds ago": clocks differ between machines
-            if item.version > known:
+            if known < item.version <= published:  # a version never published was never installed
                 received_ago = max(item.installed_ago, item.received_ago)
                 w.installs.append((item.version, w.last_seen - item.installed_ago, w.last_seen - received_ago,
                                    item.install_s))

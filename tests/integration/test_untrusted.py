@@ -280,6 +280,7 @@ def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokeni
         # The round counts what the learner scored: half the answers were wrong, whatever was claimed.
         assert [r.accuracy for r in results] == [0.5]
         # Without completions there is nothing to score: refused.
+        state.run.blobs.add(1, b"weights-1")  # a round opens at a published version, which workers can hold
         state.evals.open(1, time.monotonic())
         status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred_h)
         status, body, _ = await api.call("/v1/eval", {"lease_id": lease["lease_id"], "version": 1,
@@ -1033,3 +1034,33 @@ def test_one_credential_cannot_send_requests_as_fast_as_it_likes(tokenizer, tmp_
         assert status == 200
 
     run_api(tokenizer, test, tmp_path, **{"server.worker_requests_per_s": 0.5, "server.worker_request_burst": 5})
+
+
+def test_a_worker_cannot_claim_a_version_that_was_never_published(tokenizer, tmp_path):
+    """A heartbeat (or a join, or a lease request) claiming version 10^6 while v0 is the newest
+    published: the claim was shown in /v1/status and read by the broadcast planner (who holds a
+    delta's base), the eval book and the T_bcast measure (its installs). Clamped to the newest
+    published version, not refused: an honest worker cannot be ahead of it, except after the
+    learner resumed from an older checkpoint, and then it must keep working."""
+    async def test(api: Api):
+        state = api.state
+        wid, cred = await api.join("liar", version=7)
+        w = state.workers[wid]
+        assert w.version == 0
+        future = {"version": 999, "installed_ago": 1.0, "received_ago": 2.0, "install_s": 0.1}
+        status, _, _ = await api.call("/v1/heartbeat", {"version": 10 ** 6, "installs": [future]}, token=cred)
+        assert status == 200 and w.version == 0 and w.installs == []
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1, "version": 50}, token=cred)
+        assert status == 200 and lease["lease_id"] and w.version == 0  # served, as at the version it can hold
+        async with api.session.get(api.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            row = next(r for r in (await resp.json())["workers"] if r["id"] == wid)
+        assert row["version"] == 0
+        assert api.metric('echo_verify_claims_clamped_total{what="version"}') == 3
+        # Once v1 is published, the same worker's honest report of it is believed.
+        state.run.blobs.add(1, b"weights-1")
+        now = {"version": 1, "installed_ago": 0.5, "received_ago": 0.6, "install_s": 0.1}
+        status, _, _ = await api.call("/v1/heartbeat", {"version": 1, "installs": [now, future]}, token=cred)
+        assert status == 200 and w.version == 1 and [i[0] for i in w.installs] == [1]
+        assert api.metric('echo_verify_claims_clamped_total{what="version"}') == 3
+
+    run_api(tokenizer, test, tmp_path, **{"server.long_poll_s": 0})
