@@ -122,7 +122,8 @@ class WorkerRegistry:
         self.tickets = tickets  # chain mode: read tickets (broadcast.tickets.TicketOffice), or None
         self.workers: dict[str, WorkerInfo] = {}
         # Per address: workers joined, wrong tokens, bans that expire (learner.addresses).
-        self.addresses = AddressBook(max_workers=server.max_workers_per_address, ban_s=server.ban_s,
+        self.addresses = AddressBook(max_workers=server.max_workers_per_address,
+                                     max_64s_per_48=server.max_64s_per_48, ban_s=server.ban_s,
                                      failures_per_min=server.auth_failures_per_min,
                                      failure_burst=server.auth_failure_burst)
         self.gate = JoinGate(server.join_rate, server.join_burst, server.allow_networks)
@@ -158,10 +159,10 @@ class WorkerRegistry:
             return json_error(403, "banned", f"machine {machine} was quarantined: {self.quarantined_machines[machine]}")
         replaced = previous is not None
         same_address = replaced and address_key(previous.address) == address_key(address)
-        if not same_address and not self.addresses.room(address):
+        full = "" if same_address else self.addresses.full(address)
+        if full:
             refused.labels("address-full").inc()
-            return json_error(403, "address-full", f"{address} holds the most workers one address may "
-                                                   f"([server] max_workers_per_address = {server.max_workers_per_address})")
+            return json_error(403, "address-full", full)
         if len(self.workers) - replaced >= server.max_workers:
             refused.labels("full").inc()
             return json_error(503, "fleet-full", f"the learner holds its maximum of {server.max_workers} workers "

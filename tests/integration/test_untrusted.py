@@ -1064,3 +1064,24 @@ def test_a_worker_cannot_claim_a_version_that_was_never_published(tokenizer, tmp
         assert api.metric('echo_verify_claims_clamped_total{what="version"}') == 3
 
     run_api(tokenizer, test, tmp_path, **{"server.long_poll_s": 0})
+
+
+def test_one_ipv6_48_cannot_fill_the_fleet_from_its_64s(tokenizer, tmp_path):
+    """Limits count per /64, and a /48 (one site; a tunnel broker gives one away) holds 65,536
+    of them: 16 workers from each could fill any fleet. A /48 holds max_64s_per_48 /64s' worth.
+    (Joins arrive through a trusted proxy on loopback, which names the IPv6 addresses.)"""
+    async def test(api: Api):
+        async def join(address: str) -> tuple[int, dict]:
+            status, body, _ = await api.call("/v1/join", {"name": "s"}, headers={"X-Forwarded-For": address})
+            return status, body
+
+        for net in range(3):
+            for _ in range(2):
+                assert (await join(f"2001:db8:1:{net:x}::1"))[0] == 200
+        status, body = await join("2001:db8:1:ff::1")  # a fresh /64 of the same /48
+        assert (status, body["error"]) == (403, "address-full") and "2001:db8:1::/48" in body["message"]
+        assert (await join("2001:db8:2::1"))[0] == 200  # another /48
+        assert len(api.state.workers) == 7
+
+    run_api(tokenizer, test, tmp_path, **{"server.trusted_proxies": ["127.0.0.0/8"],
+                                          "server.max_workers_per_address": 2, "server.max_64s_per_48": 3})
