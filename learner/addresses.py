@@ -49,9 +49,26 @@ def prefix48(address: str) -> str | None:
     return str(ipaddress.ip_network(f"{ip}/48", strict=False))
 
 
+def forwarded_ip(entry: str) -> str | None:
+    """One X-Forwarded-For entry as an IP address ('198.51.100.7', '2001:db8::1', also with a
+    port: '198.51.100.7:4711', '[2001:db8::1]:4711'), written the canonical way; None if it is
+    not one ('unknown', a name, garbage)."""
+    entry = entry.strip()
+    if entry.startswith("["):
+        entry = entry[1:].partition("]")[0]
+    elif entry.count(":") == 1:  # IPv4 with a port
+        entry = entry.partition(":")[0]
+    try:
+        return str(ipaddress.ip_address(entry))
+    except ValueError:
+        return None
+
+
 def client_address(remote: str, forwarded_for: str, trusted_proxies: list) -> str:
     """The worker's own address: the connection's, unless that is a trusted proxy, in which case
-    the right-most address of X-Forwarded-For that is not itself a trusted proxy."""
+    the right-most address of X-Forwarded-For that is not itself a trusted proxy. An entry that
+    is not an IP address ends the search at the proxy's own address: it is never a key (a
+    string shown in status and logs), and the entries left of it are what a client wrote."""
     def trusted(addr: str) -> bool:
         try:
             ip = ipaddress.ip_address(addr)
@@ -61,9 +78,12 @@ def client_address(remote: str, forwarded_for: str, trusted_proxies: list) -> st
 
     if not trusted_proxies or not trusted(remote):
         return remote
-    for hop in reversed([h.strip() for h in forwarded_for.split(",") if h.strip()]):
-        if not trusted(hop):
-            return hop
+    for hop in reversed([h for h in forwarded_for.split(",") if h.strip()]):
+        ip = forwarded_ip(hop)
+        if ip is None:
+            return remote
+        if not trusted(ip):
+            return ip
     return remote
 
 

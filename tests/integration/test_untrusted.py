@@ -1085,3 +1085,17 @@ def test_one_ipv6_48_cannot_fill_the_fleet_from_its_64s(tokenizer, tmp_path):
 
     run_api(tokenizer, test, tmp_path, **{"server.trusted_proxies": ["127.0.0.0/8"],
                                           "server.max_workers_per_address": 2, "server.max_64s_per_48": 3})
+
+
+def test_a_forwarded_address_that_is_not_one_is_not_taken(tokenizer, tmp_path):
+    """Behind a trusted proxy, an X-Forwarded-For entry was the worker's address as written:
+    'not-an-ip' was stored, shown and counted as one. A malformed entry falls back to the
+    proxy's address; a well-formed one is written the canonical way."""
+    async def test(api: Api):
+        for forwarded, expect in (("not-an-ip", "127.0.0.1"), ("203.0.113.7, bogus", "127.0.0.1"),
+                                  ("2001:DB8:0::7", "2001:db8::7")):
+            status, body, _ = await api.call("/v1/join", {"name": "w"}, headers={"X-Forwarded-For": forwarded})
+            assert status == 200, body
+            assert api.state.workers[body["worker_id"]].address == expect
+
+    run_api(tokenizer, test, tmp_path, **{"server.trusted_proxies": ["127.0.0.0/8"]})

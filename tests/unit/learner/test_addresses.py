@@ -97,6 +97,19 @@ def test_the_forwarded_address_is_believed_only_from_a_trusted_proxy():
     assert client_address("10.0.0.5", "203.0.113.9", []) == "10.0.0.5"  # no proxies configured
 
 
+def test_a_forwarded_entry_that_is_not_an_address_is_not_a_key():
+    """X-Forwarded-For entries were taken as written: 'not-an-ip' became a worker's address, and
+    the key its limits were counted under. Now parsed; one that is not an address falls back to
+    the proxy's own (never to an entry left of it, which a client wrote)."""
+    proxies = [ipaddress.ip_network("10.0.0.0/8")]
+    assert client_address("10.0.0.5", "not-an-ip", proxies) == "10.0.0.5"
+    assert client_address("10.0.0.5", "198.51.100.7, unknown", proxies) == "10.0.0.5"
+    assert client_address("10.0.0.5", "198.51.100.7, garbage, 10.0.0.4", proxies) == "10.0.0.5"
+    assert client_address("10.0.0.5", " 198.51.100.7:4711", proxies) == "198.51.100.7"  # with a port
+    assert client_address("10.0.0.5", "[2001:DB8::1]:4711", proxies) == "2001:db8::1"
+    assert client_address("10.0.0.5", "2001:DB8:0::1", proxies) == "2001:db8::1"  # the canonical spelling
+
+
 def test_many_addresses_cannot_grow_the_tables_without_bound(monkeypatch):
     import learner.addresses as addresses
 
