@@ -27,6 +27,7 @@ class Run:
     def installable(self, claim: int) -> int:
         """A worker's claimed installed version as far as it can be true: at most the newest
         published (nobody installs a version before it is published; a claim beyond it was shown in
-        /v1/status and read by the broadcast planner). Clamped, not refused: after the learner
-        resumed from an older checkpoint an honest worker may still hold a newer version."""
+        /v1/status and read by the broadcast planner). Clamped, not refused: a learner restarted
+        at the same URL answers its workers before it published anything (a resumed run then goes
+        on past the newest version ever published), and an honest worker must keep working."""
         return min(claim, self.published_version)
