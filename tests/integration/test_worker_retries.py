@@ -10,8 +10,6 @@ import json
 import threading
 
 import aiohttp
-import msgpack
-import zstandard
 from aiohttp import web
 
 from conftest import start_worker
@@ -23,12 +21,12 @@ ANSWERED_HEADERS = ("Content-Type", "Retry-After", "X-Sha256", "X-Version")
 class RefusingProxy:
     """Forwards every request to `target`, but first refuses `refuse[path] = (status, reason,
     count)`: the first `count` requests to `path` get `status` with a JSON error and Retry-After: 1.
-    Uploads are recorded by their bytes and lease, refused or forwarded (with the learner's answer)."""
+    Uploads are recorded by their bytes, refused or forwarded (with the learner's answer)."""
 
     def __init__(self, target: str, refuse: dict[str, tuple[int, str, int]]):
         self.target, self.refuse = target.rstrip("/"), dict(refuse)
         self.refused: list[tuple[str, str]] = []  # (path, sha256 of the body)
-        self.uploads: list[tuple[str, str, int, dict]] = []  # forwarded: (sha256, lease id, status, reply)
+        self.uploads: list[tuple[str, int, dict]] = []  # forwarded: (sha256, status, reply)
         self.loop = asyncio.new_event_loop()
 
     def start(self) -> str:
@@ -76,8 +74,7 @@ class RefusingProxy:
             data = await resp.read()
             answered = {k: resp.headers[k] for k in ANSWERED_HEADERS if k in resp.headers}
         if request.path == "/v1/trajectories":
-            lease = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(body), raw=False)["lease_id"]
-            self.uploads.append((digest, lease, resp.status, json.loads(data) if data else {}))
+            self.uploads.append((digest, resp.status, json.loads(data) if data else {}))
         return web.Response(status=resp.status, body=data, headers=answered)
 
 
@@ -98,7 +95,7 @@ def test_a_batch_refused_for_now_is_sent_again_not_dropped(learner_factory, tmp_
     log = (tmp_path / "w.log").read_text()
     refused = [digest for path, digest in proxy.refused if path == "/v1/trajectories"]
     assert len(refused) == 2 and {p for p, _ in proxy.refused} == {"/v1/trajectories", "/v1/lease", "/v1/heartbeat"}
-    delivered = {digest: (status, reply) for digest, _, status, reply in proxy.uploads}
+    delivered = {digest: (status, reply) for digest, status, reply in proxy.uploads}
     for digest in refused:  # the very same upload, sent again and taken
         assert digest in delivered, log[-3000:]
         status, reply = delivered[digest]
