@@ -2,7 +2,9 @@
 wrong tokens and credentials it sent, and whether it is banned, and for how long.
 
 A rented worker can open as many identities as it likes, but not as many addresses: an IPv4
-address, or an IPv6 /64 (what one customer line gets), is the unit every limit counts in.
+address, or an IPv6 /64 (what one customer line gets), is the unit every limit counts in. An
+IPv6 /48 (one site; a tunnel broker gives one away) holds 65,536 /64s, so the workers joined
+from one /48 are bounded too, at `max_64s_per_48` /64s' worth.
 Behind a reverse proxy every request arrives from the proxy; `client_address` takes the
 forwarded address only from proxies the operator named, so a worker cannot choose whose
 address it is counted as, and a ban of one worker does not ban the proxy's whole fleet.
@@ -36,9 +38,37 @@ def address_key(address: str) -> str:
     return str(ip)
 
 
+def prefix48(address: str) -> str | None:
+    """The /48 an IPv6 address lies in, or None (IPv4, IPv4-mapped, not an address)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    if ip.version != 6 or ip.ipv4_mapped is not None:
+        return None
+    return str(ipaddress.ip_network(f"{ip}/48", strict=False))
+
+
+def forwarded_ip(entry: str) -> str | None:
+    """One X-Forwarded-For entry as an IP address ('198.51.100.7', '2001:db8::1', also with a
+    port: '198.51.100.7:4711', '[2001:db8::1]:4711'), written the canonical way; None if it is
+    not one ('unknown', a name, garbage)."""
+    entry = entry.strip()
+    if entry.startswith("["):
+        entry = entry[1:].partition("]")[0]
+    elif entry.count(":") == 1:  # IPv4 with a port
+        entry = entry.partition(":")[0]
+    try:
+        return str(ipaddress.ip_address(entry))
+    except ValueError:
+        return None
+
+
 def client_address(remote: str, forwarded_for: str, trusted_proxies: list) -> str:
     """The worker's own address: the connection's, unless that is a trusted proxy, in which case
-    the right-most address of X-Forwarded-For that is not itself a trusted proxy."""
+    the right-most address of X-Forwarded-For that is not itself a trusted proxy. An entry that
+    is not an IP address ends the search at the proxy's own address: it is never a key (a
+    string shown in status and logs), and the entries left of it are what a client wrote."""
     def trusted(addr: str) -> bool:
         try:
             ip = ipaddress.ip_address(addr)
@@ -48,9 +78,12 @@ def client_address(remote: str, forwarded_for: str, trusted_proxies: list) -> st
 
     if not trusted_proxies or not trusted(remote):
         return remote
-    for hop in reversed([h.strip() for h in forwarded_for.split(",") if h.strip()]):
-        if not trusted(hop):
-            return hop
+    for hop in reversed([h for h in forwarded_for.split(",") if h.strip()]):
+        ip = forwarded_ip(hop)
+        if ip is None:
+            return remote
+        if not trusted(ip):
+            return ip
     return remote
 
 
@@ -69,11 +102,13 @@ class _Ban:
 
 @dataclass
 class AddressBook:
-    """Per-address limits. `max_workers`: joined workers from one address at once;
-    `failures_per_min`/`failure_burst`: wrong tokens and credentials before the address must
-    wait; `ban_s`: the first ban's length (each repeat doubles it)."""
+    """Per-address limits. `max_workers`: joined workers from one address at once (an IPv6 /48:
+    `max_64s_per_48` times as many); `failures_per_min`/`failure_burst`: wrong tokens and
+    credentials before the address must wait; `ban_s`: the first ban's length (each repeat
+    doubles it)."""
 
     max_workers: int = 16
+    max_64s_per_48: int = 8
     failures_per_min: float = 10.0
     failure_burst: int = 20
     ban_s: float = 3600.0
@@ -83,20 +118,35 @@ class AddressBook:
 
     # --- workers per address -----------------------------------------------------------------
 
+    def full(self, address: str) -> str:
+        """'' if one more worker may join from `address`, else which limit it reached."""
+        key = address_key(address)
+        if self._workers.get(key, 0) >= self.max_workers:
+            return (f"{address} holds the most workers one address may "
+                    f"([server] max_workers_per_address = {self.max_workers})")
+        wide = prefix48(address)
+        if wide is not None and self._workers.get(wide, 0) >= self.max_workers * self.max_64s_per_48:
+            return (f"{wide} holds the most workers one IPv6 /48 may ([server] max_64s_per_48 × "
+                    f"max_workers_per_address = {self.max_workers * self.max_64s_per_48})")
+        return ""
+
     def room(self, address: str) -> bool:
-        return self._workers.get(address_key(address), 0) < self.max_workers
+        return not self.full(address)
 
     def joined(self, address: str) -> None:
-        key = address_key(address)
-        self._workers[key] = self._workers.get(key, 0) + 1
+        for key in (address_key(address), prefix48(address)):
+            if key is not None:
+                self._workers[key] = self._workers.get(key, 0) + 1
 
     def left(self, address: str) -> None:
-        key = address_key(address)
-        n = self._workers.get(key, 0) - 1
-        if n > 0:
-            self._workers[key] = n
-        else:
-            self._workers.pop(key, None)
+        for key in (address_key(address), prefix48(address)):
+            if key is None:
+                continue
+            n = self._workers.get(key, 0) - 1
+            if n > 0:
+                self._workers[key] = n
+            else:
+                self._workers.pop(key, None)
 
     # --- failed authentication ---------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Who gets in, and who waits: the join gate and the long-polled lease requests.
 
+`TokenBucket`: so many per second after a burst (joins, one worker's requests).
 `JoinGate`: joins per second (a token bucket) and the network allow-list.
 `Waiters`: lease requests parked until there is work, woken first come first served.
 """
@@ -88,12 +89,31 @@ class Waiters:
         self.wake(len(self._queue))
 
 
+class TokenBucket:
+    """`rate` per second on average, after a burst of `burst` at once. Slotted and small: every
+    worker record holds one (its requests), so the buckets go when the workers are forgotten."""
+
+    __slots__ = ("rate", "burst", "tokens", "at")
+
+    def __init__(self, rate: float, burst: float, now: float):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = float(burst), now
+
+    def take(self, now: float) -> float:
+        """0 if one may pass now (it is counted), else the seconds until one may."""
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
 class JoinGate:
     """Token bucket on joins, plus the network allow-list."""
 
     def __init__(self, rate: float, burst: int, networks: list[str]):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.at = float(burst), time.monotonic()
+        self.bucket = TokenBucket(rate, burst, time.monotonic())
         self.networks = [ipaddress.ip_network(n, strict=False) for n in networks]
 
     def allowed_from(self, address: str) -> bool:
@@ -107,9 +127,4 @@ class JoinGate:
 
     def take(self, now: float) -> float:
         """0 if a join may pass now, else the seconds until one may."""
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate
+        return self.bucket.take(now)

@@ -22,8 +22,9 @@ class LearnerMetrics:
         self.rejected = Counter("echo_trajectories_rejected", "Uploads refused, by reason", ["reason"], registry=r)
         self.joins_refused = Counter("echo_joins_refused", "Joins refused, by reason (network, full, rate)", ["reason"],
                                      registry=r)
-        self.auth_refused = Counter("echo_auth_refused", "Requests with a missing or wrong run token or worker "
-                                    "credential", ["credential"], registry=r)
+        self.auth_refused = Counter("echo_auth_refused", "Requests refused before they were served: a missing or "
+                                    "wrong run token or worker credential, an address throttled for them, or a "
+                                    "worker past its request rate (rate-limited)", ["credential"], registry=r)
         self.rewards_checked = Counter("echo_verify_rewards_checked", "Sample rewards the learner recomputed", registry=r)
         self.rewards_mismatched = Counter("echo_verify_rewards_mismatched", "Recomputed rewards that differed from "
                                           "the worker's claim", registry=r)
@@ -32,8 +33,8 @@ class LearnerMetrics:
         self.quarantined = Counter("echo_workers_quarantined", "Workers quarantined, by evidence", ["reason"], registry=r)
         self.relays_probed = Counter("echo_broadcast_relays_probed", "Relay reachability probes at join, by result",
                                      ["result"], registry=r)
-        self.claims_clamped = Counter("echo_verify_claims_clamped", "Heartbeat claims capped at what was measured, "
-                                      "by what (capacity, upload)", ["what"], registry=r)
+        self.claims_clamped = Counter("echo_verify_claims_clamped", "Heartbeat claims capped at what was measured "
+                                      "or published, by what (capacity, upload, version)", ["what"], registry=r)
         self.queue = Gauge("echo_buffer_queue_groups", "Groups waiting in the buffer", registry=r)
         self.recycled = Gauge("echo_buffer_recycled_groups", "Groups dropped for exceeding max staleness", registry=r)
         self.overflow = Gauge("echo_buffer_overflow_groups", "Groups dropped by queue-drop's capacity", registry=r)

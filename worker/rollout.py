@@ -6,8 +6,9 @@ them and every later group is stamped with the new one.
 
 Leases are long-polled: with nothing to hand out the learner holds the request until there is.
 A learner that stops answering is waited for (`[worker] learner_timeout_s`); one that restarted or forgot this
-worker answers `Forgotten`, and the worker joins again by itself. Generation, scoring and
-encoding run on threads: the event loop only moves messages.
+worker answers `Forgotten`, and the worker joins again by itself. A request it refuses for now
+(429, 503: busy, or this worker past its request rate) is sent again after its `Retry-After`.
+Generation, scoring and encoding run on threads: the event loop only moves messages.
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ from worker.config import WorkerConfig
 from worker.engines import Engine, EngineError, GenerationParams, make_engine
 
 log = logging.getLogger("echo.worker")
+
+# A request the learner refuses for now (429, 503: it is busy, or this worker is past its request
+# rate) is sent again after the Retry-After it gave, at most this long (a default when it gave none).
+RETRY_AFTER_MAX_S = 30.0
+RETRY_AFTER_DEFAULT_S = 2.0
+RESENDS = 8  # times one upload (an eval answer, a release) is sent again before it is given up
+
+
+def retry_wait(e: LearnerError) -> float:
+    """Seconds to wait before resending a request refused with 429/503: its Retry-After, bounded,
+    spread a little (the learner tells every worker it refused at once the same number)."""
+    wait = e.retry_after if e.retry_after > 0 else RETRY_AFTER_DEFAULT_S
+    return min(wait, RETRY_AFTER_MAX_S) * random.uniform(1.0, 1.25)
 
 
 class RateMeter:
@@ -228,9 +242,15 @@ class Worker:
                 log.warning("%s: cannot reach the learner (%s); retrying", self.name, e)
                 await asyncio.sleep(2.0)
 
-    async def _calling(self, client: LearnerClient, call):
+    async def _calling(self, client: LearnerClient, call, what: str = "", patience: float | None = None):
         """Run `call()` through the learner's outages: rejoin when forgotten; retry while it does
-        not answer, until `give_up_s` (the heartbeats decide that and stop the worker)."""
+        not answer, until `give_up_s` (the heartbeats decide that and stop the worker). A refusal
+        for now (429, 503) is waited out as its Retry-After says and the same call sent again
+        (`what` names it in the log line): before, a refused upload was dropped, its groups
+        generated for nothing, and a refused lease request ended the worker. With `patience`
+        (work that goes stale), at most `RESENDS` times and for `patience` seconds after the first
+        refusal; then the refusal is raised."""
+        first, resends = None, 0
         while not self.stopped.is_set():
             credential = client.credential
             try:
@@ -241,6 +261,17 @@ class Worker:
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                     log.warning("%s: joining again failed (%s); retrying", self.name, e)
                     await asyncio.sleep(1.0)
+            except LearnerError as e:
+                if e.status not in (429, 503):
+                    raise
+                now, wait = time.monotonic(), retry_wait(e)
+                first = first or now
+                if patience is not None and (resends >= RESENDS or now + wait - first > patience):
+                    raise
+                resends += 1
+                log.info("%s: the learner refused %s for now (%d %s); sending it again in %.1f s", self.name,
+                         what or "a request", e.status, e.reason, wait)
+                await asyncio.sleep(wait)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 log.warning("%s: the learner did not answer (%s); retrying", self.name, e)
                 await asyncio.sleep(1.0)
@@ -371,6 +402,10 @@ class Worker:
                     self.unreachable = True
                     self.stopped.set()
                     self.active.set()
+                if isinstance(e, LearnerError) and e.status in (429, 503):
+                    # The next one after its Retry-After, but before this worker's leases lapse.
+                    wait = min(retry_wait(e), self.joined.lease_ttl / 2)
+                    await asyncio.sleep(max(0.0, wait - self.joined.heartbeat_interval))
             await asyncio.sleep(self.joined.heartbeat_interval)
 
     def _notice(self, client: LearnerClient, snapshot: P.Snapshot | None) -> None:
@@ -415,7 +450,8 @@ class Worker:
             version = self.engine.version  # the weights that will generate this whole lease
             wait_s = self.joined.long_poll_s
             asked = time.monotonic()
-            lease = await self._calling(client, lambda: client.lease(self.cfg.worker.prompts_per_lease, version, wait_s))
+            lease = await self._calling(client, lambda: client.lease(self.cfg.worker.prompts_per_lease, version, wait_s),
+                                        "a lease request")
             self._notice(client, lease.snapshot)
             if lease.lease_id is None:
                 if lease.empty == "install":  # too stale to be trained on: wait for the announced version
@@ -453,12 +489,14 @@ class Worker:
             # A newer version arrived while this batch ran: hand the prompts back rather than
             # submit work of the old weights (it is re-issued, and generated with the new one).
             with contextlib.suppress(LearnerError):
-                await self._calling(client, lambda: client.release(lease.lease_id))
+                await self._calling(client, lambda: client.release(lease.lease_id), "a release",
+                                    self._patience(lease))
             log.info("%s: v%d arrived during a v%d batch; handed %d prompts back", self.name,
                      self.pending[0], version, len(prompts))
             return
         try:
-            reply = await self._calling(client, lambda: client.submit(Submission(client.worker_id, lease.lease_id, msgs)))
+            reply = await self._calling(client, lambda: client.submit(Submission(client.worker_id, lease.lease_id, msgs)),
+                                        f"an upload of {len(msgs)} groups", self._patience(lease))
         except LearnerError as e:
             if e.reason == "quarantined":
                 self.quarantined = e.message
@@ -472,6 +510,13 @@ class Worker:
             return
         self.rollouts += reply.accepted * self.params.n
         self.meter.add(reply.accepted * self.params.n, time.monotonic())
+
+    @staticmethod
+    def _patience(lease: P.LeaseReply) -> float:
+        """How long a refused upload of `lease` keeps being sent again: the lease's TTL (heartbeats
+        renew the lease meanwhile), never less than `RETRY_AFTER_MAX_S`; past it, its prompts are
+        better handed back and generated afresh."""
+        return max(lease.expires_in or 0.0, RETRY_AFTER_MAX_S)
 
     def _generate(self, lease: P.LeaseReply, prompts: list[Prompt], version: int) -> list[GroupMsg]:
         """Play the lease's episodes, `group_size` per prompt, all on `version` (blocking: runs on a thread)."""
@@ -496,7 +541,8 @@ class Worker:
         completions = await asyncio.to_thread(generate)
         rewards = {pid: 0.0 for pid in completions}
         try:
-            await self._calling(client, lambda: client.submit_eval(lease.lease_id, version, rewards, completions))
+            await self._calling(client, lambda: client.submit_eval(lease.lease_id, version, rewards, completions),
+                                f"the answers of eval lease {lease.lease_id}", self._patience(lease))
         except LearnerError as e:  # the round moved on (restarted, or its lease expired): nothing to keep
             log.warning("%s: eval of v%d refused: %s", self.name, version, e)
 

@@ -21,7 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from broadcast.links import MBIT, LinkTable
 from echo import protocol as P
-from learner.addresses import address_key
+from learner.addresses import address_key, prefix48
 from learner.admission import Waiters
 from learner.api.evals import EvalRoom
 from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json
@@ -52,10 +52,11 @@ class ConnectionCap:
     """aiohttp's protocol factory, with at most `limit` open connections per address: 24,000 idle
     connections from three addresses, each closed by the header timer only after 20 s, took the
     learner to its file-descriptor limit (accept() failing, an honest heartbeat waiting 7 s, the
-    learner's own file opens failing). A connection past the limit is closed as it opens."""
+    learner's own file opens failing). A connection past the limit is closed as it opens. An IPv6
+    /48 holds `per_48` times `limit` (its 65,536 /64s would hold 65,536 times as many)."""
 
-    def __init__(self, server, limit: int, trusted: list):
-        self.server, self.limit, self.trusted = server, limit, trusted
+    def __init__(self, server, limit: int, trusted: list, per_48: int = 8):
+        self.server, self.limit, self.trusted, self.per_48 = server, limit, trusted, per_48
         self.open: dict[str, int] = {}
         self.refused = 0
 
@@ -65,8 +66,8 @@ class ConnectionCap:
     def __call__(self, *args, **kwargs):
         return _Counted(self, self.server(*args, **kwargs))
 
-    def opened(self, transport) -> str | None:
-        """Count a new connection; close it if its address holds too many. Its key, or None."""
+    def opened(self, transport) -> tuple[str, ...] | None:
+        """Count a new connection; close it if its address (or its /48) holds too many. Its keys, or None."""
         peer = transport.get_extra_info("peername")
         host = peer[0] if peer else ""
         try:
@@ -74,15 +75,17 @@ class ConnectionCap:
                 return None  # a reverse proxy speaks for many workers
         except ValueError:
             pass
-        key = address_key(host)
-        self.open[key] = self.open.get(key, 0) + 1
-        if self.open[key] > self.limit:
+        wide = prefix48(host)
+        keys = (address_key(host),) if wide is None else (address_key(host), wide)
+        for key in keys:
+            self.open[key] = self.open.get(key, 0) + 1
+        if self.open[keys[0]] > self.limit or (wide is not None and self.open[wide] > self.limit * self.per_48):
             self.refused += 1
             transport.abort()
-        return key
+        return keys
 
-    def closed(self, key: str | None) -> None:
-        if key is not None:
+    def closed(self, keys: tuple[str, ...] | None) -> None:
+        for key in keys or ():
             left = self.open.get(key, 0) - 1
             if left > 0:
                 self.open[key] = left
@@ -138,12 +141,12 @@ class MalformedRequests(logging.Filter):
 class CappedRunner(web.AppRunner):
     """An AppRunner whose server is wrapped in a `ConnectionCap`."""
 
-    def __init__(self, app: web.Application, limit: int, trusted: list, **kwargs):
+    def __init__(self, app: web.Application, limit: int, trusted: list, per_48: int = 8, **kwargs):
         super().__init__(app, **kwargs)
-        self.cap_limit, self.cap_trusted = limit, trusted
+        self.cap_limit, self.cap_trusted, self.cap_per_48 = limit, trusted, per_48
 
     async def _make_server(self):
-        return ConnectionCap(await super()._make_server(), self.cap_limit, self.cap_trusted)
+        return ConnectionCap(await super()._make_server(), self.cap_limit, self.cap_trusted, self.cap_per_48)
 
 
 class ControlApi:
@@ -204,14 +207,15 @@ class ControlApi:
     def runner(self) -> web.AppRunner:
         """The app's runner. aiohttp's keep-alive timer also runs from a connection's opening: a
         connection that has not sent a whole request by then (slow headers, or nothing) is closed.
-        Each address (IPv6: its /64) holds at most `CONNECTIONS_PER_WORKER` connections per worker
-        it may join (trusted proxies: any number)."""
+        Each address (IPv6: its /64; its /48 `max_64s_per_48` times that) holds at most
+        `CONNECTIONS_PER_WORKER` connections per worker it may join (trusted proxies: any number)."""
         server_log = logging.getLogger("aiohttp.server")
         for old in [f for f in server_log.filters if isinstance(f, MalformedRequests)]:
             server_log.removeFilter(old)  # one per process: this API's counter
         server_log.addFilter(MalformedRequests(self.metrics.rejected))
         return CappedRunner(self.app(), CONNECTIONS_PER_WORKER * self.cfg.server.max_workers_per_address,
                             [ipaddress.ip_network(n, strict=False) for n in self.cfg.server.trusted_proxies],
+                            self.cfg.server.max_64s_per_48,
                             access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s)
 
     async def start(self, host: str, port: int, reap_every: float) -> str:

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import math
 import time
 from collections.abc import Mapping
 
@@ -27,11 +28,14 @@ BODY_TIMEOUT = web.AppKey("body_timeout_s", float)  # [server] body_timeout_s, s
 
 
 class Refusal(Exception):
-    """A route refuses the request: answered as `json_error(status, reason, message)`."""
+    """A route refuses the request: answered as `json_error(status, reason, message, headers)`."""
 
-    def __init__(self, status: int, reason: str, message: str):
+    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+        self.status, self.reason, self.message, self.headers = status, reason, message, headers
+
+    def response(self) -> web.Response:
+        return json_error(self.status, self.reason, self.message, self.headers)
 
 
 def json_error(status: int, reason: str, message: str, headers: dict | None = None) -> web.Response:
@@ -108,8 +112,8 @@ async def read_body(request: web.Request, model: type[P.Message], rejected) -> P
 
 class Auth:
     """The run token admits joins and the operator; afterwards a worker is known by its own
-    credential (`<worker id>.<secret>`) alone. `workers` maps ids to records with a `secret_hash` and
-    `quarantined`."""
+    credential (`<worker id>.<secret>`) alone. `workers` maps ids to records with a `secret_hash`,
+    `quarantined` and `requests` (a `learner.admission.TokenBucket` of its requests, or None)."""
 
     def __init__(self, token: str, workers: Mapping, refused, addresses: AddressBook | None = None,
                  trusted_proxies: list | None = None):
@@ -167,9 +171,24 @@ class Auth:
             raise web.HTTPUnauthorized(reason="unknown-credential",
                                        text="unknown or wrong worker credential (the learner restarted or forgot "
                                             "this worker): join again with the run token")
+        self._rate(worker)
         if not worker.quarantined:  # whatever it calls, a quarantined worker is forgotten after forget_after_s
             worker.last_seen = time.monotonic()
         return worker
+
+    def _rate(self, worker) -> None:
+        """429 for a worker past its request rate ([server] worker_requests_per_s): one credential
+        sending 2-3k cheap requests a second kept most of a learner core busy. Checked after the
+        credential (a wrong one has its own throttle, per address); a refused request renews nothing."""
+        if worker.requests is None:
+            return
+        wait = worker.requests.take(time.monotonic())
+        if wait > 0:
+            self.refused.labels("rate-limited").inc()
+            raise Refusal(429, "rate-limited", f"this worker sent more than {worker.requests.rate:g} requests/s "
+                                               f"(after a burst of {worker.requests.burst:g}; [server] "
+                                               "worker_requests_per_s); retry after the given seconds",
+                          {"Retry-After": str(max(1, math.ceil(wait)))})
 
     def operator(self, request: web.Request, networks: list) -> None:
         """Requests from `networks` (this machine, by default), or anyone with the run token. Behind a
@@ -212,4 +231,4 @@ async def errors_as_json(request: web.Request, handler):
         retry = {"Retry-After": e.headers["Retry-After"]} if "Retry-After" in e.headers else None
         return json_error(e.status, reason, message, retry)
     except Refusal as e:
-        return json_error(e.status, e.reason, e.message)
+        return e.response()

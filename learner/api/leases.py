@@ -99,7 +99,9 @@ class LeaseRoom:
         async def lease(request: web.Request) -> web.Response:
             worker = auth.worker(request)
             req = await read_body(request, P.LeaseRequest, self.metrics.rejected)
-            worker.version = req.version  # what will generate this lease
+            worker.version = self.run.installable(req.version)  # what will generate this lease
+            if worker.version < req.version:
+                self.metrics.claims_clamped.labels("version").inc()
             return await self._lease(worker, req)
 
         async def release(request: web.Request) -> web.Response:

@@ -23,3 +23,11 @@ class Run:
     def published_version(self) -> int:
         latest = self.blobs.latest
         return latest.version if latest else -1
+
+    def installable(self, claim: int) -> int:
+        """A worker's claimed installed version as far as it can be true: at most the newest
+        published (nobody installs a version before it is published; a claim beyond it was shown in
+        /v1/status and read by the broadcast planner). Clamped, not refused: a learner restarted
+        at the same URL answers its workers before it published anything (a resumed run then goes
+        on past the newest version ever published), and an honest worker must keep working."""
+        return min(claim, self.published_version)

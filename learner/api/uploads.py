@@ -65,7 +65,7 @@ class UploadRoom:
                 self.metrics.rejected.labels(e.reason).inc()
                 return json_error(e.status, e.reason, e.message)
             except Refusal as e:
-                return json_error(e.status, e.reason, e.message)
+                return e.response()
 
         return [web.post("/v1/trajectories", trajectories)]
 

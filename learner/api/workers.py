@@ -27,7 +27,7 @@ from aiohttp import web
 from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
 from learner.addresses import AddressBook, address_key, remember
-from learner.admission import JoinGate
+from learner.admission import JoinGate, TokenBucket
 from learner.api.http import Auth, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
@@ -68,6 +68,9 @@ class WorkerInfo:
     machine: str = ""  # the machine its machine token proved (one live identity per machine), or ""
     probed_at: float = -1e9  # the last reachability probe of its relay
     ticket_at: float = -1e9  # when its read ticket was last issued (monotonic)
+    # Its requests per second ([server] worker_requests_per_s), checked by `Auth.worker`; kept on
+    # the record, so it goes when the worker is forgotten. None: not limited.
+    requests: TokenBucket | None = field(default=None, repr=False)
 
     def row(self, now: float, alive: bool, leased: int) -> dict:
         """The worker as /v1/status shows it (no secrets, bounded size)."""
@@ -119,7 +122,8 @@ class WorkerRegistry:
         self.tickets = tickets  # chain mode: read tickets (broadcast.tickets.TicketOffice), or None
         self.workers: dict[str, WorkerInfo] = {}
         # Per address: workers joined, wrong tokens, bans that expire (learner.addresses).
-        self.addresses = AddressBook(max_workers=server.max_workers_per_address, ban_s=server.ban_s,
+        self.addresses = AddressBook(max_workers=server.max_workers_per_address,
+                                     max_64s_per_48=server.max_64s_per_48, ban_s=server.ban_s,
                                      failures_per_min=server.auth_failures_per_min,
                                      failure_burst=server.auth_failure_burst)
         self.gate = JoinGate(server.join_rate, server.join_burst, server.allow_networks)
@@ -155,10 +159,10 @@ class WorkerRegistry:
             return json_error(403, "banned", f"machine {machine} was quarantined: {self.quarantined_machines[machine]}")
         replaced = previous is not None
         same_address = replaced and address_key(previous.address) == address_key(address)
-        if not same_address and not self.addresses.room(address):
+        full = "" if same_address else self.addresses.full(address)
+        if full:
             refused.labels("address-full").inc()
-            return json_error(403, "address-full", f"{address} holds the most workers one address may "
-                                                   f"([server] max_workers_per_address = {server.max_workers_per_address})")
+            return json_error(403, "address-full", full)
         if len(self.workers) - replaced >= server.max_workers:
             refused.labels("full").inc()
             return json_error(503, "fleet-full", f"the learner holds its maximum of {server.max_workers} workers "
@@ -177,7 +181,8 @@ class WorkerRegistry:
         that machine's previous identity (a machine restarted: one live identity per machine)."""
         wid, secret = f"w{next(self._ids)}", secrets.token_urlsafe(24)
         info = WorkerInfo(id=wid, name=machine or report.name or wid, joined=now, last_seen=now,
-                          secret_hash=secret_hash(secret), address=address, fleet_key=wid, machine=machine or "")
+                          secret_hash=secret_hash(secret), address=address, fleet_key=wid, machine=machine or "",
+                          requests=TokenBucket(self.server.worker_requests_per_s, self.server.worker_request_burst, now))
         self.update(info, report)
         previous = self.of_machine(machine)
         if previous is not None:  # its credential stops working now, its leases go out again now
@@ -202,7 +207,10 @@ class WorkerRegistry:
             samples = [LinkSample.from_dict(d) for d in r.links]
         except ValueError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
-        w.version, w.rollouts_per_s, w.price_per_hour = r.version, r.rollouts_per_s, r.price_per_hour
+        w.version = self.run.installable(r.version)
+        if w.version < r.version:
+            self.metrics.claims_clamped.labels("version").inc()
+        w.rollouts_per_s, w.price_per_hour = r.rollouts_per_s, r.price_per_hour
         w.download_mbit, w.upload_mbit = r.download_mbit, r.upload_mbit
         w.device, w.gpu, w.engine = r.device, r.gpu, r.engine
         w.claimed_capacity_per_s = r.capacity_per_s
@@ -217,8 +225,9 @@ class WorkerRegistry:
                 w.probed_at = w.last_seen
                 self.probe(w)
         known = w.installs[-1][0] if w.installs else -1
+        published = self.run.published_version
         for item in r.installs:  # "seconds ago": clocks differ between machines
-            if item.version > known:
+            if known < item.version <= published:  # a version never published was never installed
                 received_ago = max(item.installed_ago, item.received_ago)
                 w.installs.append((item.version, w.last_seen - item.installed_ago, w.last_seen - received_ago,
                                    item.install_s))

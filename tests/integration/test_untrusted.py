@@ -280,6 +280,7 @@ def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokeni
         # The round counts what the learner scored: half the answers were wrong, whatever was claimed.
         assert [r.accuracy for r in results] == [0.5]
         # Without completions there is nothing to score: refused.
+        state.run.blobs.add(1, b"weights-1")  # a round opens at a published version, which workers can hold
         state.evals.open(1, time.monotonic())
         status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred_h)
         status, body, _ = await api.call("/v1/eval", {"lease_id": lease["lease_id"], "version": 1,
@@ -1046,3 +1047,99 @@ def test_a_flood_of_groups_without_an_advantage_is_not_trained(learner_factory, 
         [s["reward_mean"] for s in steps_logged]
     assert summary["groups_trained"] == steps * 4
     assert flooded >= 8 and summary["skipped_uniform"] >= flooded
+
+
+def test_one_credential_cannot_send_requests_as_fast_as_it_likes(tokenizer, tmp_path):
+    """One worker with a valid credential sending 2-3k cheap requests a second kept 0.6-0.9 of a
+    learner core busy. Each credential has a token bucket ([server] worker_requests_per_s after
+    worker_request_burst): past it, every route answers 429 `rate-limited` with Retry-After, and
+    other workers (the same address too) are served as before."""
+    async def test(api: Api):
+        wid, flood = await api.join("flood")
+        _, other = await api.join("other")
+        for _ in range(5):
+            status, _, _ = await api.call("/v1/heartbeat", {}, token=flood)
+            assert status == 200
+        seen = api.state.workers[wid].last_seen
+        for path, body in (("/v1/heartbeat", {}), ("/v1/lease", {"max_prompts": 1})):
+            status, reply, headers = await api.call(path, body, token=flood)
+            assert (status, reply["error"]) == (429, "rate-limited"), reply
+            assert "worker_requests_per_s" in reply["message"] and int(headers["Retry-After"]) >= 1
+        status, reply, headers = await api.call("/v1/trajectories", token=flood, raw=b"x", content_type=CONTENT_TYPE)
+        assert (status, reply["error"]) == (429, "rate-limited") and int(headers["Retry-After"]) >= 1
+        assert api.state.workers[wid].last_seen == seen  # a refused request renews nothing
+        assert api.metric('echo_auth_refused_total{credential="rate-limited"}') == 3
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=other)
+        assert status == 200  # per credential, not per address
+        status, reply, _ = await api.call("/v1/heartbeat", {}, token=f"{wid}.wrong-secret")
+        assert (status, reply["error"]) == (401, "unknown-credential")  # a wrong secret: its own path
+        await asyncio.sleep(2.1)  # 0.5/s: one request's worth again
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=flood)
+        assert status == 200
+
+    run_api(tokenizer, test, tmp_path, **{"server.worker_requests_per_s": 0.5, "server.worker_request_burst": 5})
+
+
+def test_a_worker_cannot_claim_a_version_that_was_never_published(tokenizer, tmp_path):
+    """A heartbeat (or a join, or a lease request) claiming version 10^6 while v0 is the newest
+    published: the claim was shown in /v1/status and read by the broadcast planner (who holds a
+    delta's base), the eval book and the T_bcast measure (its installs). Clamped to the newest
+    published version, not refused: an honest worker cannot be ahead of it, except after the
+    learner resumed from an older checkpoint, and then it must keep working."""
+    async def test(api: Api):
+        state = api.state
+        wid, cred = await api.join("liar", version=7)
+        w = state.workers[wid]
+        assert w.version == 0
+        future = {"version": 999, "installed_ago": 1.0, "received_ago": 2.0, "install_s": 0.1}
+        status, _, _ = await api.call("/v1/heartbeat", {"version": 10 ** 6, "installs": [future]}, token=cred)
+        assert status == 200 and w.version == 0 and w.installs == []
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1, "version": 50}, token=cred)
+        assert status == 200 and lease["lease_id"] and w.version == 0  # served, as at the version it can hold
+        async with api.session.get(api.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            row = next(r for r in (await resp.json())["workers"] if r["id"] == wid)
+        assert row["version"] == 0
+        assert api.metric('echo_verify_claims_clamped_total{what="version"}') == 3
+        # Once v1 is published, the same worker's honest report of it is believed.
+        state.run.blobs.add(1, b"weights-1")
+        now = {"version": 1, "installed_ago": 0.5, "received_ago": 0.6, "install_s": 0.1}
+        status, _, _ = await api.call("/v1/heartbeat", {"version": 1, "installs": [now, future]}, token=cred)
+        assert status == 200 and w.version == 1 and [i[0] for i in w.installs] == [1]
+        assert api.metric('echo_verify_claims_clamped_total{what="version"}') == 3
+
+    run_api(tokenizer, test, tmp_path, **{"server.long_poll_s": 0})
+
+
+def test_one_ipv6_48_cannot_fill_the_fleet_from_its_64s(tokenizer, tmp_path):
+    """Limits count per /64, and a /48 (one site; a tunnel broker gives one away) holds 65,536
+    of them: 16 workers from each could fill any fleet. A /48 holds max_64s_per_48 /64s' worth.
+    (Joins arrive through a trusted proxy on loopback, which names the IPv6 addresses.)"""
+    async def test(api: Api):
+        async def join(address: str) -> tuple[int, dict]:
+            status, body, _ = await api.call("/v1/join", {"name": "s"}, headers={"X-Forwarded-For": address})
+            return status, body
+
+        for net in range(3):
+            for _ in range(2):
+                assert (await join(f"2001:db8:1:{net:x}::1"))[0] == 200
+        status, body = await join("2001:db8:1:ff::1")  # a fresh /64 of the same /48
+        assert (status, body["error"]) == (403, "address-full") and "2001:db8:1::/48" in body["message"]
+        assert (await join("2001:db8:2::1"))[0] == 200  # another /48
+        assert len(api.state.workers) == 7
+
+    run_api(tokenizer, test, tmp_path, **{"server.trusted_proxies": ["127.0.0.0/8"],
+                                          "server.max_workers_per_address": 2, "server.max_64s_per_48": 3})
+
+
+def test_a_forwarded_address_that_is_not_one_is_not_taken(tokenizer, tmp_path):
+    """Behind a trusted proxy, an X-Forwarded-For entry was the worker's address as written:
+    'not-an-ip' was stored, shown and counted as one. A malformed entry falls back to the
+    proxy's address; a well-formed one is written the canonical way."""
+    async def test(api: Api):
+        for forwarded, expect in (("not-an-ip", "127.0.0.1"), ("203.0.113.7, bogus", "127.0.0.1"),
+                                  ("2001:DB8:0::7", "2001:db8::7")):
+            status, body, _ = await api.call("/v1/join", {"name": "w"}, headers={"X-Forwarded-For": forwarded})
+            assert status == 200, body
+            assert api.state.workers[body["worker_id"]].address == expect
+
+    run_api(tokenizer, test, tmp_path, **{"server.trusted_proxies": ["127.0.0.0/8"]})

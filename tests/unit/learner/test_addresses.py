@@ -3,7 +3,7 @@ expire and grow, and the client address behind a trusted proxy only."""
 
 import ipaddress
 
-from learner.addresses import AddressBook, address_key, client_address
+from learner.addresses import AddressBook, address_key, client_address, prefix48
 
 
 def test_ipv6_counts_per_64_and_ipv4_per_address():
@@ -22,6 +22,52 @@ def test_one_address_holds_at_most_max_workers():
     assert book.room("2001:db8:0:1::1")
     book.left("2001:db8::1")
     assert book.room("2001:db8::1")
+
+
+def test_one_ipv6_48_holds_at_most_a_few_64s_worth_of_workers():
+    """A /48 holds 65,536 /64s: with per-/64 limits alone one site (or a tunnel broker's free
+    /48) could fill the whole fleet. It holds `max_64s_per_48` × `max_workers` workers."""
+    book = AddressBook(max_workers=2, max_64s_per_48=3)
+    for net in range(3):
+        for _ in range(2):
+            assert book.room(f"2001:db8:1:{net:x}::1")
+            book.joined(f"2001:db8:1:{net:x}::1")
+    assert "2001:db8:1::/48" in book.full("2001:db8:1:ff::1") and "max_64s_per_48" in book.full("2001:db8:1:ff::1")
+    assert book.room("2001:db8:2::1")  # another /48
+    assert book.room("192.0.2.1") and prefix48("192.0.2.1") is None and prefix48("::ffff:192.0.2.1") is None
+    book.left("2001:db8:1:0::1")
+    assert book.room("2001:db8:1:ff::1")
+    for net in range(3):  # the /48's count goes with its workers
+        book.left(f"2001:db8:1:{net:x}::1")
+        book.left(f"2001:db8:1:{net:x}::1")
+    assert book._workers == {}
+
+
+def test_one_ipv6_48_holds_at_most_a_few_64s_worth_of_connections():
+    from learner.api.app import ConnectionCap
+
+    class Transport:  # what ConnectionCap reads of an accepted connection
+        def __init__(self, host: str):
+            self.host, self.aborted = host, False
+
+        def get_extra_info(self, name: str):
+            return (self.host, 1234, 0, 0) if name == "peername" else None
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    def connect(host: str) -> tuple[Transport, tuple | None]:
+        transport = Transport(host)
+        return transport, cap.opened(transport)
+
+    cap = ConnectionCap(server=None, limit=2, trusted=[], per_48=3)
+    opened = [connect(f"2001:db8:1:{i // 2:x}::1") for i in range(8)]  # 2 from each of 4 /64s of one /48
+    assert [t.aborted for t, _ in opened] == [False] * 6 + [True] * 2
+    assert not connect("2001:db8:2::1")[0].aborted  # another /48
+    for _, keys in opened:
+        cap.closed(keys)
+    assert not connect("2001:db8:1:9::1")[0].aborted  # the /48's connections closed: room again
+    assert set(cap.open) == {"2001:db8:2::/64", "2001:db8:2::/48", "2001:db8:1:9::/64", "2001:db8:1::/48"}
 
 
 def test_wrong_tokens_are_throttled_per_address_and_recover():
@@ -49,6 +95,19 @@ def test_the_forwarded_address_is_believed_only_from_a_trusted_proxy():
     assert client_address("10.0.0.5", "203.0.113.9, 198.51.100.7, 10.0.0.4", proxies) == "198.51.100.7"
     assert client_address("198.51.100.7", "203.0.113.9", proxies) == "198.51.100.7"  # not a proxy: its own
     assert client_address("10.0.0.5", "203.0.113.9", []) == "10.0.0.5"  # no proxies configured
+
+
+def test_a_forwarded_entry_that_is_not_an_address_is_not_a_key():
+    """X-Forwarded-For entries were taken as written: 'not-an-ip' became a worker's address, and
+    the key its limits were counted under. Now parsed; one that is not an address falls back to
+    the proxy's own (never to an entry left of it, which a client wrote)."""
+    proxies = [ipaddress.ip_network("10.0.0.0/8")]
+    assert client_address("10.0.0.5", "not-an-ip", proxies) == "10.0.0.5"
+    assert client_address("10.0.0.5", "198.51.100.7, unknown", proxies) == "10.0.0.5"
+    assert client_address("10.0.0.5", "198.51.100.7, garbage, 10.0.0.4", proxies) == "10.0.0.5"
+    assert client_address("10.0.0.5", " 198.51.100.7:4711", proxies) == "198.51.100.7"  # with a port
+    assert client_address("10.0.0.5", "[2001:DB8::1]:4711", proxies) == "2001:db8::1"
+    assert client_address("10.0.0.5", "2001:DB8:0::1", proxies) == "2001:db8::1"  # the canonical spelling
 
 
 def test_many_addresses_cannot_grow_the_tables_without_bound(monkeypatch):
