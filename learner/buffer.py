@@ -115,6 +115,11 @@ class BatchInfo:
     staleness: list[int] = field(default_factory=list)
     uses: list[int] = field(default_factory=list)  # per group: times trained, this use included
     since_last_use: list[int] = field(default_factory=list)  # per group: steps since its previous use (0: fresh)
+    # Dynamic sampling: the groups skipped since the previous batch (how many, and a uniform sample
+    # of up to G of them), so the token check can draw from everything accepted, not only what is
+    # trained: a batch of groups chosen for their rewards is not a sample of how a worker samples.
+    skipped: int = 0
+    skipped_sample: list[Group] = field(default_factory=list)
 
     @property
     def replayed(self) -> int:
@@ -162,6 +167,7 @@ class StalenessBuffer:
         self.taken_at = -1  # learner version of the latest batch taken (it is being trained)
         self.skip_uniform = skip_uniform
         self.on_skip = on_skip or (lambda group: None)
+        self._skipped, self._skipped_sample = 0, []  # since the latest batch (BatchInfo.skipped)
         self._useful: deque[tuple[str, bool]] = deque(maxlen=USEFUL_WINDOW)  # recent groups: (worker, carried signal?)
 
     @classmethod
@@ -214,6 +220,11 @@ class StalenessBuffer:
             self._useful.append((group.worker_id, group.varied))
             if not group.varied:
                 self.stats.skipped_uniform += 1
+                self._skipped += 1  # reservoir sampling: each skipped group is in the sample with equal chance
+                if len(self._skipped_sample) < self.batch_groups:
+                    self._skipped_sample.append(group)
+                elif (j := self._rng.randrange(self._skipped)) < self.batch_groups:
+                    self._skipped_sample[j] = group
                 self.on_skip(group)
                 self._check()
                 return
@@ -287,8 +298,10 @@ class StalenessBuffer:
         self.taken_at = learner_version
         self._retain(fresh)
         self._check()
+        skipped, sample = self._skipped, self._skipped_sample
+        self._skipped, self._skipped_sample = 0, []
         return BatchInfo(groups, learner_version, staleness, [g.uses for g in groups],
-                         since if self.reuse > 1 else [])
+                         since if self.reuse > 1 else [], skipped=skipped, skipped_sample=sample)
 
     def _replay_candidates(self, learner_version: int) -> list[Group]:
         """Groups of the pool that may be trained once more at `learner_version`."""

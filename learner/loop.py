@@ -69,8 +69,10 @@ class Loop:
                 t2 = time.monotonic()
                 run.version = trainer.version
                 self.ledger.trained(trainer.version, [g.prompt_id for g in batch.groups])
+                skipped = [(g := batch.skipped_sample[j], batch.learner_version - g.version, terms)
+                           for j, terms in stats.pop("skipped_tokens")]
                 self.registry.judge_logprobs(batch.groups, batch.staleness, stats.pop("group_gaps"),
-                                             stats.pop("group_tokens"))
+                                             stats.pop("group_tokens"), skipped)
                 self.leases.stepped()  # room in the buffer, and a new version to judge staleness by
                 last = trainer.updates == self.steps
                 published = trainer.version % self.publish_every == 0 or last

@@ -102,11 +102,16 @@ class Verdict:
 
 
 class Drift:
-    """The fleet's gap between π and μ by staleness: the median per-token gap of the most recent
-    groups at each staleness (0 for fresh groups: the same weights on both sides, unless `fresh`
+    """The fleet's gap between π and μ by staleness: the median over workers of each one's
+    per-token gap over its most recent groups at each staleness (0 for fresh groups: the same weights on both sides, unless `fresh`
     is measured too: the tokens' surprisal, where the engines' numerics count).
 
-    A worker is held to the *other* workers' drift, one vote each (each its median): counted by
+    A worker's vote is its own per-token mean over its recent groups there, pooled as the checks
+    pool a worker's evidence: the median of its groups' means sat below that mean wherever the
+    groups' values are skewed (a few wrong answers with a high surprisal among many sure ones),
+    and honest workers' tokens read as too unlikely (z = +8 on the demo).
+
+    A worker is held to the *other* workers' drift, one vote each: counted by
     groups and with its own, a forger sending most of a staleness's recent groups set the drift it
     was judged against (μ = -50 nats/token passed with an excess of 0). Only workers with
     *standing* vote (`Verifier._judge`: enough of their own work checked to judge them, and no
@@ -130,11 +135,11 @@ class Drift:
 
     def add(self, staleness: int, gap_sum: float, tokens: int, worker: str = "") -> None:
         if staleness >= self._first and tokens > 0:
-            self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append((worker, gap_sum / tokens))
+            self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append((worker, gap_sum, tokens))
 
     def voters(self, stalenesses: set) -> set:
         """The workers with a recent group at any of `stalenesses`."""
-        return {w for k in stalenesses for w, _ in self._recent.get(k, ())}
+        return {w for k in stalenesses for w, *_ in self._recent.get(k, ())}
 
     def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
@@ -144,16 +149,18 @@ class Drift:
         if staleness < self._first or not recent:
             return 0.0
         skip = {excluding} if isinstance(excluding, str) else excluding
-        heard = {worker for worker, _ in recent}
+        heard = {worker for worker, *_ in recent}
         if heard & standing:
             heard &= standing
         by_worker: dict[str, list[float]] = {}
-        for worker, gap in recent:
+        for worker, gap_sum, tokens in recent:
             if worker in heard and worker not in skip:
-                by_worker.setdefault(worker, []).append(gap)
+                acc = by_worker.setdefault(worker, [0.0, 0])
+                acc[0] += gap_sum
+                acc[1] += tokens
         if not by_worker:
             return 0.0
-        return _median([_median(gaps) for gaps in by_worker.values()])
+        return _median([gap / tokens for gap, tokens in by_worker.values()])
 
 
 @dataclass(frozen=True)

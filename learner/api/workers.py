@@ -302,15 +302,18 @@ class WorkerRegistry:
             self.quarantine(worker, Verdict(worker_id, reason, message))
 
     def judge_logprobs(self, groups: list[Group], staleness: list[int], group_gaps: list[list[float]],
-                       group_tokens: list[list[float]] | None = None) -> None:
+                       group_tokens: list[list[float]] | None = None,
+                       skipped: list[tuple[Group, int, list[float]]] = ()) -> None:
         """Judge each worker's groups, fresh and stale, by how far its μ lies from the trainer's π
         beyond the fleet's drift at their staleness, and whether its tokens look sampled from π
-        (learner.verify)."""
+        (learner.verify); `skipped`: (group, staleness, token terms) of groups dynamic sampling did
+        not train, token-checked all the same."""
         checked = [(g.worker_id, k, gap, int(tokens)) for g, k, (gap, tokens) in zip(groups, staleness, group_gaps)]
         verdicts = self.verifier.logprobs_checked(checked)
         if group_tokens is not None:
+            tokens = [*zip(groups, staleness, group_tokens), *skipped]
             verdicts += self.verifier.tokens_checked(
-                [(g.worker_id, k, *terms) for g, k, terms in zip(groups, staleness, group_tokens) if terms[2] + terms[3]])
+                [(g.worker_id, k, *terms) for g, k, terms in tokens if terms[2] + terms[3]])
         for verdict in verdicts:
             worker = self.workers.get(verdict.worker_id)
             if worker is not None:

@@ -215,7 +215,7 @@ class Trainer:
         if old:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
-        group_tokens = self._check_tokens(batch, samples, mine)  # before the update: π is the trained-at version
+        group_tokens, skipped_tokens = self._check_tokens(batch, samples, mine)  # before the update: π is the trained-at version
         sums = torch.zeros(len(dataclasses.fields(LossStats)), dtype=torch.float64, device=world.device)
         norms = [self._update(samples, share, tokens, old, ref, gaps, sums)
                  for share, tokens in zip(shares, slice_tokens)]
@@ -249,6 +249,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
             "group_tokens": group_tokens,  # per group: [Σ(surprisal − entropy), Σ variance, inside, outside]
+            "skipped_tokens": skipped_tokens,  # the same for skipped groups drawn: (index in batch.skipped_sample, terms)
         }
 
     def _shares(self, samples: _Samples) -> tuple[list[list[int]], list[int]]:
@@ -332,21 +333,42 @@ class Trainer:
         self.version = max(self.version, version)
 
     @torch.no_grad()
-    def _check_tokens(self, batch: BatchInfo, samples: _Samples, mine: list[int]) -> list[list[float]]:
-        """Were the tokens of `[verify] token_check_fraction` of the groups sampled from π (at the
-        run's temperature and top-p), or chosen? Per group: Σ(surprisal − entropy) and Σ variance
-        over its policy tokens inside π's nucleus, and the counts inside and outside it (all zero
-        for a group not picked; `learner.verify.Verifier.tokens_checked` judges). One no-grad
-        forward of the picked samples; the same seeded pick on every rank."""
+    def _check_tokens(self, batch: BatchInfo, samples: _Samples, mine: list[int]) -> tuple[list, list]:
+        """Were the tokens of `[verify] token_check_fraction` × G groups sampled from π (at the
+        run's temperature and top-p), or chosen? The groups are drawn uniformly from every group
+        accepted since the previous batch: this batch's fresh groups and those dynamic sampling
+        skipped (`batch.skipped`). Drawn from the trained groups alone, they would be chosen for
+        their rewards (each with a wrong answer where π is mostly right): honest workers' tokens
+        then read as too unlikely, and the demo's four workers were quarantined at z = +8.
+        Per group: Σ(surprisal − entropy) and Σ variance over its policy tokens inside π's
+        nucleus, and the counts inside and outside it (all zero for a group not drawn;
+        `learner.verify.Verifier.tokens_checked` judges). Returns them for `batch.groups`, and
+        for the skipped groups drawn as (index in `batch.skipped_sample`, terms). The same seeded
+        draw on every rank."""
         f = self.cfg.verify.token_check_fraction
-        sums = torch.zeros(len(batch.groups), 4, dtype=torch.float64, device=self.world.device)
         if f <= 0.0:
-            return sums.tolist()
+            return [[0.0] * 4 for _ in batch.groups], []
         rng = random.Random(self.cfg.run.seed * 7_919 + self.version)
-        picked = {g for g in range(len(batch.groups)) if rng.random() < f}
+        fresh = [g for g in range(len(batch.groups)) if not batch.uses or batch.uses[g] == 1]  # replays: checked once
+        population = len(fresh) + batch.skipped
+        drawn = rng.sample(range(population), min(population, math.ceil(f * len(batch.groups))))
+        picked = {fresh[d] for d in drawn if d < len(fresh)}
+        extra = rng.sample(range(len(batch.skipped_sample)), min(len(batch.skipped_sample),
+                                                                 sum(d >= len(fresh) for d in drawn)))
+        sums = self._surprisal_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups))
+        if not extra:  # (the same on every rank: the draw is)
+            return sums, []
+        audit = _Samples.of(BatchInfo([batch.skipped_sample[j] for j in extra], batch.learner_version),
+                            self.cfg.trainer.adv_eps)
+        split = split_by_tokens(audit.lengths, self.world.size)[self.world.rank]
+        return sums, list(zip(extra, self._surprisal_sums(audit, split, len(extra))))
+
+    def _surprisal_sums(self, samples: _Samples, indices: list[int], groups: int) -> list[list[float]]:
+        """The token check's four sums per group of `samples`, over `indices` (this rank's), all ranks added."""
+        sums = torch.zeros(groups, 4, dtype=torch.float64, device=self.world.device)
         self.policy.surprisal = True
         try:
-            terms = self._score(self.policy, samples, [i for i in mine if samples.owner[i] in picked])
+            terms = self._score(self.policy, samples, indices)
         finally:
             self.policy.surprisal = False
         for i, t in terms.items():

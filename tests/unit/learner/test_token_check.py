@@ -124,3 +124,24 @@ def test_tokens_outside_the_nucleus_are_caught_and_nothing_is_checked_at_fractio
     assert verdicts and "outside the policy's top-p nucleus" in verdicts[0].message
     off = _trainer(tiny_model, "--verify.token_check_fraction", "0")
     assert off.step(BatchInfo(groups, learner_version=0, staleness=[0]))["group_tokens"] == [[0.0] * 4]
+
+
+def test_the_check_draws_from_the_groups_dynamic_sampling_skipped_too(tiny_model):
+    """The groups checked are drawn from everything accepted since the previous batch, skipped
+    groups included: drawn from the trained ones alone they were chosen for their rewards (a
+    wrong answer beside right ones), and honest workers' tokens read as too unlikely (the demo's
+    four workers were quarantined at z = +8). Here a batch of 8 sampled groups and 10,000 skipped
+    ones (a sample of 8 kept): nearly every draw is a skipped group, and its writer is caught."""
+    trainer = _trainer(tiny_model)
+    trained, skipped = _groups(trainer, "sampled"), _groups(trainer, "poisoned")
+    stats = trainer.step(BatchInfo(trained, learner_version=trainer.version, staleness=[0] * 8, uses=[1] * 8,
+                                   skipped=10_000, skipped_sample=skipped))
+    drawn = stats["skipped_tokens"]
+    assert len(drawn) >= 7 and all(terms[2] > 0 for _, terms in drawn)
+    assert sum(t[2] + t[3] > 0 for t in stats["group_tokens"]) == 8 - len(drawn)  # 8 draws in all (fraction 1)
+    verifier = Verifier(trainer.cfg.verify.model_copy(update={"min_token_checks": 64}))
+    verdicts = verifier.tokens_checked([(skipped[j].worker_id, 0, *terms) for j, terms in drawn])
+    assert [v.worker_id for v in verdicts] == ["poisoned"]
+    # No dynamic sampling (nothing skipped): the draw is the batch's fresh groups, replays not again.
+    stats = trainer.step(BatchInfo(trained, learner_version=trainer.version, staleness=[0] * 8, uses=[1] * 4 + [2] * 4))
+    assert stats["skipped_tokens"] == [] and [t[2] > 0 for t in stats["group_tokens"]] == [True] * 4 + [False] * 4

@@ -148,3 +148,19 @@ def test_standing_is_earned_by_stale_work_alone():
         verdicts += v.logprobs_checked(gaps + [(s, 2, 50.0 * 40, 40) for s in sybils])
         token_verdicts += v.tokens_checked(tokens + [(s, 2, 3.0 * 40, 10.0, 40.0, 0.0) for s in sybils])
     assert {d.worker_id for d in verdicts} == {d.worker_id for d in token_verdicts} == {"sybil0", "sybil1", "sybil2"}
+
+
+def test_honest_workers_with_skewed_groups_are_held_to_the_fleets_mean_not_its_median():
+    """Token checks of three honest workers alike at staleness 1: most groups sit a little under
+    the fleet's per-token drift, one in eight far over it (a wrong answer with a high surprisal
+    among sure right ones). A worker's z sums its groups; the drift took the median of its groups,
+    below their mean, so every honest worker drifted to z > 8 and was quarantined (the demo's
+    four, with dynamic sampling)."""
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=64))
+    verdicts = []
+    for step in range(40):
+        groups = [(f"w{i}", 1, (3.0 if (step + g) % 8 == 0 else -0.2) * 20, 10.0, 20.0, 0.0)
+                  for i in range(3) for g in range(2)]
+        verdicts += v.tokens_checked(groups)
+    assert verdicts == [] and all(abs(v.evidence[f"w{i}"].token_z) < 3 for i in range(3)), \
+        [v.evidence[f"w{i}"].token_z for i in range(3)]
