@@ -285,28 +285,29 @@ def greedy_gaps(model, batch: TokenBatch, chunk_tokens: int = 0) -> torch.Tensor
 
 
 @torch.no_grad()
-def surprisal_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, chunk_tokens: int = 0) -> torch.Tensor:
-    """For every completion token of `batch`, `[tokens, 3]`: its surprisal −log π(token), and the
-    entropy and the variance of the surprisal of π at that position (π as sampled from: the
-    temperature, the top-p nucleus). A token sampled from π has E[surprisal − entropy] = 0 with
-    that variance, whatever came before (a martingale), so over many tokens
-    Σ(surprisal − entropy) / √Σ variance is a standard normal — and a worker that chose its tokens
-    (greedy, or a phrase the policy would rarely say) drifts away from 0. A token outside π's
-    nucleus has surprisal inf."""
+def rank_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, chunk_tokens: int = 0) -> torch.Tensor:
+    """For every completion token of `batch`, `[tokens, 3]`: where it ranks under π (π as sampled
+    from: the temperature, the top-p nucleus) as u − ½, the variance of u under π, and 1 inside
+    the nucleus (0 outside, where u − ½ is ½ and the token is counted apart).
+
+    u is the token's mid-rank: π's mass on likelier tokens plus half its own. A token sampled
+    from π has E[u] = ½ and Var u = (1 − Σπ³)/12 whatever came before (a martingale), so over many
+    tokens Σ(u − ½) / √Σ variance is a standard normal — and a worker that chose its tokens
+    (greedy: u near 0; a phrase the policy would rarely say: u near 1) drifts away from 0. Each
+    token moves the sum by at most ½: the surprisal it replaced had heavy tails (a stale
+    snapshot's token π now all but forbids added 20 nats), and honest workers of the demo read
+    as 40 standard deviations off."""
     hidden = completion_hidden(model, batch)
     head = model.get_output_embeddings()
     step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)
     pieces = []
     for start in range(0, hidden.shape[0], step):
-        logp = processed_logits(F.linear(hidden[start : start + step], head.weight, head.bias), temperature,
-                                top_p).log_softmax(-1)
-        surprisal = -logp.gather(-1, batch.targets[start : start + step].unsqueeze(-1)).squeeze(-1)
-        p = logp.exp()  # 0 outside the nucleus, where logp is -inf: those terms are 0, not nan
-        logp = logp.masked_fill_(p == 0, 0.0)
-        plogp = p.mul_(logp)
-        entropy = -plogp.sum(-1)
-        second = plogp.mul_(logp).sum(-1)  # E[(log π)²]
-        pieces.append(torch.stack([surprisal, entropy, (second - entropy * entropy).clamp(min=0.0)], -1))
+        p = processed_logits(F.linear(hidden[start : start + step], head.weight, head.bias), temperature,
+                             top_p).softmax(-1)
+        own = p.gather(-1, batch.targets[start : start + step].unsqueeze(-1))
+        u = (p * (p > own)).sum(-1) + 0.5 * (p * (p == own)).sum(-1)  # ties share the mid-rank
+        variance = (1.0 - p.pow_(3).sum(-1)).clamp(min=0.0) / 12.0
+        pieces.append(torch.stack([u - 0.5, variance, (own.squeeze(-1) > 0).float()], -1))
     return torch.cat(pieces) if pieces else hidden.new_zeros((0, 3), dtype=torch.float32)
 
 

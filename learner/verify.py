@@ -19,10 +19,12 @@ Three pieces of evidence, each kept per worker:
   measured at the staleness the label claims.
 - **Tokens.** Right μ for chosen tokens passes the log-prob check: a worker can write what it
   likes (greedy answers, a trigger phrase, "Hail to the Thief"'s poisoned completions with right
-  rewards) and report π honestly. Sampled tokens betray themselves statistically: under π a
-  token's surprisal −log π has the entropy as its mean and a known variance whatever came before,
-  so over a worker's recent checked tokens z = Σ(surprisal − entropy) / √Σ variance is a standard
-  normal. A worker is judged on z beyond the fleet's own at the groups' staleness (the drift of a
+  rewards) and report π honestly. Sampled tokens betray themselves statistically: a token's
+  mid-rank u under π (π's mass on likelier tokens plus half its own) has mean ½ and variance
+  (1 − Σπ³)/12 whatever came before, so over a worker's recent checked tokens
+  z = Σ(u − ½) / √Σ variance is a standard normal (`echo.hf.rank_terms`; each token moves it by
+  at most ½, where the surprisal it replaced had heavy tails under a stale snapshot). A worker
+  is judged on z beyond the fleet's own at the groups' staleness (the drift of a
   stale version, and the engines' numerics, are the fleet's too, voted on the same way): past
   `max_token_z` it chose its tokens (z < 0: likelier than sampling, such as greedy; z > 0: a
   phrase π would rarely say), and past `max_outside_nucleus` of its tokens outside π's top-p
@@ -50,6 +52,8 @@ from learner.config import VerifySection
 WINDOW = 256  # recent checked samples a reward verdict looks at
 TOKEN_WINDOW = 64  # recent checked groups a token verdict looks at (so a small bias never adds up to a verdict)
 DRIFT_WINDOW = 256  # recent groups per staleness the fleet's drift is the median of
+SPREAD_GROUPS = 4  # a worker's recent groups at a staleness before it votes on their spread
+DRIFT_AGE = 50  # batches a group's vote on the drift is heard for
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
 
 
@@ -61,12 +65,12 @@ class Evidence:
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
     upload_seen: float = 0.0  # bytes/s: the fastest download any child reported from this worker
     claims_clamped: int = 0
-    # per checked group: (Σ surprisal − entropy − the fleet's at its staleness, Σ variance, inside, outside)
+    # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside)
     token_checks: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
 
     @property
     def token_z(self) -> float:
-        """How many standard deviations its recent tokens' surprisal lies from sampling's."""
+        """How many standard deviations its recent tokens' ranks lie from sampling's."""
         variance = sum(c[1] for c in self.token_checks)
         return sum(c[0] for c in self.token_checks) / variance ** 0.5 if variance > 0 else 0.0
 
@@ -103,8 +107,9 @@ class Verdict:
 
 class Drift:
     """The fleet's gap between π and μ by staleness: the median over workers of each one's
-    per-token gap over its most recent groups at each staleness (0 for fresh groups: the same weights on both sides, unless `fresh`
-    is measured too: the tokens' surprisal, where the engines' numerics count).
+    per-token gap over its most recent groups at each staleness (0 for fresh groups: the same
+    weights on both sides, unless `fresh` is measured too: the tokens' ranks, where the engines'
+    numerics count).
 
     A worker's vote is its own per-token mean over its recent groups there, pooled as the checks
     pool a worker's evidence: the median of its groups' means sat below that mean wherever the
@@ -132,35 +137,70 @@ class Drift:
     def __init__(self, fresh: bool = False) -> None:
         self._recent: dict[int, deque] = {}
         self._first = 0 if fresh else 1
+        self.batch = 0  # batches judged so far: a vote is heard for `DRIFT_AGE` of them
 
-    def add(self, staleness: int, gap_sum: float, tokens: int, worker: str = "") -> None:
+    def add(self, staleness: int, gap_sum: float, tokens: int, worker: str = "", variance: float = 0.0) -> None:
         if staleness >= self._first and tokens > 0:
-            self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append((worker, gap_sum, tokens))
+            self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append(
+                (worker, gap_sum, tokens, variance, self.batch))
 
     def voters(self, stalenesses: set) -> set:
         """The workers with a recent group at any of `stalenesses`."""
-        return {w for k in stalenesses for w, *_ in self._recent.get(k, ())}
+        return {g[0] for k in stalenesses for g in self._heard(k)}
 
     def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
         of `standing` is among those with a recent group there (the judged one included), only
-        the workers of `standing` vote."""
-        recent = self._recent.get(staleness)
-        if staleness < self._first or not recent:
-            return 0.0
+        the workers of `standing` vote. A staleness nobody else was heard at lately (a slow
+        worker's) takes the nearest lower one's drift, where it was held to the fresh bound (a new worker's groups 5 versions old, 1 nat/token from π
+        as everyone's are, quarantined it on the demo)."""
+        for k in range(staleness, self._first - 1, -1):
+            if (level := self._level(k, excluding, standing)) is not None:
+                return level
+        return 0.0
+
+    def _level(self, staleness: int, excluding, standing: set) -> float | None:
+        by_worker = self._votes(staleness, excluding, standing)
+        if not by_worker:
+            return None
+        return _median([sum(g[1] for g in gs) / sum(g[2] for g in gs) for gs in by_worker.values()])
+
+    def spread(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
+        """How much more the groups at `staleness` vary than their model variance says (at least 1;
+        where nobody else was heard, the nearest lower staleness's), voted on like the drift: per worker with
+        `SPREAD_GROUPS` groups or more, Σ(Σ − the drift × tokens)² / Σ variance over them (how
+        far its groups lie from the fleet's, its own mean's distance included); the median of those. The token check's variance is π's, for tokens sampled from π; a stale
+        snapshot's tokens vary more (the demo's, 2–5 updates old, 50–100× more per group late in
+        the run), and held to π's variance alone every honest worker read as ±10 standard
+        deviations off."""
+        for k in range(staleness, -1, -1):
+            ratios = []
+            votes = self._votes(k, excluding, standing)
+            mean = _median([sum(g[1] for g in gs) / sum(g[2] for g in gs) for gs in votes.values()]) if votes else 0.0
+            for gs in votes.values():
+                variance = sum(g[3] for g in gs)
+                if len(gs) >= SPREAD_GROUPS and variance > 0:
+                    ratios.append(sum((g[1] - mean * g[2]) ** 2 for g in gs) / variance)
+            if ratios:
+                return max(1.0, _median(ratios))
+        return 1.0
+
+    def _heard(self, staleness: int) -> list[tuple]:
+        """The groups at `staleness` recent enough to vote (a window of old batches, when the drift was another, does not)."""
+        return [g for g in self._recent.get(staleness, ()) if g[4] >= self.batch - DRIFT_AGE]
+
+    def _votes(self, staleness: int, excluding, standing: set) -> dict[str, list[tuple]]:
+        """The recent groups by voting worker: not `excluding`, and of `standing` once one of it is heard."""
         skip = {excluding} if isinstance(excluding, str) else excluding
+        recent = self._heard(staleness)
         heard = {worker for worker, *_ in recent}
         if heard & standing:
             heard &= standing
-        by_worker: dict[str, list[float]] = {}
-        for worker, gap_sum, tokens in recent:
-            if worker in heard and worker not in skip:
-                acc = by_worker.setdefault(worker, [0.0, 0])
-                acc[0] += gap_sum
-                acc[1] += tokens
-        if not by_worker:
-            return 0.0
-        return _median([gap / tokens for gap, tokens in by_worker.values()])
+        by_worker: dict[str, list[tuple]] = {}
+        for group in recent:
+            if group[0] in heard and group[0] not in skip:
+                by_worker.setdefault(group[0], []).append(group)
+        return by_worker
 
 
 @dataclass(frozen=True)
@@ -170,9 +210,10 @@ class _Check:
 
     drift: Drift
     tokens: Callable[[tuple], int]  # the tokens a group's Σ is over: its per-token value in the drift is Σ / tokens
-    add: Callable[[Evidence, tuple, float], None]  # a group's evidence beyond the drift there, into a worker's
+    add: Callable[[Evidence, tuple, float, float], None]  # a group's evidence beyond the drift there (and its spread), into a worker's
     enough: Callable[[Evidence], bool]  # enough of a worker's work checked to judge it (and, passing, to vote)
     verdict: Callable[[str, Evidence], Verdict | None]  # on enough evidence: dishonest?
+    variance: Callable[[tuple], float]  # a group's model variance (0: none; the drift's spread is not measured)
 
 
 def _median(values: list[float]) -> float:
@@ -186,10 +227,10 @@ class Verifier:
         self.evidence: dict[str, Evidence] = {}
         self.checked = self.mismatched = 0  # rewards recomputed, and how many disagreed, over the run
         self.drift = Drift()
-        self.token_drift = Drift(fresh=True)  # the fleet's per-token surprisal − entropy, by staleness
+        self.token_drift = Drift(fresh=True)  # the fleet's per-token u − ½, by staleness
         self._gaps = _Check(self.drift, tokens=lambda g: g[3], add=self._add_gap, verdict=self._gap_verdict,
-                            enough=lambda ev: ev.gap_tokens >= self.cfg.min_gap_tokens)
-        self._tokens = _Check(self.token_drift, tokens=lambda g: int(g[4]), add=self._add_tokens,
+                            enough=lambda ev: ev.gap_tokens >= self.cfg.min_gap_tokens, variance=lambda g: 0.0)
+        self._tokens = _Check(self.token_drift, tokens=lambda g: int(g[4]), add=self._add_tokens, variance=lambda g: g[3],
                               verdict=self._token_verdict, enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks)
         self._rng = random.Random(seed)
 
@@ -229,9 +270,8 @@ class Verifier:
         return self._judge(self._gaps, [g for g in groups if g[3] > 0])
 
     def tokens_checked(self, groups: list[tuple[str, int, float, float, float, float]]) -> list[Verdict]:
-        """One batch's token checks: per checked group (worker id, staleness, Σ(surprisal −
-        entropy), Σ variance, tokens inside π's nucleus, outside it). The fleet's drift learns
-        from all of them first; then each worker is judged on its recent window, against the
+        """One batch's token checks: per checked group (worker id, staleness, Σ(u − ½), Σ variance,
+        tokens inside π's nucleus, outside it). The fleet's drift learns from all of them first; then each worker is judged on its recent window, against the
         other workers' drift (one vote each; none for workers judged dishonest, before or by a
         first pass over this batch, or by their log-probs; only with standing, `Drift`): pooled,
         forgers' groups moved the drift so far that an honest worker's sampled tokens read as
@@ -246,8 +286,9 @@ class Verifier:
         judged dishonest before (by `check`, or by any of `also`), and those the first pass finds
         dishonest, have no vote in the second (three forgers' medians of 47, 1e30 and 4 nats let
         the one at 4 pass beside one honest worker)."""
+        check.drift.batch += 1
         for group in groups:
-            check.drift.add(group[1], group[2], check.tokens(group), group[0])
+            check.drift.add(group[1], group[2], check.tokens(group), group[0], check.variance(group))
         heard = {w for w in check.drift.voters({g[1] for g in groups}) if w in self.evidence}
         judged = {w for w in heard
                   if any(self._verdict(c, w, self.evidence[w]) is not None for c in (check, *also))}
@@ -268,14 +309,16 @@ class Verifier:
                 continue
             if worker_id not in evidence:
                 evidence[worker_id] = self._of(worker_id) if record else self._of(worker_id).copy()
-            check.add(evidence[worker_id], group, check.drift.at(staleness, unheard | {worker_id}, voting))
+            others = unheard | {worker_id}
+            check.add(evidence[worker_id], group, check.drift.at(staleness, others, voting),
+                      check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0)
         return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]
 
     @staticmethod
     def _verdict(check: _Check, worker_id: str, ev: Evidence) -> Verdict | None:
         return check.verdict(worker_id, ev) if check.enough(ev) else None
 
-    def _add_gap(self, ev: Evidence, group: tuple, drift: float) -> None:
+    def _add_gap(self, ev: Evidence, group: tuple, drift: float, spread: float) -> None:
         _, _, gap_sum, tokens = group
         ev.gap_sum += max(0.0, gap_sum - tokens * drift)
         ev.gap_tokens += tokens
@@ -288,15 +331,15 @@ class Verifier:
                        f"per token beyond the fleet's drift at their staleness, on {ev.gap_tokens} "
                        f"tokens (allowed {self.cfg.max_logprob_gap})")
 
-    def _add_tokens(self, ev: Evidence, group: tuple, drift: float) -> None:
+    def _add_tokens(self, ev: Evidence, group: tuple, drift: float, spread: float) -> None:
         _, _, excess, variance, inside, outside = group
-        ev.token_checks.append((excess - inside * drift, variance, int(inside), int(outside)))
+        ev.token_checks.append((excess - inside * drift, variance * spread, int(inside), int(outside)))
 
     def _token_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
         if abs(ev.token_z) > self.cfg.max_token_z:
             return Verdict(worker_id, "tokens", (
-                f"its tokens were not sampled from the policy: their surprisal lies {ev.token_z:+.1f} standard "
-                f"deviations from the entropy ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
+                f"its tokens were not sampled from the policy: their ranks under it lie {ev.token_z:+.1f} standard "
+                f"deviations from sampling's ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
                 f"gives) over its last {ev.checked_tokens} checked tokens (allowed {self.cfg.max_token_z:g})"))
         if ev.outside_share > self.cfg.max_outside_nucleus:
             return Verdict(worker_id, "tokens", (

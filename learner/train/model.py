@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from echo.hf import TokenBatch, check_head, greedy_gaps, policy_logprobs, surprisal_terms
+from echo.hf import TokenBatch, check_head, greedy_gaps, policy_logprobs, rank_terms
 from learner.train.dist import World, full_tensor, shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,13 +45,13 @@ class Policy(torch.nn.Module):
         check_head(hf)
         self.hf = hf
         self.temperature, self.top_p, self.chunk_tokens, self.greedy = temperature, top_p, chunk_tokens, greedy
-        self.surprisal = False  # set while checking workers' tokens (`echo.hf.surprisal_terms`)
+        self.ranks = False  # set while checking workers' tokens (`echo.hf.rank_terms`)
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
         if self.greedy:
             return greedy_gaps(self.hf, batch, self.chunk_tokens)
-        if self.surprisal:
-            return surprisal_terms(self.hf, batch, temperature=self.temperature, top_p=self.top_p,
+        if self.ranks:
+            return rank_terms(self.hf, batch, temperature=self.temperature, top_p=self.top_p,
                                    chunk_tokens=self.chunk_tokens)
         return policy_logprobs(self.hf, batch, temperature=self.temperature, top_p=self.top_p,
                                chunk_tokens=self.chunk_tokens)

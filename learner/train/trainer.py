@@ -248,7 +248,7 @@ class Trainer:
             **samples.turn_fields(),
             "lr": self.scheduler.get_last_lr()[0],
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
-            "group_tokens": group_tokens,  # per group: [Σ(surprisal − entropy), Σ variance, inside, outside]
+            "group_tokens": group_tokens,  # per group: [Σ(u − ½), Σ variance, inside, outside]
             "skipped_tokens": skipped_tokens,  # the same for skipped groups drawn: (index in batch.skipped_sample, terms)
         }
 
@@ -340,8 +340,8 @@ class Trainer:
         skipped (`batch.skipped`). Drawn from the trained groups alone, they would be chosen for
         their rewards (each with a wrong answer where π is mostly right): honest workers' tokens
         then read as too unlikely, and the demo's four workers were quarantined at z = +8.
-        Per group: Σ(surprisal − entropy) and Σ variance over its policy tokens inside π's
-        nucleus, and the counts inside and outside it (all zero for a group not drawn;
+        Per group: Σ(u − ½) of its policy tokens' mid-ranks under π (`echo.hf.rank_terms`) and Σ
+        their variance, over those inside π's nucleus, and the counts inside and outside it (all zero for a group not drawn;
         `learner.verify.Verifier.tokens_checked` judges). Returns them for `batch.groups`, and
         for the skipped groups drawn as (index in `batch.skipped_sample`, terms). The same seeded
         draw on every rank."""
@@ -355,27 +355,27 @@ class Trainer:
         picked = {fresh[d] for d in drawn if d < len(fresh)}
         extra = rng.sample(range(len(batch.skipped_sample)), min(len(batch.skipped_sample),
                                                                  sum(d >= len(fresh) for d in drawn)))
-        sums = self._surprisal_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups))
+        sums = self._rank_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups))
         if not extra:  # (the same on every rank: the draw is)
             return sums, []
         audit = _Samples.of(BatchInfo([batch.skipped_sample[j] for j in extra], batch.learner_version),
                             self.cfg.trainer.adv_eps)
         split = split_by_tokens(audit.lengths, self.world.size)[self.world.rank]
-        return sums, list(zip(extra, self._surprisal_sums(audit, split, len(extra))))
+        return sums, list(zip(extra, self._rank_sums(audit, split, len(extra))))
 
-    def _surprisal_sums(self, samples: _Samples, indices: list[int], groups: int) -> list[list[float]]:
+    def _rank_sums(self, samples: _Samples, indices: list[int], groups: int) -> list[list[float]]:
         """The token check's four sums per group of `samples`, over `indices` (this rank's), all ranks added."""
         sums = torch.zeros(groups, 4, dtype=torch.float64, device=self.world.device)
-        self.policy.surprisal = True
+        self.policy.ranks = True
         try:
             terms = self._score(self.policy, samples, indices)
         finally:
-            self.policy.surprisal = False
+            self.policy.ranks = False
         for i, t in terms.items():
-            surprisal, entropy, variance = t.double().unbind(-1)
+            excess, variance, in_nucleus = t.double().unbind(-1)
             policy_token = torch.tensor(samples.masks[i], dtype=torch.bool, device=t.device)
-            inside = torch.isfinite(surprisal) & policy_token
-            sums[samples.owner[i]] += torch.stack([(surprisal - entropy)[inside].sum(), variance[inside].sum(),
+            inside = (in_nucleus > 0) & policy_token
+            sums[samples.owner[i]] += torch.stack([excess[inside].sum(), variance[inside].sum(),
                                                    inside.sum(), (policy_token & ~inside).sum()]).to(sums)
         return self.world.all_reduce(sums).tolist()
 

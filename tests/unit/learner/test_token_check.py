@@ -1,15 +1,15 @@
 """Chosen tokens with honest log-probs pass the μ check; the learner's token check catches them.
 
 A worker holding the weights can write what it likes — greedy completions, a phrase the policy
-would rarely say (the poisoning of "Hail to the Thief") — and report π for it exactly. Sampled
-tokens have surprisal −log π with the entropy as its mean and a known variance, so the learner
-scores the surprisal of checked groups against the entropy (`echo.hf.surprisal_terms`,
+would rarely say (the poisoning of "Hail to the Thief") — and report π for it exactly. A sampled
+token's mid-rank under π has mean ½ and a known variance, so the learner scores where checked
+groups' tokens rank under the policy (`echo.hf.rank_terms`,
 `Trainer._check_tokens`, `Verifier.tokens_checked`)."""
 
 import pytest
 import torch
 
-from echo.hf import TokenBatch, processed_logits, sample, surprisal_terms
+from echo.hf import TokenBatch, processed_logits, rank_terms, sample
 from learner.buffer import BatchInfo, Group
 from learner.config import load_learner_config
 from learner.train.trainer import Trainer
@@ -25,24 +25,24 @@ def _trainer(model, *overrides, temperature=T, top_p=TOP_P):
         "--verify.token_check_fraction", "1.0", *overrides]))
 
 
-def test_surprisal_terms_are_the_sampled_distributions_entropy_and_variance(tiny_model):
+def test_rank_terms_are_the_mid_rank_and_its_variance_under_the_sampled_distribution(tiny_model):
     trainer = _trainer(tiny_model)
     tok = trainer.tokenizer
     prompt, completion = trainer.episodes.chat("3+4="), tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     batch = TokenBatch.build([prompt], [completion], tok.pad_token_id, torch.device("cpu"))
-    terms = surprisal_terms(trainer.hf, batch, temperature=T, top_p=TOP_P)
+    terms = rank_terms(trainer.hf, batch, temperature=T, top_p=TOP_P)
     with torch.no_grad():  # the whole distribution, position by position
         logits = trainer.hf(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1]
-        logp = processed_logits(logits, T, TOP_P).log_softmax(-1)
-    p = logp.exp()
-    inside = p > 0
-    entropy = -(p[inside.nonzero(as_tuple=True)] * logp[inside]).new_zeros(len(completion))
-    for row in range(len(completion)):
-        q, lq = p[row][inside[row]], logp[row][inside[row]]
-        entropy[row] = -(q * lq).sum()
-        assert terms[row, 2] == pytest.approx(float((q * lq * lq).sum() - entropy[row] ** 2), abs=1e-5)
-    assert torch.allclose(terms[:, 0], -logp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1), atol=1e-5)
-    assert torch.allclose(terms[:, 1], entropy, atol=1e-5)
+        p = processed_logits(logits, T, TOP_P).softmax(-1).double()
+    for row, token in enumerate(completion):
+        own = p[row, token]
+        assert terms[row, 0] == pytest.approx(float(p[row][p[row] > own].sum() + own / 2 - 0.5), abs=1e-5)
+        assert terms[row, 1] == pytest.approx(float((1 - p[row].pow(3).sum()) / 12), abs=1e-6)
+        assert terms[row, 2] == float(own > 0)
+        # Sampled from π, the mid-rank has mean ½ and that variance exactly (each candidate's u, weighted by π).
+        u = torch.stack([p[row][p[row] > q].sum() + q / 2 for q in p[row]])
+        assert float((p[row] * u).sum()) == pytest.approx(0.5, abs=1e-6)
+        assert float((p[row] * (u - 0.5) ** 2).sum()) == pytest.approx(float(terms[row, 1]), abs=1e-6)
 
 
 def _groups(trainer, how: str) -> list[Group]:

@@ -164,3 +164,39 @@ def test_honest_workers_with_skewed_groups_are_held_to_the_fleets_mean_not_its_m
         verdicts += v.tokens_checked(groups)
     assert verdicts == [] and all(abs(v.evidence[f"w{i}"].token_z) < 3 for i in range(3)), \
         [v.evidence[f"w{i}"].token_z for i in range(3)]
+
+
+def test_stale_groups_are_held_to_the_spread_the_fleet_shows_and_a_writer_is_still_caught():
+    """Tokens a stale snapshot sampled vary far more than π's own variance says (the demo's, 2–5
+    updates old: 50–100× per group late in the run). Held to π's variance, honest workers read as
+    ±10 standard deviations off and were quarantined; held to the spread the other workers show at
+    that staleness they pass, and a worker writing tokens π ranks low is still caught."""
+    import random
+
+    rng = random.Random(5)
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256))
+    verdicts = []
+    for step in range(120):
+        groups = [(f"honest{i}", 3, 0.02 * 40 + rng.gauss(0.0, 8 * 0.3), 0.09, 40.0, 0.0) for i in range(4)]
+        if step >= 60:  # tokens π ranks in its last quarter: u − ½ = 0.3 more per token than the fleet's
+            groups.append(("writer", 3, 0.32 * 40 + rng.gauss(0.0, 8 * 0.3), 0.09, 40.0, 0.0))
+        verdicts += v.tokens_checked(groups)
+    assert {d.worker_id for d in verdicts} == {"writer"}, [(w, round(e.token_z, 1)) for w, e in v.evidence.items()]
+
+
+def test_a_slow_new_worker_alone_at_a_high_staleness_takes_the_drift_below_it():
+    """A worker activated late on a slow machine: its groups are 5 versions old, where nobody
+    else was heard lately, and drift from π as everyone's of that age do (about 1 nat/token;
+    the fleet measures 0.9 at staleness 4). Held to the fresh bound, it was quarantined on the
+    demo; held to the nearest lower staleness's drift it passes, and one far beyond still fails.
+    Votes heard long ago (the fleet's groups at staleness 5 early in the run, when the drift
+    was smaller) no longer count."""
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    for _ in range(5):  # early: the fleet at staleness 5 with little drift
+        assert v.logprobs_checked(batch({"a": 0.1, "b": 0.12, "c": 0.1}, staleness=5)) == []
+    for _ in range(60):  # later: the policy moves faster, and the fleet is fast (staleness 4)
+        assert v.logprobs_checked(batch({"a": 0.9, "b": 0.85, "c": 0.95}, staleness=4)) == []
+    verdicts = []
+    for _ in range(3):
+        verdicts += v.logprobs_checked(batch({"slow": 1.0, "liar": 3.0}, staleness=5))
+    assert {d.worker_id for d in verdicts} == {"liar"}
