@@ -152,11 +152,12 @@ class Drift:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
         of `standing` is among those with a recent group there (the judged one included), only
         the workers of `standing` vote. A staleness nobody else was heard at lately (a slow
-        worker's) takes the nearest lower one's drift, where it was held to the fresh bound (a new worker's groups 5 versions old, 1 nat/token from π
+        worker's) takes the nearest lower one's drift, scaled by the updates in between, where it
+        was held to the fresh bound (a new worker's groups 5 versions old, 1 nat/token from π
         as everyone's are, quarantined it on the demo)."""
         for k in range(staleness, self._first - 1, -1):
             if (level := self._level(k, excluding, standing)) is not None:
-                return level
+                return level * staleness / k if k > 0 else level  # drift grows with the updates in between
         return 0.0
 
     def _level(self, staleness: int, excluding, standing: set) -> float | None:
