@@ -107,42 +107,45 @@ class Verdict:
 
 class Drift:
     """The fleet's gap between π and μ by staleness: the median over workers of each one's
-    per-token gap over its most recent groups at each staleness (0 for fresh groups: the same
-    weights on both sides, unless `fresh` is measured too: the tokens' ranks, where the engines'
-    numerics count).
+    per-token gap over its recent groups at each staleness (0 for fresh groups: the same weights
+    on both sides, unless `fresh` is measured too: the tokens' ranks, where the engines' numerics
+    count).
 
     A worker's vote is its own per-token mean over its recent groups there, pooled as the checks
     pool a worker's evidence: the median of its groups' means sat below that mean wherever the
-    groups' values are skewed (a few wrong answers with a high surprisal among many sure ones),
-    and honest workers' tokens read as too unlikely (z = +8 on the demo).
+    groups' values are skewed (a few wrong answers far from π among many sure ones), and honest
+    workers' tokens read as too unlikely (z = +8 on the demo). Votes are heard for `DRIFT_AGE`
+    batches: the drift moves as training does.
 
-    A worker is held to the *other* workers' drift, one vote each: counted by
-    groups and with its own, a forger sending most of a staleness's recent groups set the drift it
-    was judged against (μ = -50 nats/token passed with an excess of 0). Only workers with
-    *standing* vote (`Verifier._judge`: enough of their own work checked to judge them, and no
-    verdict) wherever one of them has a recent group, the judged worker included: with a vote
-    each, three new identities beside one honest worker were the drift (they passed, and the
-    honest worker's sampled tokens read as greedy). Until then (the start of a run, a staleness
-    no worker with standing has one of the last `DRIFT_WINDOW` groups at), every worker not
-    judged dishonest votes, so a fleet earns standing at any staleness, from stale work alone
-    too. A worker with no other vote is held to the fresh bound: a worker alone at a staleness,
-    or the only one with standing there.
+    A worker is held to the *other* workers' drift, one vote each: counted by groups and with
+    its own, a forger sending most of a staleness's recent groups set the drift it was judged
+    against (μ = -50 nats/token passed with an excess of 0). Only workers with *standing* vote
+    (`Verifier._judge`: enough of their own work checked to judge them, and no verdict) wherever
+    one of them has a recent group, the judged worker included: with a vote each, three new
+    identities beside one honest worker were the drift (they passed, and the honest worker's
+    sampled tokens read as greedy). Until then (the start of a run, a staleness no worker with
+    standing was heard at), every worker not judged dishonest votes, so a fleet earns standing at
+    any staleness, from stale work alone too. A staleness nobody else was heard at takes the
+    nearest lower one's drift, scaled by the updates in between (held to the fresh bound, a slow
+    new worker's groups 5 versions old were quarantined on the demo).
 
     Still open: forgers outnumbering the honest workers with standing at a staleness set its
     drift, each identity having earned standing with checked work that passed (`min_gap_tokens`
     of its log-probs, `min_token_checks` of its tokens); and where no worker with standing is
     heard, identities without it outnumbering the others still set it, as before: a staleness the
-    honest fleet does not send, or whose last `DRIFT_WINDOW` groups were all the forgers'."""
+    honest fleet does not send, or whose recent groups were all the forgers'."""
 
     def __init__(self, fresh: bool = False) -> None:
         self._recent: dict[int, deque] = {}
         self._first = 0 if fresh else 1
         self.batch = 0  # batches judged so far: a vote is heard for `DRIFT_AGE` of them
+        self._sums: dict[tuple, dict[str, list[float]]] = {}  # per (staleness, standing): each voter's sums, until the next add
 
     def add(self, staleness: int, gap_sum: float, tokens: int, worker: str = "", variance: float = 0.0) -> None:
         if staleness >= self._first and tokens > 0:
             self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append(
                 (worker, gap_sum, tokens, variance, self.batch))
+            self._sums.clear()
 
     def voters(self, stalenesses: set) -> set:
         """The workers with a recent group at any of `stalenesses`."""
@@ -151,57 +154,58 @@ class Drift:
     def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
         of `standing` is among those with a recent group there (the judged one included), only
-        the workers of `standing` vote. A staleness nobody else was heard at lately (a slow
-        worker's) takes the nearest lower one's drift, scaled by the updates in between, where it
-        was held to the fresh bound (a new worker's groups 5 versions old, 1 nat/token from π
-        as everyone's are, quarantined it on the demo)."""
+        the workers of `standing` vote; where nobody else was heard, the nearest lower staleness's,
+        scaled by the updates in between."""
         for k in range(staleness, self._first - 1, -1):
-            if (level := self._level(k, excluding, standing)) is not None:
-                return level * staleness / k if k > 0 else level  # drift grows with the updates in between
+            if (level := self._level(self._votes(k, excluding, standing))) is not None:
+                return level * staleness / k if k > 0 else level
         return 0.0
-
-    def _level(self, staleness: int, excluding, standing: set) -> float | None:
-        by_worker = self._votes(staleness, excluding, standing)
-        if not by_worker:
-            return None
-        return _median([sum(g[1] for g in gs) / sum(g[2] for g in gs) for gs in by_worker.values()])
 
     def spread(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
         """How much more the groups at `staleness` vary than their model variance says (at least 1;
-        where nobody else was heard, the nearest lower staleness's), voted on like the drift: per worker with
-        `SPREAD_GROUPS` groups or more, Σ(Σ − the drift × tokens)² / Σ variance over them (how
-        far its groups lie from the fleet's, its own mean's distance included); the median of those. The token check's variance is π's, for tokens sampled from π; a stale
+        where nobody else was heard, the nearest lower staleness's), voted on like the drift: per
+        worker with `SPREAD_GROUPS` groups or more, Σ(Σ − the drift × tokens)² / Σ variance over
+        them (how far its groups lie from the fleet's, its own mean's distance included); the
+        median of those. The token check's variance is π's, for tokens sampled from π; a stale
         snapshot's tokens vary more (the demo's, 2–5 updates old, 50–100× more per group late in
         the run), and held to π's variance alone every honest worker read as ±10 standard
         deviations off."""
         for k in range(staleness, -1, -1):
-            ratios = []
             votes = self._votes(k, excluding, standing)
-            mean = _median([sum(g[1] for g in gs) / sum(g[2] for g in gs) for gs in votes.values()]) if votes else 0.0
-            for gs in votes.values():
-                variance = sum(g[3] for g in gs)
-                if len(gs) >= SPREAD_GROUPS and variance > 0:
-                    ratios.append(sum((g[1] - mean * g[2]) ** 2 for g in gs) / variance)
+            m = self._level(votes) or 0.0
+            ratios = [(tt - 2 * m * tn + m * m * nn) / v for _, _, tt, tn, nn, v, n in votes
+                      if n >= SPREAD_GROUPS and v > 0]
             if ratios:
                 return max(1.0, _median(ratios))
         return 1.0
 
+    @staticmethod
+    def _level(votes: list[list[float]]) -> float | None:
+        return _median([total / tokens for total, tokens, *_ in votes]) if votes else None
+
     def _heard(self, staleness: int) -> list[tuple]:
-        """The groups at `staleness` recent enough to vote (a window of old batches, when the drift was another, does not)."""
+        """The groups at `staleness` recent enough to vote (those of long ago, when the drift was another, do not)."""
         return [g for g in self._recent.get(staleness, ()) if g[4] >= self.batch - DRIFT_AGE]
 
-    def _votes(self, staleness: int, excluding, standing: set) -> dict[str, list[tuple]]:
-        """The recent groups by voting worker: not `excluding`, and of `standing` once one of it is heard."""
+    def _votes(self, staleness: int, excluding, standing: set) -> list[list[float]]:
+        """Each voting worker's sums at `staleness` (Σ, tokens, Σ², Σ·tokens, tokens², variance,
+        groups): not `excluding`, and of `standing` once one of it is heard. Summed once per
+        (staleness, standing) until the next group arrives: judging a batch asks per group."""
+        key = (staleness, frozenset(standing))
+        sums = self._sums.get(key)
+        if sums is None:
+            recent = self._heard(staleness)
+            heard = {worker for worker, *_ in recent}
+            if heard & standing:
+                heard &= standing
+            sums = self._sums[key] = {}
+            for worker, total, tokens, variance, _ in recent:
+                if worker in heard:
+                    acc = sums.setdefault(worker, [0.0] * 7)
+                    for i, x in enumerate((total, tokens, total * total, total * tokens, tokens * tokens, variance, 1)):
+                        acc[i] += x
         skip = {excluding} if isinstance(excluding, str) else excluding
-        recent = self._heard(staleness)
-        heard = {worker for worker, *_ in recent}
-        if heard & standing:
-            heard &= standing
-        by_worker: dict[str, list[tuple]] = {}
-        for group in recent:
-            if group[0] in heard and group[0] not in skip:
-                by_worker.setdefault(group[0], []).append(group)
-        return by_worker
+        return [acc for worker, acc in sums.items() if worker not in skip]
 
 
 @dataclass(frozen=True)
@@ -272,8 +276,8 @@ class Verifier:
 
     def tokens_checked(self, groups: list[tuple[str, int, float, float, float, float]]) -> list[Verdict]:
         """One batch's token checks: per checked group (worker id, staleness, Σ(u − ½), Σ variance,
-        tokens inside π's nucleus, outside it). The fleet's drift learns from all of them first; then each worker is judged on its recent window, against the
-        other workers' drift (one vote each; none for workers judged dishonest, before or by a
+        tokens inside π's nucleus, outside it). The fleet's drift learns from all of them first;
+        then each worker is judged on its recent window, against the other workers' drift (one vote each; none for workers judged dishonest, before or by a
         first pass over this batch, or by their log-probs; only with standing, `Drift`): pooled,
         forgers' groups moved the drift so far that an honest worker's sampled tokens read as
         greedy (z = -10.5) and it was quarantined."""
