@@ -61,6 +61,7 @@ class RunRecord:
             "staleness": batch.staleness, **batch.reuse_fields(), "recycled": buf["recycled"],
             "queue_size": buf["queue_size"], "dropped_overflow": buf["dropped_overflow"],
             "skipped_uniform": buf["skipped_uniform"],
+            **({"signal_share": round(_signal(batch), 4)} if self.buffer.buffer.skip_uniform else {}),
             "sampled_mean_length": round(buf["sampled_mean_length"], 4),
             "trained_mean_length": round(buf["trained_mean_length"], 4),
             "wait_s": round(wait, 4), "train_s": round(train, 4), "idle_ratio": round(idle, 4),
@@ -108,3 +109,10 @@ class RunRecord:
             print(json.dumps(summary))
         else:
             self.display.summary(summary)
+
+
+def _signal(batch: BatchInfo) -> float:
+    """The share of the groups accepted since the previous batch that carried signal (dynamic
+    sampling skipped the rest): low late in a run, when most prompts are always answered right."""
+    fresh = sum(u == 1 for u in batch.uses) if batch.uses else len(batch.groups)
+    return fresh / max(1, fresh + batch.skipped)

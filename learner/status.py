@@ -14,7 +14,9 @@ def status_line(r: dict, last_eval=None) -> str:
     `last_eval` (a `learner.evals.EvalResult`) shows as accuracy@version."""
     acc = f"{last_eval.accuracy:.3f}@v{last_eval.version}" if last_eval is not None else "-"
     return (f"step {r['step']:>4} v{r['published_version']:<4} reward {r['reward_mean']:.3f} eval {acc} "
-            f"idle {100 * r['idle_ratio']:3.0f}% workers {r['workers']} | "
+            f"idle {100 * r['idle_ratio']:3.0f}% "
+            + (f"signal {100 * r['signal_share']:3.0f}% " if "signal_share" in r else "")
+            + f"workers {r['workers']} | "
             f"Staleness stats: recycled={r['recycled']}, avg_staleness={r['avg_staleness']:.2f}, "
             f"max_staleness={r['max_staleness']} | queue {r['queue_size']} | "
             f"length sampled {r['sampled_mean_length']:.2f} trained {r['trained_mean_length']:.2f} | "
@@ -32,8 +34,10 @@ def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_pro
             f"task {cfg.task.name}, B = {G}×{cfg.rollout.group_size} = {cfg.batch_rollouts} rollouts/step, "
             f"S = {S}, I = {cfg.publish_every}, buffer {cfg.buffer.type}, eval on {cfg.eval.where} ({eval_prompts} prompts)\n"
             f"  status: v = newest published snapshot, idle = share of wall time the trainer waited for data, "
-            f"recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
-            f"of what workers sampled vs what was trained")
+            + ("signal = share of the groups since the last step whose rewards differ (the rest are skipped: "
+               "[buffer] dynamic_sampling), " if cfg.dynamic_sampling else "")
+            + "recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
+              "of what workers sampled vs what was trained")
 
 
 class StatusDisplay:

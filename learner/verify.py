@@ -163,21 +163,24 @@ class Drift:
 
     def spread(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
         """How much more the groups at `staleness` vary than their model variance says (at least 1;
-        where nobody else was heard, the nearest lower staleness's), voted on like the drift: per
+        where nobody else was heard, the most any staleness shows: a worker back from idling, its
+        groups 5 versions old where the fleet's were 2-3, was held to the spread at 3 and read as
+        +9 standard deviations off on the demo), voted on like the drift: per
         worker with `SPREAD_GROUPS` groups or more, Σ(Σ − the drift × tokens)² / Σ variance over
         them (how far its groups lie from the fleet's, its own mean's distance included); the
         median of those. The token check's variance is π's, for tokens sampled from π; a stale
         snapshot's tokens vary more (the demo's, 2–5 updates old, 50–100× more per group late in
         the run), and held to π's variance alone every honest worker read as ±10 standard
         deviations off."""
-        for k in range(staleness, -1, -1):
+        spreads = {}
+        for k in self._recent:
             votes = self._votes(k, excluding, standing)
             m = self._level(votes) or 0.0
             ratios = [(tt - 2 * m * tn + m * m * nn) / v for _, _, tt, tn, nn, v, n in votes
                       if n >= SPREAD_GROUPS and v > 0]
             if ratios:
-                return max(1.0, _median(ratios))
-        return 1.0
+                spreads[k] = _median(ratios)
+        return max(1.0, spreads.get(staleness, max(spreads.values(), default=1.0)))
 
     @staticmethod
     def _level(votes: list[list[float]]) -> float | None:

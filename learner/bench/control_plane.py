@@ -139,7 +139,9 @@ async def _serve(args) -> int:
     S, G = cfg.buffer.max_staleness, cfg.trainer.batch_prompts
     leases = LeaseBook(_unique_ids(task.train_prompts(0)), cfg.server.lease_ttl, (S + 1) * G, on_lease=ledger.leased,
                        per_worker=WorkerCap.of(cfg.server))
-    buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, G, on_drop=lambda g, why: leases.recycle(g.prompt)))
+    buffer = AsyncBuffer(StalenessBuffer.from_section(cfg.buffer, G, on_drop=lambda g, why: leases.recycle(g.prompt),
+                                                      skip_uniform=cfg.dynamic_sampling,  # as echo-learner's
+                                                      on_skip=lambda g: ledger.trained(run.version, [g.prompt_id])))
     run = Run(BlobStore(keep=cfg.publish.keep))
     # chain (with --hostile): the broadcast source runs too, so its routes are there to be attacked
     links = link_table(cfg.broadcast)
@@ -548,7 +550,7 @@ def _results(args, m: Measured) -> dict:
     fleet, server = m.fleet, m.server
     buf = server["buffer"]
     dropped = buf["recycled"] + buf["dropped_overflow"] + buf.get("dropped_untrusted", 0)
-    accounted = buf["trained"] + dropped + buf["queue_size"]
+    accounted = buf["trained"] + dropped + buf.get("skipped_uniform", 0) + buf["queue_size"]
     probed = m.probes["latency"]
     routes = {route: {"requests": len(xs), "p50_ms": 1e3 * _pct(xs, 0.5), "p99_ms": 1e3 * _pct(xs, 0.99),
                       "max_ms": 1e3 * max(xs), "probe_requests": len(probed.get(route, [])),
@@ -567,7 +569,8 @@ def _results(args, m: Measured) -> dict:
         "uploads_refused": fleet.refused,
         "probe_errors": m.probes["errors"],
         "ledger": {"acknowledged_to_workers": fleet.acked + m.probes["acked"], "accepted_by_learner": buf["accepted"],
-                   "trained": buf["trained"], "dropped": dropped, "queued": buf["queue_size"],
+                   "trained": buf["trained"], "dropped": dropped, "skipped_uniform": buf.get("skipped_uniform", 0),
+                   "queued": buf["queue_size"],
                    "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet.acked + m.probes["acked"] - buf["accepted"],
                    "leases_expired_prompts": server["leases"]["expired_prompts"]},
         **({"attacks": m.attacks} if m.attacks is not None else {}),

@@ -308,3 +308,24 @@ def test_dynamic_sampling_defaults_on_for_grpo_and_off_for_asymre():
     assert LearnerConfig().dynamic_sampling is True
     assert LearnerConfig.model_validate({"trainer": {"loss": "asymre"}}).dynamic_sampling is False
     assert LearnerConfig.model_validate({"buffer": {"dynamic_sampling": False}}).dynamic_sampling is False
+
+
+def test_the_status_line_shows_the_share_of_groups_with_signal():
+    """Late in a run most prompts are always answered right and dynamic sampling skips their
+    groups, so a step waits: the status line says why the learner idles."""
+    from learner.record import _signal
+    from learner.status import status_line
+
+    buf = StalenessBuffer("queue-drop", max_staleness=2, batch_groups=2, queue_factor=2, skip_uniform=True)
+    for i in range(6):
+        buf.put(Group(f"u{i}", 0, [1], [[5]], [[-0.1]], [1.0]))
+    buf.put(scored(0, "a", 1.0))
+    buf.put(scored(0, "b", 1.0))
+    batch = buf.take(0)
+    assert batch.skipped == 6 and _signal(batch) == 0.25
+    record = {"step": 1, "published_version": 0, "reward_mean": 0.5, "idle_ratio": 0.4, "signal_share": 0.25,
+              "workers": 1, "recycled": 0, "avg_staleness": 0.0, "max_staleness": 0, "queue_size": 0,
+              "sampled_mean_length": 1.0, "trained_mean_length": 1.0, "dollars_step": 0.0}
+    assert "idle  40% signal  25% workers 1" in status_line(record)
+    assert buf.take(0) is None and (buf.put(scored(0, "c")), buf.put(scored(0, "d")))
+    assert buf.take(0).skipped == 0  # counted since the previous batch

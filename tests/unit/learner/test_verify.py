@@ -200,3 +200,21 @@ def test_a_slow_new_worker_alone_at_a_high_staleness_takes_the_drift_below_it():
     for _ in range(3):
         verdicts += v.logprobs_checked(batch({"slow": 1.0, "liar": 3.0}, staleness=5))
     assert {d.worker_id for d in verdicts} == {"liar"}
+
+
+def test_a_worker_alone_at_its_staleness_is_held_to_the_largest_spread_the_fleet_shows():
+    """A worker back from idling generates with an older snapshot than the fleet's (staleness 3
+    where the fleet's groups are 2 and 4 versions old). Held to the spread of the staleness below
+    (2: small), its honest tokens read as +9 standard deviations off on the demo; held to the
+    largest spread heard (4's) it passes."""
+    import random
+
+    rng = random.Random(7)
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256))
+    verdicts = []
+    for _ in range(100):
+        groups = [(f"fleet{i}", 2, 0.02 * 40 + rng.gauss(0.0, 1.5 * 0.3), 0.09, 40.0, 0.0) for i in range(4)]
+        groups += [(f"fleet{i}", 4, 0.04 * 40 + rng.gauss(0.0, 8 * 0.3), 0.09, 40.0, 0.0) for i in range(4)]
+        groups.append(("back", 3, 0.03 * 40 + rng.gauss(0.0, 8 * 0.3), 0.09, 40.0, 0.0))
+        verdicts += v.tokens_checked(groups)
+    assert verdicts == [], [(w, round(e.token_z, 1)) for w, e in v.evidence.items()]
