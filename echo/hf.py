@@ -284,6 +284,13 @@ def greedy_gaps(model, batch: TokenBatch, chunk_tokens: int = 0) -> torch.Tensor
     return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
 
 
+# The least variance a position's mid-rank is held to: that of a policy 99% sure of its token.
+# Where π is surer (a solved prompt late in a run), its own variance is ~1e-5 and a stale
+# snapshot's slightly different certainty read as many standard deviations; a written token
+# still moves z by 10 of them per token.
+RANK_VARIANCE_FLOOR = (1.0 - 0.99**3) / 12.0
+
+
 @torch.no_grad()
 def rank_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, chunk_tokens: int = 0) -> torch.Tensor:
     """For every completion token of `batch`, `[tokens, 3]`: where it ranks under π (π as sampled
@@ -291,8 +298,9 @@ def rank_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, ch
     the nucleus (0 outside, where u − ½ is ½ and the token is counted apart).
 
     u is the token's mid-rank: π's mass on likelier tokens plus half its own. A token sampled
-    from π has E[u] = ½ and Var u = (1 − Σπ³)/12 whatever came before (a martingale), so over many
-    tokens Σ(u − ½) / √Σ variance is a standard normal — and a worker that chose its tokens
+    from π has E[u] = ½ and Var u = (1 − Σπ³)/12 (held to at least `RANK_VARIANCE_FLOOR`)
+    whatever came before (a martingale), so over many tokens Σ(u − ½) / √Σ variance is a
+    standard normal — and a worker that chose its tokens
     (greedy: u near 0; a phrase the policy would rarely say: u near 1) drifts away from 0. Each
     token moves the sum by at most ½: the surprisal it replaced had heavy tails (a stale
     snapshot's token π now all but forbids added 20 nats), and honest workers of the demo read
@@ -306,7 +314,7 @@ def rank_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, ch
                              top_p).softmax(-1)
         own = p.gather(-1, batch.targets[start : start + step].unsqueeze(-1))
         u = (p * (p > own)).sum(-1) + 0.5 * (p * (p == own)).sum(-1)  # ties share the mid-rank
-        variance = (1.0 - p.pow_(3).sum(-1)).clamp(min=0.0) / 12.0
+        variance = (1.0 - p.pow_(3).sum(-1)).clamp(min=RANK_VARIANCE_FLOOR * 12.0) / 12.0
         pieces.append(torch.stack([u - 0.5, variance, (own.squeeze(-1) > 0).float()], -1))
     return torch.cat(pieces) if pieces else hidden.new_zeros((0, 3), dtype=torch.float32)
 
