@@ -125,6 +125,11 @@ class BatchInfo:
     def replayed(self) -> int:
         return sum(u > 1 for u in self.uses)
 
+    @property
+    def fresh(self) -> list[int]:
+        """The indices of the groups trained here for the first time (all, when uses are not kept)."""
+        return [g for g in range(len(self.groups)) if not self.uses or self.uses[g] == 1]
+
     def reuse_fields(self) -> dict[str, Any]:
         """What the run log records per step about replay (nothing when nothing can be replayed)."""
         if not any(u > 1 for u in self.uses) and not self.since_last_use:

@@ -114,5 +114,5 @@ class RunRecord:
 def _signal(batch: BatchInfo) -> float:
     """The share of the groups accepted since the previous batch that carried signal (dynamic
     sampling skipped the rest): low late in a run, when most prompts are always answered right."""
-    fresh = sum(u == 1 for u in batch.uses) if batch.uses else len(batch.groups)
+    fresh = len(batch.fresh)
     return fresh / max(1, fresh + batch.skipped)

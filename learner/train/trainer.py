@@ -341,15 +341,15 @@ class Trainer:
         their rewards (each with a wrong answer where π is mostly right): honest workers' tokens
         then read as too unlikely, and the demo's four workers were quarantined at z = +8.
         Per group: Σ(u − ½) of its policy tokens' mid-ranks under π (`echo.hf.rank_terms`) and Σ
-        their variance, over those inside π's nucleus, and the counts inside and outside it (all zero for a group not drawn;
-        `learner.verify.Verifier.tokens_checked` judges). Returns them for `batch.groups`, and
+        their variance, over those inside π's nucleus, and the counts inside and outside it (all
+        zero for a group not drawn; `learner.verify.Verifier.tokens_checked` judges). Returns them for `batch.groups`, and
         for the skipped groups drawn as (index in `batch.skipped_sample`, terms). The same seeded
         draw on every rank."""
         f = self.cfg.verify.token_check_fraction
         if f <= 0.0:
             return [[0.0] * 4 for _ in batch.groups], []
         rng = random.Random(self.cfg.run.seed * 7_919 + self.version)
-        fresh = [g for g in range(len(batch.groups)) if not batch.uses or batch.uses[g] == 1]  # replays: checked once
+        fresh = batch.fresh  # replays were checked at their first use
         population = len(fresh) + batch.skipped
         drawn = rng.sample(range(population), min(population, math.ceil(f * len(batch.groups))))
         picked = {fresh[d] for d in drawn if d < len(fresh)}
