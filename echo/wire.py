@@ -83,13 +83,18 @@ def _encode_sample(s: SampleMsg) -> dict:
     return out
 
 
-def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int) -> Submission:
-    """Decode and validate an upload; every problem raises `Rejected`.
+def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int,
+                      max_groups: int = MAX_GROUPS) -> Submission:
+    """Decode and validate an upload of at most `max_groups` groups (the prompts its sender
+    holds); every problem raises `Rejected`.
 
-    Nothing the body declares is believed: the decompressed size is capped while reading (a frame
-    that declares more is refused before anything is allocated), and msgpack is held to the
+    Nothing the body declares is believed: the decompressed size is capped while reading at what
+    `max_groups` full groups can be (a frame that declares more is refused before anything is
+    allocated; one that declares nothing is read no further: a 3 KiB bomb costs what an honest
+    upload of that many groups does, not 64 MiB of inflating), and msgpack is held to the
     protocol's bounds per field, so a few KiB cannot expand into millions of objects."""
-    obj = _unpack(_decompress(body, _max_raw(max_tokens, group_size)), max_tokens, group_size)
+    max_groups = max(1, min(max_groups, MAX_GROUPS))
+    obj = _unpack(_decompress(body, _max_raw(max_tokens, group_size, max_groups)), max_tokens, group_size, max_groups)
 
     def need(cond: bool, what: str) -> None:
         if not cond:
@@ -113,11 +118,11 @@ def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_si
     return Submission(obj["worker_id"], obj["lease_id"], out)
 
 
-def _max_raw(max_tokens: int, group_size: int) -> int:
-    """The largest msgpack body an honest upload can be: every group full, every sample at the
+def _max_raw(max_tokens: int, group_size: int, groups: int) -> int:
+    """The largest msgpack body an honest upload of `groups` groups can be: every sample at the
     token limit (4 bytes of id + 4 of log-prob each), plus the keys and ids around them."""
     per_sample = 9 * max_tokens + 96  # ids, log-probs, mask
-    return min(MAX_DECOMPRESSED, MAX_GROUPS * (group_size * per_sample + MAX_ID_BYTES + 64) + 2 * MAX_ID_BYTES + 64)
+    return min(MAX_DECOMPRESSED, groups * (group_size * per_sample + MAX_ID_BYTES + 64) + 2 * MAX_ID_BYTES + 64)
 
 
 def _decompress(body: bytes, cap: int) -> bytes:
@@ -127,7 +132,8 @@ def _decompress(body: bytes, cap: int) -> bytes:
         raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
     if declared > cap:  # -1: not declared; the read below stops at the cap either way
         raise Rejected(413, "oversized", f"the upload declares {declared} bytes decompressed; at most {cap} "
-                                         "fit this run's group_size and episode token budget")
+                                         "fit this run's group_size and episode token budget for the prompts "
+                                         "this worker holds")
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
             raw = reader.read(cap + 1)
@@ -135,7 +141,8 @@ def _decompress(body: bytes, cap: int) -> bytes:
         raise Rejected(400, "malformed", f"body is not zstd-compressed msgpack ({e}); use echo.wire.encode_submission") from None
     if len(raw) > cap:
         raise Rejected(413, "oversized", f"the upload decompresses past {cap} bytes, more than this run's "
-                                         "group_size and episode token budget allow")
+                                         "group_size and episode token budget allow for the prompts this "
+                                         "worker holds")
     return raw
 
 
@@ -158,23 +165,27 @@ def _counter(limit: int, what: str):
     return hook
 
 
-def _unpack(raw: bytes, max_tokens: int, group_size: int) -> object:
+def _beyond(groups: int) -> str:
+    return f"body exceeds the protocol's bounds for an upload of at most {groups} groups (the prompts this worker holds)"
+
+
+def _unpack(raw: bytes, max_tokens: int, group_size: int, groups: int) -> object:
     # The shape of an honest upload: one map, one list of groups, a map and a list per group,
     # a map per sample. Anything beyond that many containers is not an upload.
-    lists, maps = MAX_GROUPS + 1, 1 + MAX_GROUPS * (1 + group_size)
+    lists, maps = groups + 1, 1 + groups * (1 + group_size)
     try:
         return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_ID_BYTES,
-                               max_bin_len=4 * max_tokens, max_array_len=max(MAX_GROUPS, group_size),
+                               max_bin_len=4 * max_tokens, max_array_len=max(groups, group_size),
                                max_map_len=8, max_ext_len=0, list_hook=_counter(lists, "lists"),
                                object_hook=_counter(maps, "maps"))
     except _TooMany as e:
-        raise Rejected(400, "malformed", f"body exceeds the protocol's bounds: {e}") from None
+        raise Rejected(400, "malformed", f"{_beyond(groups)}: {e}") from None
     except ValueError as e:
         if "max_bin_len" in str(e):  # token or log-prob bytes beyond the episode budget
             raise Rejected(413, "oversized", f"a sample holds more than {max_tokens} completion tokens "
                                              "(rollout.max_episode_tokens)") from None
         if "exceeds" in str(e):  # msgpack's own words for a length beyond the limits given
-            raise Rejected(400, "malformed", f"body exceeds the protocol's bounds: {e}") from None
+            raise Rejected(400, "malformed", f"{_beyond(groups)}: {e}") from None
         raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
     except Exception as e:  # msgpack raises several unrelated types on garbage (and on deep nesting)
         raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None

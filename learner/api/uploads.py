@@ -100,8 +100,10 @@ class UploadRoom:
             _release(self.by_worker, worker.id, claim)
             _release(self.by_address, worker.address, claim)
         loop = asyncio.get_running_loop()
+        held = self.leases.book.held(worker.id)  # an upload answers prompts its sender holds, no more
         sub = await loop.run_in_executor(self.offload, lambda: decode_submission(
-            raw, vocab_size=self.vocab_size, max_tokens=self.max_tokens, group_size=self.rollout.group_size))
+            raw, vocab_size=self.vocab_size, max_tokens=self.max_tokens, group_size=self.rollout.group_size,
+            max_groups=held))
         if sub.worker_id != worker.id:
             raise Rejected(403, "impersonation", f"the upload names worker {sub.worker_id[:64]!r} but the credential is "
                                                  f"{worker.id!r}'s; a worker submits only its own work")

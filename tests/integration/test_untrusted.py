@@ -133,8 +133,9 @@ def test_a_worker_cannot_upload_into_another_workers_lease_or_as_another_worker(
         # b, holding no lease at all: refused before its body is read or decoded.
         status, body = await api.upload(cred_b, Submission(b, lease["lease_id"], honest))
         assert (status, body["error"]) == (409, "unknown-lease") and "holds no outstanding lease" in body["message"]
-        # b, with a lease of its own, into a's lease: the lease is not b's.
-        status, _, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred_b)
+        # b, with a lease of its own (as many prompts, so the upload is within what b holds), into
+        # a's lease: the lease is not b's.
+        status, _, _ = await api.call("/v1/lease", {"max_prompts": 2}, token=cred_b)
         status, body = await api.upload(cred_b, Submission(b, lease["lease_id"], honest))
         assert (status, body["error"]) == (409, "unknown-lease") and "another worker's" in body["message"]
         # b naming a in the upload: the credential decides who is speaking.
@@ -143,7 +144,7 @@ def test_a_worker_cannot_upload_into_another_workers_lease_or_as_another_worker(
         # b handing a's lease back: refused, a's lease is intact.
         status, body, _ = await api.call("/v1/release", {"lease_id": lease["lease_id"]}, token=cred_b)
         assert status == 409
-        assert api.state.leases.outstanding_by_worker() == {a: 2, b: 1}
+        assert api.state.leases.outstanding_by_worker() == {a: 2, b: 2}
         assert api.state.buffer.buffer.stats.accepted == 0
         # a itself: accepted.
         status, body = await api.upload(cred_a, Submission(a, lease["lease_id"], honest))

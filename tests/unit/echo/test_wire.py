@@ -131,3 +131,26 @@ def test_a_bad_mask_is_refused(mask, reason):
     with pytest.raises(Rejected) as e:
         decode_submission(body, **LIMITS)
     assert e.value.reason == reason, e.value.message
+
+
+def test_an_upload_is_bounded_by_the_prompts_its_sender_holds():
+    """A worker holding 2 prompts sends at most 2 groups: a third is refused, and a frame that
+    declares no size is inflated no further than 2 full groups can be, whatever the run's token
+    budget (at 4,096 tokens the global cap let a 3 KiB bomb cost 64 MiB and ~40 ms)."""
+    limits = dict(LIMITS, max_tokens=4096)
+    two = Submission("w1", "L1", [GroupMsg(f"p{i}", 3, submission().groups[0].samples) for i in range(2)])
+    assert len(decode_submission(encode_submission(two), **limits, max_groups=2).groups) == 2
+    three = Submission("w1", "L1", two.groups + two.groups[:1])
+    with pytest.raises(Rejected) as e:
+        decode_submission(encode_submission(three), **limits, max_groups=2)
+    assert e.value.reason == "malformed" and "at most 2 groups" in e.value.message
+    stream = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    bomb = stream.compress(b"\0" * (80 << 20)) + stream.flush()
+    with pytest.raises(Rejected) as e:
+        decode_submission(bomb, **limits, max_groups=2)
+    assert (e.value.reason, e.value.status) == ("oversized", 413)
+    read = int(e.value.message.split("past ")[1].split(" bytes")[0])  # how far the learner inflated it
+    assert read < 1 << 20  # 2 groups of 2 samples at 4,096 tokens: ~150 KiB
+    with pytest.raises(Rejected) as e:
+        decode_submission(bomb, **limits)  # holding the most a lease can: the global cap
+    assert int(e.value.message.split("past ")[1].split(" bytes")[0]) > 40 * read
