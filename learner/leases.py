@@ -28,6 +28,7 @@ Invariant: issued = completed + reissued + outstanding (prompt-issues).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import secrets
@@ -98,8 +99,11 @@ class _Delivery:
         # apart, and a rate over them would open the window to the whole book after one upload.
         horizon = max(ttl, sum(self.turnaround) / len(self.turnaround) if self.turnaround else 0.0)
         since = (self.done[-1] if now is None else now) - horizon
-        recent = sum(1 for t in self.done if t >= since)
+        recent = len(self.done) - bisect.bisect_left(self.done, since)  # in time order: asked per parked request woken
         return min(max(cap.first, 2 * recent), limit)
+
+
+_NOTHING = _Delivery()  # a worker not yet measured (read, never written)
 
 
 class LeaseBook:
@@ -130,7 +134,11 @@ class LeaseBook:
         return len(self._retry)
 
     def outstanding_by_worker(self) -> dict[str, int]:
-        return {w: sum(len(self._leases[i].prompts) for i in ids) for w, ids in self._by_worker.items()}
+        return {w: self.held(w) for w in self._by_worker}
+
+    def held(self, worker_id: str) -> int:
+        """Prompts `worker_id` holds now (O(its leases))."""
+        return sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
 
     def holds(self, worker_id: str) -> bool:
         """Does `worker_id` hold any outstanding lease (anything it could upload into)?"""
@@ -144,8 +152,8 @@ class LeaseBook:
         less what it holds."""
         if self.per_worker is None:
             return self.max_outstanding
-        held = sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
-        record = self._delivery.get(worker_id) or _Delivery()
+        held = self.held(worker_id)
+        record = self._delivery.get(worker_id, _NOTHING)
         room = record.window(self.per_worker, self.ttl, self.max_outstanding, now, self.alive) - held
         if not record.done and self.per_worker.unproven_share < 1.0:  # unproven: within what they all may hold
             # (O(leases): a share of 1 is the book's own bound, and this runs for every parked request woken)
@@ -156,7 +164,7 @@ class LeaseBook:
     def _unproven_held(self) -> int:
         """Prompts held by workers that have delivered nothing (O(leases): asked only for those)."""
         return sum(len(lease.prompts) for lease in self._leases.values()
-                   if not (self._delivery.get(lease.worker_id) or _Delivery()).done)
+                   if not self._delivery.get(lease.worker_id, _NOTHING).done)
 
     def _unproven_lifetime(self) -> float:
         """How long an unproven worker's lease may live: a few of the fleet's median turnarounds
@@ -175,7 +183,7 @@ class LeaseBook:
         if room <= 0:
             return None
         lifetime = self.per_worker.lifetime if self.per_worker else math.inf
-        if self.per_worker and not (self._delivery.get(worker_id) or _Delivery()).done:
+        if self.per_worker and not self._delivery.get(worker_id, _NOTHING).done:
             lifetime = self._unproven_lifetime()
         lease = Lease(f"L{next(self._ids)}-{secrets.token_hex(8)}", worker_id, now + self.ttl, issued_at=now,
                       latest=now + lifetime)
