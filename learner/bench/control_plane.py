@@ -128,7 +128,9 @@ async def _serve(args) -> int:
     cfg = load_config(LearnerConfig, None, [
         "--server.token", BENCH_TOKEN, "--server.heartbeat_interval", str(args.heartbeat_s),
         "--server.join_rate", str(max(20.0, args.workers / 10)), "--server.join_burst", str(args.workers),
-        "--server.max_workers", str(4 * args.workers), "--rollout.group_size", "4", "--rollout.max_new_tokens", "4",
+        "--server.max_workers", str(4 * args.workers), "--rollout.group_size", "4",
+        # A real run's token budget, so that what an upload may inflate to (and an attacker's bomb costs) is a real one's
+        "--rollout.max_new_tokens", "2048",
         # The honest simulated fleet shares one address (127.0.0.1): per-address limits would count it as one
         # machine. Attackers (--hostile) come from addresses of their own, where the defaults apply.
         "--server.max_workers_per_address", str(4 * args.workers),
@@ -269,7 +271,8 @@ async def _probe(args) -> int:
     args.churn = 0.0
     fleet = Fleet(args.probe, args, _tokenizer(), args.probes, prefix="probe")
     await fleet.run()
-    args.out.write_text(json.dumps({"size": fleet.size, "latency": fleet.latency, "acked": fleet.acked, "errors": fleet.errors,
+    args.out.write_text(json.dumps({"size": fleet.size, "latency": fleet.latency, "at": fleet.at, "acked": fleet.acked,
+                                    "errors": fleet.errors,
                                     "refused": fleet.refused}))
     return 0
 
@@ -279,6 +282,8 @@ class Fleet:
         self.url, self.args, self.tokenizer, self.size = url, args, tokenizer, size  # size: honest workers at once
         self.prefix = prefix  # the workers' names: <prefix>-<n>
         self.latency: dict[str, list[float]] = {}
+        self.at: dict[str, list[float]] = {}  # per route, when each timed request ended (s from the start)
+        self.t0 = time.monotonic()
         self.acked = self.killed = self.errors = 0
         self.refused: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
@@ -286,6 +291,7 @@ class Fleet:
 
     def timed(self, route: str, seconds: float) -> None:
         self.latency.setdefault(route, []).append(seconds)
+        self.at.setdefault(route, []).append(time.monotonic() - self.t0)
 
     async def worker(self, session, name: str, delay: float = 0.0) -> None:
         from echo.wire import GroupMsg, SampleMsg, Submission
@@ -352,6 +358,8 @@ class Fleet:
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            self.t0 = time.monotonic()
+
             def start(i: int, delay: float = 0.0) -> None:
                 task = asyncio.create_task(self.worker(session, f"{self.prefix}-{i}", delay))
                 task.add_done_callback(self._done)
@@ -485,14 +493,16 @@ async def _drive(args) -> int:
         return 0
     # The baseline first, then the same fleet with a share of it hostile: same machine, same settings.
     broadcast = args.broadcast or "chain"
-    pairs = []
+    pairs, probed = [], []
     for _ in range(max(1, args.pairs)):
         benign = await _measure(args, 0, broadcast)
         attacked = await _measure(args, hostile, broadcast) if benign is not None else None
         if attacked is None:
             return 1
         pairs.append(compare(args, _results(args, benign), _results(args, attacked)))
+        probed.append((benign.probes, attacked.probes))
     out = pairs[-1] if len(pairs) == 1 else over_pairs(pairs)
+    pool_tails(out, probed)
     print(json.dumps(out, indent=2) if args.json else compared_table(out))
     return 0
 
@@ -505,6 +515,35 @@ def _pin(learner_pid: int) -> set[int] | None:
     os.sched_setaffinity(learner_pid, {cores[-1]})
     os.sched_setaffinity(0, set(cores[:-1]))
     return set(cores[:-1])
+
+
+def pool_tails(out: dict, probed: list[tuple[dict, dict]]) -> None:
+    """Judge the honest p99 on the probes' requests pooled over every run of each arm, with the
+    interval a two-stage bootstrap gives (runs, then 10 s windows; `learner.bench.tails`); with
+    2+ pairs, the benign runs split into two (alternate runs) and compared the same way: an A/A
+    test of the method, whose interval should hold 1."""
+    from learner.bench import tails
+
+    def runs(arm: list[dict], route: str) -> list[tuple[list, list]]:
+        return [(p.get("at", {}).get(route, []), p["latency"].get(route, [])) for p in arm]
+
+    benign, hostile = [b for b, _ in probed], [h for _, h in probed]
+    bound = HOSTILE_GOALS["p99_ratio"]
+    pooled = {}
+    for route in out["routes"]:
+        r = tails.ratio(runs(benign, route), runs(hostile, route))
+        r["verdict"] = tails.verdict(r, bound)
+        if len(benign) >= 2:
+            r["benign_a_vs_b"] = tails.ratio(runs(benign[0::2], route), runs(benign[1::2], route))
+        pooled[route] = r
+    out["pooled_p99"] = pooled
+    judged = {k: r for k, r in pooled.items() if r["verdict"] != "too few samples"}
+    out["goals"]["checks"]["p99_within_10pct"] = {
+        "ok": bool(judged) and all(r["verdict"] == "met" for r in judged.values()),
+        "detail": "pooled over the runs, 90% interval: " + ", ".join(
+            f"{k} {r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}] {r['verdict']}" for k, r in judged.items())
+        + "".join(f"; {k}: {r['samples']} requests, not judged" for k, r in pooled.items() if k not in judged)}
+    out["passed"] = all(c["ok"] for c in out["goals"]["checks"].values())
 
 
 def over_pairs(pairs: list[dict]) -> dict:
@@ -672,6 +711,7 @@ def compared_table(out: dict) -> str:
            + "; ".join(f"{r} {' '.join(f'{v:.2f}' for v in x['client_benign_noise'])}" for r, x in out["routes"].items())
            + ")"]
           if out.get("pairs", 1) > 1 else []),
+        *_pooled_lines(out),
         f"trained groups/min: {pair('trained_groups_per_min')}  {yes[checks['groups_within_10pct']['ok']]}",
         f"groups acknowledged to honest workers/min: {pair('honest_groups_acknowledged_per_min')}",
         f"learner peak RSS MB: {pair('learner_rss_peak_mb')}; at start, half time and end: benign {_rss(b)}, "
@@ -699,6 +739,27 @@ def compared_table(out: dict) -> str:
         "PASS" if out["passed"] else "FAIL",
     ]
     return "\n".join(lines)
+
+
+def _pooled_lines(out: dict) -> list[str]:
+    from echo.table import fmt, table
+
+    pooled = out.get("pooled_p99")
+    if not pooled:
+        return []
+
+    def ci(r: dict | None) -> str:
+        return "-" if not r or r["ratio"] is None else f"{r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+
+    n = out.get("pairs", 1)
+    rows = [[route, str(r["samples"]), fmt(r["base"] and 1e3 * r["base"]), fmt(r["test"] and 1e3 * r["test"]), ci(r),
+             r["verdict"], ci(r.get("benign_a_vs_b"))] for route, r in pooled.items()]
+    return [f"the judged p99: the probes' requests pooled over the {n} benign and {n} hostile runs, the ratio's 90% "
+            "interval from a two-stage bootstrap (runs, then 10 s windows of each: learner.bench.tails); met = the "
+            f"whole interval within {HOSTILE_GOALS['p99_ratio']:.2f}; A/A = alternate benign runs against each other, the method's own check "
+            "(its interval should hold 1):",
+            table(["route", "requests/arm", "benign p99 ms", "hostile p99 ms", "ratio [90%]", "verdict", "A/A [90%]"],
+                  rows)]
 
 
 def _table(out: dict) -> str:

@@ -1,0 +1,40 @@
+"""The hostile bench's p99 verdict (learner.bench.tails): pooled runs, a two-stage bootstrap
+interval, and a verdict only where the interval decides it."""
+
+import numpy as np
+
+from learner.bench import tails
+
+
+def runs(n: int, scale: float, seed: int, per_run: int = 3000, seconds: float = 60.0, burst: float = 1.0):
+    """`n` runs of log-normal latencies; `burst`: one run in three has its tail that much longer."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        lat = scale * rng.lognormal(0.0, 0.8, per_run) * (burst if k % 3 == 0 else 1.0)
+        out.append((sorted(rng.uniform(0, seconds, per_run)), lat.tolist()))
+    return out
+
+
+def test_the_same_latency_is_met_and_twice_it_missed():
+    same = tails.ratio(runs(4, 1.0, 1), runs(4, 1.0, 2))
+    assert same["low"] < 1.0 < same["high"] and tails.verdict(same, 1.10) == "met"
+    assert 0.95 < same["ratio"] < 1.05
+    double = tails.ratio(runs(4, 1.0, 1), runs(4, 2.0, 2))
+    assert 1.9 < double["ratio"] < 2.1 and tails.verdict(double, 1.10) == "missed"
+
+
+def test_runs_that_differ_widen_the_interval_until_nothing_is_settled():
+    """Both arms alike, but one run in three with a tail twice as long (a run's own luck): the
+    ratio's interval must hold 1 and be too wide to call, where windows alone would be narrow."""
+    calm = tails.ratio(runs(3, 1.0, 1), runs(3, 1.0, 2))
+    lumpy = tails.ratio(runs(3, 1.0, 1, burst=2.0), runs(3, 1.0, 2, burst=2.0))
+    assert lumpy["low"] < 1.0 < lumpy["high"]
+    assert lumpy["high"] - lumpy["low"] > 2 * (calm["high"] - calm["low"])
+    assert tails.verdict(lumpy, 1.10) == "not settled"
+
+
+def test_too_few_requests_are_not_judged():
+    r = tails.ratio(runs(2, 1.0, 1, per_run=300), runs(2, 3.0, 2, per_run=300))
+    assert r["samples"] == 600 and tails.verdict(r, 1.10) == "too few samples"
+    assert tails.verdict(tails.ratio([], runs(1, 1.0, 1)), 1.10) == "too few samples"
