@@ -174,6 +174,7 @@ class StalenessBuffer:
         self.on_skip = on_skip or (lambda group: None)
         self._skipped, self._skipped_sample = 0, []  # since the latest batch (BatchInfo.skipped)
         self._useful: deque[tuple[str, bool]] = deque(maxlen=USEFUL_WINDOW)  # recent groups: (worker, carried signal?)
+        self._useful_share: float | None = None
 
     @classmethod
     def from_section(cls, section: Any, batch_groups: int, on_drop: Callable[[Group, str], None] | None = None,
@@ -210,6 +211,11 @@ class StalenessBuffer:
         otherwise have the scheduler rent machines for rollouts nobody trains."""
         if not self.skip_uniform or not self._useful:
             return 1.0
+        if self._useful_share is None:  # asked by the loop and the metrics alike: scanned once per change
+            self._useful_share = self._median_share()
+        return self._useful_share
+
+    def _median_share(self) -> float:
         by_worker: dict[str, list[int]] = {}
         for worker, useful in self._useful:
             n = by_worker.setdefault(worker, [0, 0])
@@ -223,6 +229,7 @@ class StalenessBuffer:
         self.stats.sampled_length_sum += group.mean_length
         if self.skip_uniform:
             self._useful.append((group.worker_id, group.varied))
+            self._useful_share = None
             if not group.varied:
                 self.stats.skipped_uniform += 1
                 self._skipped += 1  # reservoir sampling: each skipped group is in the sample with equal chance

@@ -1,7 +1,7 @@
 """Driven by tests/integration/test_trainer_dist.py under `torchrun --nproc_per_node N`: a Trainer on the
 same synthetic batches whatever N is, steered through `Lockstep` exactly as the learner does
 (rank 0 calls, the other ranks replay). Writes, from rank 0, `result.json` (the losses, the
-sha256 of the snapshot before the first step) and `final.safetensors` (the weights at the end).
+token check's sums, the sha256 of the snapshot before the first step) and `final.safetensors` (the weights at the end).
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ from learner.train.trainer import Trainer
 GROUPS, SAMPLES = 4, 4
 
 
-def synthetic_batch(step: int, vocab: int) -> BatchInfo:
+def synthetic_batch(step: int, vocab: int, skipped: int = 0) -> BatchInfo:
     """Prompts and completions of different lengths (so splits and padding differ between
-    rank counts), rewards with signal, behaviour log-probs off π (so IS weights vary)."""
+    rank counts), rewards with signal, behaviour log-probs off π (so IS weights vary); with
+    `skipped`, that many groups dynamic sampling skipped, uniform rewards, for the token check."""
     rng = random.Random(step)
     groups = []
-    for g in range(GROUPS):
+    for g in range(GROUPS + skipped):
         prompt = [1] + [rng.randrange(4, vocab) for _ in range(rng.randint(2, 9))]
         completions = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 12))] for _ in range(SAMPLES)]
         groups.append(Group(f"s{step}g{g}", step, prompt, completions,
                             [[-rng.uniform(1.5, 4.0) for _ in c] for c in completions],
-                            [float(rng.random() < 0.5) for _ in completions]))
-    return BatchInfo(groups, step, [0] * GROUPS)
+                            [float(rng.random() < 0.5) if g < GROUPS else 1.0 for _ in completions]))
+    return BatchInfo(groups[:GROUPS], step, [0] * GROUPS, skipped=3 * skipped, skipped_sample=groups[GROUPS:])
 
 
 def main() -> int:
@@ -44,6 +45,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--save-at", type=int, default=0, help="write a checkpoint after this many steps")
     p.add_argument("--resume", type=Path, default=None)
+    p.add_argument("--skipped", type=int, default=0, help="groups skipped by dynamic sampling in each batch's sample")
     p.add_argument("overrides", nargs="*", help="extra --section.key VALUE config overrides")
     args = p.parse_args()
     cfg = load_learner_config(None, [
@@ -59,9 +61,11 @@ def main() -> int:
         return 0
     drive = Lockstep(trainer, world)
     first = drive.call("snapshot")
-    losses = []
+    losses, token_checks = [], []
     while trainer.version < args.steps:
-        losses.append(drive.call("step", synthetic_batch(trainer.version, trainer.vocab_size))["loss"])
+        stats = drive.call("step", synthetic_batch(trainer.version, trainer.vocab_size, args.skipped))
+        losses.append(stats["loss"])
+        token_checks.append({"groups": stats["group_tokens"], "skipped": stats["skipped_tokens"]})
         if trainer.version == args.save_at:
             drive.call("save_checkpoint", args.out / "checkpoints", {})
     blob = drive.call("snapshot")
@@ -69,7 +73,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "final.safetensors").write_bytes(blob)
     (args.out / "result.json").write_text(json.dumps({
-        "ranks": world.size, "losses": losses, "first_snapshot_sha256": hashlib.sha256(first).hexdigest(),
+        "ranks": world.size, "losses": losses, "token_checks": token_checks, "first_snapshot_sha256": hashlib.sha256(first).hexdigest(),
         "parameters": trainer.num_parameters}))
     close(world)
     return 0

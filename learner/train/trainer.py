@@ -82,8 +82,9 @@ class _Samples:
     truncated: int  # samples cut at the turn or token budget
 
     @classmethod
-    def of(cls, batch: BatchInfo, adv_eps: float, asymre_shift: float | None = None) -> _Samples:
-        """`asymre_shift` set: AsymRE advantages r − (mean + δV), not divided by the std."""
+    def of(cls, batch: BatchInfo, adv_eps: float | None, asymre_shift: float | None = None) -> _Samples:
+        """`asymre_shift` set: AsymRE advantages r − (mean + δV), not divided by the std;
+        `adv_eps` None: no advantages (samples only scored, never trained)."""
         prompts, completions, behaviour, masks, rewards, truncated = [], [], [], [], [], 0
         for g in batch.groups:
             prompts += [g.prompt_ids] * len(g.completions)
@@ -95,8 +96,9 @@ class _Samples:
         reward_t = torch.tensor(rewards, dtype=torch.float32)
         return cls(prompts, completions, behaviour, masks,
                    owner=[gi for gi, g in enumerate(batch.groups) for _ in g.completions], rewards=reward_t,
-                   advantages=(group_advantages(reward_t, adv_eps) if asymre_shift is None else
-                               reward_t - reward_t.mean(-1, keepdim=True) - asymre_shift).flatten().tolist(),
+                   advantages=[] if adv_eps is None else
+                   (group_advantages(reward_t, adv_eps) if asymre_shift is None else
+                    reward_t - reward_t.mean(-1, keepdim=True) - asymre_shift).flatten().tolist(),
                    lengths=[len(p) + len(c) for p, c in zip(prompts, completions)],
                    total_tokens=sum(map(sum, masks)), turns=[_turns(m) for m in masks], truncated=truncated)
 
@@ -342,9 +344,9 @@ class Trainer:
         then read as too unlikely, and the demo's four workers were quarantined at z = +8.
         Per group: Σ(u − ½) of its policy tokens' mid-ranks under π (`echo.hf.rank_terms`) and Σ
         their variance, over those inside π's nucleus, and the counts inside and outside it (all
-        zero for a group not drawn; `learner.verify.Verifier.tokens_checked` judges). Returns them for `batch.groups`, and
-        for the skipped groups drawn as (index in `batch.skipped_sample`, terms). The same seeded
-        draw on every rank."""
+        zero for a group not drawn; `learner.verify.Verifier.tokens_checked` judges). Returns
+        them for `batch.groups`, and for the skipped groups drawn as (index in
+        `batch.skipped_sample`, terms). The same seeded draw on every rank."""
         f = self.cfg.verify.token_check_fraction
         if f <= 0.0:
             return [[0.0] * 4 for _ in batch.groups], []
@@ -358,8 +360,7 @@ class Trainer:
         sums = self._rank_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups))
         if not extra:  # (the same on every rank: the draw is)
             return sums, []
-        audit = _Samples.of(BatchInfo([batch.skipped_sample[j] for j in extra], batch.learner_version),
-                            self.cfg.trainer.adv_eps)
+        audit = _Samples.of(BatchInfo([batch.skipped_sample[j] for j in extra], batch.learner_version), None)
         split = split_by_tokens(audit.lengths, self.world.size)[self.world.rank]
         return sums, list(zip(extra, self._rank_sums(audit, split, len(extra))))
 

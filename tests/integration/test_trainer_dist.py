@@ -114,3 +114,23 @@ def test_a_lora_adapter_trains_alike_on_one_and_two_ranks(small_model, tmp_path)
     assert min(float(v.abs().max()) for k, v in a1.items() if "lora_B" in k) > 1e-3  # every B did move
     assert float(delta.mean()) < 1e-4 * float(b.mean())
     assert int((delta > 1e-5).sum()) <= 1e-3 * delta.numel() and float(delta.max()) <= 2 * steps * lr
+
+
+def test_the_token_check_sums_alike_on_one_and_two_ranks(small_model, tmp_path):
+    """The token check on 2 ranks (each scoring its share of the drawn samples, the skipped
+    groups' split by tokens apart from the batch's) gives the sums 1 rank gives, for the trained
+    groups drawn and the skipped ones alike. Every group is drawn here (fraction 1 of 4 groups
+    from 4 trained + 12 skipped per step), so both kinds appear over the 3 steps."""
+    check = ("--verify.token_check_fraction", "1.0")
+    one = torchrun(1, small_model, tmp_path / "t1", "--skipped", "4", overrides=check)
+    two = torchrun(2, small_model, tmp_path / "t2", "--skipped", "4", overrides=check)
+    checked = skipped = 0
+    for a, b in zip(one["token_checks"], two["token_checks"], strict=True):
+        for x, y in zip(a["groups"], b["groups"], strict=True):
+            assert x == pytest.approx(y, rel=1e-5, abs=1e-6)
+            checked += x[2] > 0  # tokens inside the nucleus: this group was drawn and scored
+        assert [j for j, _ in a["skipped"]] == [j for j, _ in b["skipped"]]
+        for (_, x), (_, y) in zip(a["skipped"], b["skipped"]):
+            assert x == pytest.approx(y, rel=1e-5, abs=1e-6) and x[2] > 0
+            skipped += 1
+    assert checked >= 1 and skipped >= 1, (checked, skipped)
