@@ -1,0 +1,29 @@
+"""The join URL the learner prints: reachable as printed, for a specific bind and a wildcard one."""
+
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+
+from learner.api.app import join_url
+
+
+def test_an_ipv6_address_is_bracketed_and_a_name_kept():
+    assert join_url("::1", 8000) == "http://[::1]:8000"
+    assert join_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert join_url("learner.example", 8000) == "http://learner.example:8000"
+
+
+@pytest.mark.parametrize("wildcard,family", [("0.0.0.0", socket.AF_INET), ("::", socket.AF_INET6)])
+def test_a_wildcard_bind_prints_an_address_a_worker_can_connect_to(wildcard, family):
+    try:
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.bind((wildcard, 0))
+    except OSError:
+        pytest.skip(f"no {wildcard} here")
+    with server:
+        server.listen()
+        url = urlsplit(join_url(wildcard, server.getsockname()[1]))
+        assert url.hostname not in ("0.0.0.0", "::")  # names nothing another machine can reach
+        with socket.create_connection((url.hostname, url.port), timeout=5):
+            pass
