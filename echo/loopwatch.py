@@ -10,6 +10,8 @@ its run-queue wait: computing, blocking in a system call, or waiting for the GIL
 Over the limit it is marked `SLOW CALLBACK`, the line the tests fail on; a callback slow only
 because it was descheduled is reported as `preempted`.
 
+Garbage collections over the limit are reported the same way, by generation.
+
 Start-up (imports, loading a model) runs before `watch()` is called, so only the serving phase
 is judged.
 """
@@ -17,6 +19,7 @@ is judged.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -55,8 +58,26 @@ def watch(name: str) -> float | None:
 
     timed_run._watched = True
     handle._run = timed_run
+    gc.callbacks.append(_collections_over(limit, name))
     print(f"{name}: event-loop callbacks over {ms} ms are reported ({ENV})", file=sys.stderr, flush=True)
     return limit
+
+
+def _collections_over(limit: float, name: str):
+    """A `gc.callbacks` entry reporting each garbage collection that held the process over
+    `limit` (a full collection walks every live object: it names itself, not the callback it
+    interrupted)."""
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif (took := time.perf_counter() - started[0]) >= limit:
+            print(f"{MARK}: {name}: garbage collection of generation {info['generation']} took {took * 1e3:.0f} ms "
+                  f"({info['collected']} collected, {len(gc.get_objects(info['generation']))} objects tracked there)",
+                  file=sys.stderr, flush=True)
+
+    return timed
 
 
 def _run_queue_clock():
