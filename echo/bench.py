@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engines": ("worker.bench.engines:cli", "rollout engines: generation tokens/s, install ms and mismatch_kl, transformers vs vLLM"),
     "overlap": ("learner.bench.overlap:cli", "the overlap capacity rule on the real system: bubble vs pool size and S"),
     "control-plane": ("learner.bench.control_plane:cli", "the control API under many simulated workers with churn: latency per route, loop lag, ledger; --hostile F: a share of them attacking, against a benign run"),
+    "buffer": ("learner.bench.buffer_memory:cli", "what the buffer of uploaded groups costs to hold: memory and a full garbage-collection pass, arrays vs Python lists"),
     "learner": ("learner.bench.trainer:cli", "trainer memory and time: batch tokens, chunked log-probs, ranks, largest model"),
 }
 

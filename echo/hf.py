@@ -139,6 +139,15 @@ def sample(
 
 # --- teacher-forced log-probs (π) -----------------------------------------------------------------
 
+def _ids(prompt, completion) -> torch.Tensor:
+    """A sequence's token ids; each part a list or an array (the learner keeps completions as arrays)."""
+    return torch.cat([torch.as_tensor(prompt, dtype=torch.long), torch.as_tensor(completion, dtype=torch.long)])
+
+
+def _targets(completions) -> torch.Tensor:
+    return torch.cat([torch.as_tensor(c, dtype=torch.long) for c in completions])
+
+
 @dataclass
 class TokenBatch:
     """Prompt+completion sequences and where their completion tokens are: right-padded rows, or
@@ -167,15 +176,14 @@ class TokenBatch:
         width = max(len(p) + len(c) for p, c in zip(prompts, completions))
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        positions, targets = [], []
+        positions = []
         for i, (p, c) in enumerate(zip(prompts, completions)):
-            input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+            input_ids[i, : len(p) + len(c)] = _ids(p, c)
             attention[i, : len(p) + len(c)] = 1
             # Completion token j sits at len(p) + j and is predicted one position earlier.
             positions += range(i * width + len(p) - 1, i * width + len(p) - 1 + len(c))
-            targets += c
         return cls(input_ids.to(device), attention.to(device), torch.tensor(positions, dtype=torch.long, device=device),
-                   torch.tensor(targets, dtype=torch.long, device=device), [len(c) for c in completions])
+                   _targets(completions).to(device), [len(c) for c in completions])
 
     @classmethod
     def pack(cls, prompts: list[list[int]], completions: list[list[int]], device: torch.device | str = "cpu") -> TokenBatch:
@@ -197,17 +205,16 @@ class TokenBatch:
         for r, members in enumerate(rows):
             at = 0
             for i in members:
-                ids[r, at : at + lengths[i]] = torch.tensor(prompts[i] + completions[i], dtype=torch.long)
+                ids[r, at : at + lengths[i]] = _ids(prompts[i], completions[i])
                 position_ids[r, at : at + lengths[i]] = torch.arange(lengths[i])
                 start[i] = r * width + at
                 at += lengths[i]
             position_ids[r, at:] = torch.arange(width - at)  # the row's tail: a sequence of its own, never read
-        positions, targets = [], []
+        positions = []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             positions += range(start[i] + len(p) - 1, start[i] + len(p) - 1 + len(c))
-            targets += c
         return cls(ids.to(device), None, torch.tensor(positions, dtype=torch.long, device=device),
-                   torch.tensor(targets, dtype=torch.long, device=device), [len(c) for c in completions],
+                   _targets(completions).to(device), [len(c) for c in completions],
                    position_ids=position_ids.to(device))
 
     @property

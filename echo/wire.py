@@ -227,4 +227,7 @@ def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMs
     truncated = s.get("truncated", False)
     if not isinstance(truncated, bool):
         raise Rejected(400, "malformed", f"{where}: truncated must be true or false")
-    return SampleMsg(tokens.tolist(), logprobs.astype(np.float64).tolist(), float(reward), mask, truncated)
+    # Arrays, copied out of the body: Python lists of the same numbers took ~1 GB and a 141 ms
+    # garbage-collection pass for a buffer of 768 groups of 8 × 2,048 tokens (one per object).
+    return SampleMsg(np.array(tokens, dtype=np.int32), np.array(logprobs, dtype=np.float32), float(reward), mask,
+                     truncated)

@@ -67,8 +67,8 @@ class Group:
     prompt_id: str
     version: int
     prompt_ids: list[int]
-    completions: list[list[int]]
-    behaviour_logprobs: list[list[float]]
+    completions: list  # per sample, token ids (int32 arrays from uploads; lists do too)
+    behaviour_logprobs: list  # per sample, μ's log-probs (float32 arrays from uploads)
     rewards: list[float]  # per sample, the episode's return
     worker_id: str = ""
     masks: list[list[int]] | None = None  # per sample, 1 on the policy's tokens (None: all, one turn)

@@ -44,6 +44,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from echo.episodes import Episodes
 
 from learner.buffer import Group
@@ -411,6 +413,7 @@ class Rescorer:
         for g in groups:
             flags = []
             for k, tokens in enumerate(g.completions):
+                tokens = np.asarray(tokens).tolist()  # the environment compares and slices lists
                 mask = g.masks[k] if g.masks is not None else [1] * len(tokens)
                 truth = self.episodes.replay(g.prompt, tokens, mask)
                 flags.append(abs(g.rewards[k] - truth.reward) > self.tolerance or not truth.ok)

@@ -70,8 +70,8 @@ class _Samples:
     (the policy's tokens; the environment's are read, never trained), of group `owner[i]`."""
 
     prompts: list[list[int]]
-    completions: list[list[int]]
-    behaviour: list[list[float]]
+    completions: list  # per sample, token ids: lists or arrays (echo.hf.TokenBatch takes both)
+    behaviour: list
     masks: list[list[int]]
     owner: list[int]
     rewards: torch.Tensor  # groups × samples
@@ -129,7 +129,7 @@ class _Gaps:
         for i, lp in values.items():
             if i in self.mine:
                 lp = lp.detach().double()
-                mu = torch.tensor(self.samples.behaviour[i], dtype=torch.float64, device=self.sums.device)
+                mu = torch.as_tensor(self.samples.behaviour[i]).to(self.sums.device, torch.float64)
                 mine = torch.tensor(self.samples.masks[i], dtype=torch.bool, device=self.sums.device)
                 inside = torch.isfinite(lp) & mine  # outside π's nucleus: counted apart, not a gap; the environment's: no μ
                 owner = self.samples.owner[i]
@@ -306,8 +306,8 @@ class Trainer:
             if not old:  # one pass over the batch: its log-probs are π of the weights held now
                 gaps.measure(dict(zip(indices, logp.split(tb.lengths))))
             flat = lambda values: torch.cat([values[i] for i in indices])  # noqa: E731
-            behaviour_t = torch.tensor([x for i in indices for x in samples.behaviour[i]], device=device)
-            mask_t = torch.tensor([x for i in indices for x in samples.masks[i]], device=device)
+            behaviour_t = torch.cat([torch.as_tensor(samples.behaviour[i], dtype=torch.float32) for i in indices]).to(device)
+            mask_t = torch.cat([torch.as_tensor(samples.masks[i]) for i in indices]).to(device)
             adv_t = torch.tensor([samples.advantages[i] for i in indices for _ in samples.completions[i]],
                                  device=device)
             loss, stats = grpo_loss(logp, flat(old) if old else logp.detach(), behaviour_t, adv_t, mask_t,

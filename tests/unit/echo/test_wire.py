@@ -25,7 +25,10 @@ def test_round_trip():
     assert out.worker_id == "w1" and out.lease_id == "L1"
     g = out.groups[0]
     assert (g.prompt_id, g.version) == ("p1", 3)
-    assert g.samples[0].tokens == [4, 5, 2] and g.samples[0].logprobs == [-0.5, -0.25, -1.0]
+    assert g.samples[0].tokens.tolist() == [4, 5, 2] and g.samples[0].logprobs.tolist() == [-0.5, -0.25, -1.0]
+    # compact arrays, owning their memory (a view would keep the whole decompressed body alive)
+    assert g.samples[0].tokens.dtype == "int32" and g.samples[0].logprobs.dtype == "float32"
+    assert g.samples[0].tokens.base is None and g.samples[0].logprobs.base is None
     assert [s.reward for s in g.samples] == [1.0, 0.0]
 
 
