@@ -13,11 +13,10 @@ the trainer thread (`learner.driver`), so the event loop stays responsive to wor
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from pathlib import Path
 
-from echo import loopwatch
+from echo import collector, loopwatch
 from learner.accounting import Accounting
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
@@ -51,8 +50,10 @@ class Loop:
         record.start(trainer.version)
         # Serving from here on: what start-up built (the model, torch, tokenizers: millions of
         # objects) stays out of the cyclic collector, whose full passes over it held the event
-        # loop 100-160 ms (measured by `echo-rl bench control-plane`).
-        gc.freeze()
+        # loop 100-160 ms (measured by `echo-rl bench control-plane`), and full passes over
+        # the rest come on a clock (echo.collector).
+        collector.serve()
+        background = [*background, asyncio.create_task(collector.full_collections())]
         loopwatch.watch("echo-learner")
         try:
             while trainer.updates < self.steps:  # not the version: a resume may skip version numbers

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import random
@@ -203,11 +202,12 @@ async def _serve(args) -> int:
             await publish(run.version)
             await asyncio.sleep(max(0.0, 1 / args.step_rate - (time.monotonic() - t0)))
 
-    from echo import loopwatch
+    from echo import collector, loopwatch
 
     loopwatch.watch("control-plane learner")  # with $ECHO_SLOW_CALLBACK_MS: name what holds the loop
-    gc.freeze()  # as echo-learner does once serving: start-up's objects stay out of full collections
-    tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer())]
+    collector.serve()  # as echo-learner does once serving
+    tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer(),
+                                              collector.full_collections())]
     cpu0, wall0 = _cpu(), time.monotonic()
     traced = None
     if os.environ.get("ECHO_TRACE_MEMORY"):  # where memory grows after the first minute (slow: diagnosis only)
@@ -421,11 +421,10 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
         prober = subprocess.Popen([sys.executable, "-m", "learner.bench.control_plane", "--probe", url,
                                    "--probes", str(probes), "--out", str(d / "probes.json"), *_forward(args),
                                    "--seconds", str(args.seconds), "--ramp-s", str(args.ramp_s), "--gen-s", str(args.gen_s)],
-                                  stderr=(d / "probes.log").open("w"),
-                                  # above the big fleet's process, so that its queueing is not theirs
-                                  preexec_fn=(lambda: os.nice(-5)) if args.pin and os.geteuid() == 0 else None)
+                                  stderr=(d / "probes.log").open("w"))
         if clients:
             os.sched_setaffinity(prober.pid, clients)
+            _first_in_line(prober.pid)
         print(f"{args.workers - hostile} honest simulated workers{f' and {hostile} hostile ones' if hostile else ''} "
               f"for {args.seconds:.0f} s against the control plane (the trainer is a stand-in consuming "
               f"{args.step_rate:g} batches/s of {args.batch_prompts} groups)...", file=sys.stderr, flush=True)
@@ -505,6 +504,19 @@ async def _drive(args) -> int:
     pool_tails(out, probed)
     print(json.dumps(out, indent=2) if args.json else compared_table(out))
     return 0
+
+
+def _first_in_line(pid: int) -> None:
+    """The probes run as a worker alone on its machine would: woken the moment a reply lands,
+    not after the big fleet's process (a core's worth of work on the same core) yields. A
+    real-time policy where allowed (root; the probes are light: ~0.05 cores), else nice -5."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_FIFO, os.sched_param(1))
+    except (PermissionError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, -5)
+        except (PermissionError, OSError):
+            pass
 
 
 def _pin(learner_pid: int) -> set[int] | None:
