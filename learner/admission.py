@@ -23,16 +23,28 @@ class Waiters:
 
     A counted wake-up goes only to a waiter that can use it (`eligible`, e.g. a worker whose
     lease window is not full): handed to one that cannot, it would be spent on a request that
-    parks again, and the room it announced would sit unused until some later wake-up."""
+    parks again, and the room it announced would sit unused until some later wake-up. One that
+    cannot is set aside (`blocked`) until its worker's own leases change (`unblock`, called by
+    the lease room), then goes back to the front of the line: asked again at every wake-up, 50
+    hoarders parked ahead of the fleet were 50 checks per freed prompt."""
 
-    def __init__(self, eligible: Callable[[Any], bool] = lambda worker: True) -> None:
+    def __init__(self, eligible: Callable[[Any], bool] = lambda worker: True,
+                 key: Callable[[Any], Any] = lambda worker: worker.id) -> None:
         self._queue: deque[tuple[asyncio.Future, Any]] = deque()
+        self._blocked: dict[Any, deque[tuple[asyncio.Future, Any]]] = {}  # by worker: can take nothing now
         self._owed = 0  # wake-ups not yet delivered
         self._paying: asyncio.Task | None = None
-        self.eligible = eligible
+        self.eligible, self.key = eligible, key
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + sum(map(len, self._blocked.values()))
+
+    def unblock(self, key: Any) -> None:
+        """`key`'s leases changed (answered, handed back, expired): its parked requests may take
+        room again, ahead of those that came later."""
+        parked = self._blocked.pop(key, None)
+        if parked:
+            self._queue.extendleft(reversed([w for w in parked if not w[0].done()]))
 
     async def wait(self, timeout: float, worker: Any) -> None:
         fut = asyncio.get_running_loop().create_future()
@@ -55,17 +67,19 @@ class Waiters:
         try:
             while self._owed > 0 and self._queue:
                 k = min(self._owed, WAKE_BATCH)
-                woken, skipped = 0, deque()
+                woken = 0
                 while woken < k and self._queue:
                     fut, worker = self._queue.popleft()
                     if fut.done():
                         continue
                     if not self.eligible(worker):
-                        skipped.append((fut, worker))  # keeps its place in the line
+                        parked = self._blocked.setdefault(self.key(worker), deque())
+                        while parked and parked[0][0].done():  # timed out meanwhile
+                            parked.popleft()
+                        parked.append((fut, worker))
                         continue
                     fut.set_result(None)
                     woken += 1
-                self._queue.extendleft(reversed(skipped))
                 self._owed -= woken
                 if woken < k:  # nobody left who could use the rest
                     break
@@ -75,6 +89,8 @@ class Waiters:
             self._paying = None
 
     def wake_where(self, predicate: Callable[[Any], bool]) -> None:
+        for key in list(self._blocked):  # (for this, the blocked count as waiting like any other)
+            self.unblock(key)
         kept: deque = deque()
         for fut, worker in self._queue:
             if fut.done():
@@ -86,7 +102,7 @@ class Waiters:
         self._queue = kept
 
     def wake_all(self) -> None:
-        self.wake(len(self._queue))
+        self.wake_where(lambda worker: True)
 
 
 class TokenBucket:

@@ -71,8 +71,10 @@ class LeaseRoom:
             self.waiters.wake_where(lambda w: w.version >= 0 and not buf.leasable(w.version, self.run.version))
         self.waiters.wake(self.room())
 
-    def freed(self, prompts: int) -> None:
-        """`prompts` went back or were answered: as many waiting requests may be served."""
+    def freed(self, prompts: int, worker_id: str) -> None:
+        """`worker_id` answered or gave back `prompts`: as many waiting requests may be served,
+        its own among them (its window has room again)."""
+        self.waiters.unblock(worker_id)
         self.waiters.wake(prompts)
 
     def release_worker(self, worker_id: str) -> int:
@@ -81,6 +83,7 @@ class LeaseRoom:
         for lease in self.book.release_worker(worker_id):
             leased += len(lease.prompts)
             self.waiters.wake(len(lease.prompts))
+        self.waiters.unblock(worker_id)  # its parked requests are answered (quarantined, forgotten)
         return leased
 
     def renew(self, worker_id: str, now: float) -> None:
@@ -93,6 +96,8 @@ class LeaseRoom:
         dead = self.book.expire(now)
         if dead:
             self.metrics.leases_expired.inc(len(dead))
+            for lease in dead:
+                self.waiters.unblock(lease.worker_id)
             self.waiters.wake(sum(len(lease.prompts) for lease in dead))
 
     def routes(self, auth: Auth) -> list[web.RouteDef]:
@@ -111,7 +116,7 @@ class LeaseRoom:
                 count = self.book.release(req.lease_id, worker.id)
             except UnknownLease as e:
                 return json_error(409, "unknown-lease", str(e.args[0]))
-            self.waiters.wake(count)
+            self.freed(count, worker.id)
             return reply(P.ReleaseReply(released=count))
 
         return [web.post("/v1/lease", lease), web.post("/v1/release", release)]

@@ -108,7 +108,7 @@ class UploadRoom:
             raise Rejected(403, "impersonation", f"the upload names worker {sub.worker_id[:64]!r} but the credential is "
                                                  f"{worker.id!r}'s; a worker submits only its own work")
         groups, lease_age = self.admit(sub, worker)
-        self.leases.freed(len(sub.groups))  # the lease's room is free again
+        self.leases.freed(len(sub.groups), worker.id)  # the lease's room is free again
         # The leases are closed: a second upload of the same groups is refused from here on.
         refused = await self.check_rewards(worker, groups)
         if refused is not None:

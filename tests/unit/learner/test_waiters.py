@@ -21,7 +21,8 @@ def test_a_wake_up_skips_a_waiter_whose_window_is_full_and_keeps_its_place():
         waiters.wake(1)  # room for one lease: the hoarder is first in line but cannot take it
         await asyncio.sleep(0.05)
         assert woken == ["honest-1"]
-        full.clear()  # the hoarder's window opened: it is first in line again
+        full.clear()  # the hoarder's lease was answered: its window opened, it is first in line again
+        waiters.unblock("hoarder")
         waiters.wake(1)
         await asyncio.sleep(0.05)
         assert woken == ["honest-1", "hoarder"]
@@ -41,5 +42,43 @@ def test_wake_ups_nobody_can_use_are_not_banked():
         await asyncio.sleep(0.05)
         assert not task.done() and waiters._owed == 0
         await task
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_that_cannot_take_room_is_asked_once_not_at_every_wake_up():
+    """50 hoarders with full windows parked ahead of the honest fleet: each is checked once and
+    set aside, not 50 checks per freed prompt, until its own leases change."""
+    asked: list[str] = []
+
+    def eligible(worker) -> bool:
+        asked.append(worker.id)
+        return not worker.id.startswith("hoarder")
+
+    waiters = Waiters(eligible=eligible)
+    woken: list[str] = []
+
+    async def park(name: str) -> None:
+        await waiters.wait(2.0, SimpleNamespace(id=name))
+        woken.append(name)
+
+    async def scenario() -> None:
+        names = [f"hoarder-{i}" for i in range(50)] + [f"honest-{i}" for i in range(20)]
+        tasks = [asyncio.create_task(park(n)) for n in names]
+        await asyncio.sleep(0.01)
+        for _ in range(20):  # 20 prompts answered, one at a time
+            waiters.wake(1)
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+        assert woken == [f"honest-{i}" for i in range(20)]
+        assert sum(a.startswith("hoarder") for a in asked) == 50  # once each (it was 50 × 20)
+        assert len(waiters) == 50
+        waiters.unblock("hoarder-7")  # its lease expired: back at the front of the line
+        waiters.wake(1)
+        await asyncio.sleep(0.05)
+        assert asked[-1] == "hoarder-7" and len(waiters) == 50  # asked again, still full: set aside again
+        waiters.wake_all()  # the run finished: the set-aside hear it too
+        await asyncio.gather(*tasks)
+        assert len(woken) == 70
 
     asyncio.run(scenario())
