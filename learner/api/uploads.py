@@ -184,6 +184,7 @@ class UploadRoom:
         for g in stale:  # the prompt itself is fine: a fresher snapshot generates it
             book.give_back(sub.lease_id, g.prompt_id, worker.id)
         if not fresh:
+            self.leases.freed(len(stale), worker.id)  # the room those prompts held is free again, its own included
             oldest = min(g.version for g in stale)
             raise Rejected(409, "stale-version",
                            f"version {oldest} is {version - oldest} updates old at learner version "

@@ -639,6 +639,29 @@ def test_a_group_is_admitted_by_the_version_it_will_be_trained_at(tokenizer, tmp
     run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 1, "server.refuse_stale_leases": False})
 
 
+def test_a_worker_whose_whole_upload_came_back_stale_is_served_at_once(tokenizer, tmp_path):
+    """Its window full, a worker's next lease request is parked and set aside; its upload is then
+    refused as stale and every prompt goes back. The parked request must hear of that room now,
+    not at the end of its long poll (it did: the refusal gave the prompts back silently)."""
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 8}, token=cred)
+        assert status == 200 and len(lease["prompts"]) == 8  # its whole first window
+        for v in (1, 2):
+            api.state.run.blobs.add(v, b"weights-%d" % v)
+        api.state.run.version = 2
+        parked = asyncio.create_task(api.call("/v1/lease", {"max_prompts": 8, "version": 2, "wait_s": 20.0}, token=cred))
+        await asyncio.sleep(0.3)
+        assert not parked.done() and len(api.state.waiters) == 1
+        stale = [group(tokenizer, p["id"], ["9"] * 4, 0.0, version=0) for p in lease["prompts"]]
+        status, body = await api.upload(cred, Submission(wid, lease["lease_id"], stale))
+        assert (status, body["error"]) == (409, "stale-version")
+        status, again, _ = await asyncio.wait_for(parked, 5.0)
+        assert status == 200 and again["lease_id"] and again["waited_s"] < 5.0, again
+
+    run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 1, "server.refuse_stale_leases": False})
+
+
 def test_a_refused_report_leaves_nothing_behind(tokenizer, tmp_path):
     async def test(api: Api):
         wid, cred = await api.join("w")
