@@ -335,7 +335,11 @@ class Worker:
                     t.cancel()
                 if any(not t.cancelled() and t.exception() is None for t in done):
                     return  # on_complete staged it
-            if self.pending is None or self.pending[0] < version:
+            # Pull only what would be installed: not while idled (the newest comes at activation;
+            # an idled fleet pulled every version whole from the learner's uplink) and not a
+            # version older than one installed or staged meanwhile.
+            newest = max(self.engine.version if self.engine else -1, self.pending[0] if self.pending else -1)
+            if self.active.is_set() and newest < version:
                 log.info("%s: pulling v%d from the learner", self.name, version)
                 await self.relay.fetch(snapshot.key, [Hop("source", snapshot.source)])
         except (BroadcastError, aiohttp.ClientError, asyncio.TimeoutError) as e:

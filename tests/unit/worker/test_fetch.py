@@ -1,0 +1,54 @@
+"""A chain-mode worker pulls a version the push missed only when it would install it: not while
+the learner's scheduler has it idled (an idled fleet pulled every version whole from the
+learner's uplink, and failed: the source keeps the last two), and not a version older than one
+it installed meanwhile (a worker activated at v384 pulled v348). A real relay; the source is a
+port nobody listens on, so a pull that is tried fails and says so."""
+
+import asyncio
+import logging
+import socket
+from types import SimpleNamespace
+
+from broadcast.relay import Relay
+from broadcast.signing import SigningKey
+from echo import protocol as P
+from worker.config import load_worker_config
+from worker.rollout import Worker
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pulls(installed: int, announced: int, active: bool, caplog) -> list[str]:
+    async def run() -> None:
+        key = SigningKey.generate()
+        worker = Worker(load_worker_config(None, []), "http://127.0.0.1:1", "token")
+        worker.broadcast = P.BroadcastInfo(mode="chain", public_key=key.public_key().to_text(), fallback_s=0.2)
+        worker.engine = SimpleNamespace(version=installed)  # all `_fetch` asks of an engine
+        worker.relay = Relay("w", key.public_key(), host="127.0.0.1", port=0)
+        await worker.relay.start()
+        if not active:
+            worker.active.clear()
+        try:
+            await worker._fetch(None, P.PushAnnouncement(version=announced, key=f"v{announced}",
+                                                         source=f"http://127.0.0.1:{_closed_port()}"))
+        finally:
+            await worker.relay.stop()
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="echo.worker"):
+        asyncio.run(run())
+    return [r.getMessage() for r in caplog.records if "pulling" in r.getMessage() or "did not arrive" in r.getMessage()]
+
+
+def test_an_active_worker_pulls_a_newer_version_the_push_missed(caplog):
+    said = _pulls(installed=3, announced=5, active=True, caplog=caplog)
+    assert any("pulling v5" in m for m in said) and any("v5 did not arrive" in m for m in said)
+
+
+def test_an_idled_worker_or_one_already_past_the_version_pulls_nothing(caplog):
+    assert _pulls(installed=3, announced=5, active=False, caplog=caplog) == []
+    assert _pulls(installed=8, announced=5, active=True, caplog=caplog) == []
