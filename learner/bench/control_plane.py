@@ -579,12 +579,9 @@ def over_pairs(pairs: list[dict]) -> dict:
         ratios = [p[key]["ratio"] for p in pairs if p[key]["ratio"] is not None]
         out[key] = {**out[key], "ratio": med(ratios) if ratios else None, "ratios": ratios}
     g, checks = HOSTILE_GOALS, {k: dict(v) for k, v in out["goals"]["checks"].items()}
-    checks["p99_within_10pct"] = {"ok": all((x["p99_ratio"] or 0.0) <= g["p99_ratio"] for x in routes.values()),
-                                  "detail": "median over pairs: " + ", ".join(
-                                      f"{r} {x['p99_ratio']:.2f}" for r, x in routes.items() if x["p99_ratio"])}
     checks["groups_within_10pct"]["ok"] = (out["trained_groups_per_min"]["ratio"] or 0) >= g["groups_ratio"]
     checks["rss_bounded"]["ok"] = all(p["goals"]["checks"]["rss_bounded"]["ok"] for p in pairs)
-    for name in [k for k in checks if k not in ("p99_within_10pct", "groups_within_10pct", "rss_bounded")]:
+    for name in [k for k in checks if k not in ("groups_within_10pct", "rss_bounded")]:
         checks[name]["ok"] = all(p["goals"]["checks"][name]["ok"] for p in pairs)  # safety: in every pair
     out["goals"] = {**out["goals"], "checks": checks}
     out["passed"] = all(c["ok"] for c in checks.values())
@@ -632,7 +629,6 @@ def _results(args, m: Measured) -> dict:
 def compare(args, benign: dict, hostile: dict) -> dict:
     """The honest fleet's latency and throughput, the learner's memory, benign against hostile;
     the attackers' outcomes judged (`learner.bench.attacks.safety`)."""
-    from echo.table import fmt
     from learner.bench.attacks import safety
 
     def per_min(run: dict, groups: int) -> float:
@@ -649,9 +645,7 @@ def compare(args, benign: dict, hostile: dict) -> dict:
     rss = [run["learner"]["rss_mb"]["peak"] for run in (benign, hostile)]
     growth = [run["learner"]["rss_mb"]["last"] - run["learner"]["rss_mb"]["half"] for run in (benign, hostile)]
     g = HOSTILE_GOALS
-    checks = {
-        "p99_within_10pct": {"ok": all((r["p99_ratio"] or 0.0) <= g["p99_ratio"] for r in routes.values()),
-                             "detail": ", ".join(f"{k} {fmt(r['p99_ratio'], '.2f')}" for k, r in routes.items())},
+    checks = {  # (the p99 is judged over all pairs at once: `pool_tails`)
         "groups_within_10pct": {"ok": trained[1] >= g["groups_ratio"] * trained[0],
                                 "detail": f"{trained[1]:.0f} / {trained[0]:.0f} trained groups/min"},
         # Bounded: over the second half it grows no faster than the benign run's (+2% of its peak);
@@ -713,7 +707,7 @@ def compared_table(out: dict) -> str:
         "honest fleet, per route, as the probe workers measured it (a light process of their own: a worker on its "
         "own machine; ms; lease: the route's own time, the long-poll wait subtracted); the last column: the same "
         "ratio as the big fleet's process saw it, its own queueing included:",
-        table(["route", "benign p50", "benign p99", "hostile p50", "hostile p99", "p99 ratio", "within 10%",
+        table(["route", "benign p50", "benign p99", "hostile p50", "hostile p99", "p99 ratio", "≤ 1.10 unpooled",
                "fleet-side ratio"], rows),
         *([f"over {out['pairs']} benign/hostile pairs (the p50/p99 columns: the last pair): p99 ratio per pair "
            + "; ".join(f"{r} {' '.join(f'{v:.2f}' for v in x['p99_ratios'])}" for r, x in out["routes"].items())
