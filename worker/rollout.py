@@ -338,8 +338,7 @@ class Worker:
             # Pull only what would be installed: not while idled (the newest comes at activation;
             # an idled fleet pulled every version whole from the learner's uplink) and not a
             # version older than one installed or staged meanwhile.
-            newest = max(self.engine.version if self.engine else -1, self.pending[0] if self.pending else -1)
-            if self.active.is_set() and newest < version:
+            if self.active.is_set() and self._held_version() < version:
                 log.info("%s: pulling v%d from the learner", self.name, version)
                 await self.relay.fetch(snapshot.key, [Hop("source", snapshot.source)])
         except (BroadcastError, aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -412,12 +411,15 @@ class Worker:
                     await asyncio.sleep(max(0.0, wait - self.joined.heartbeat_interval))
             await asyncio.sleep(self.joined.heartbeat_interval)
 
+    def _held_version(self) -> int:
+        """The newest version installed or staged to be (-1: none)."""
+        return max(self.engine.version if self.engine else -1, self.pending[0] if self.pending else -1)
+
     def _notice(self, client: LearnerClient, snapshot: P.Snapshot | None) -> None:
         """Start downloading an announced version newer than anything installed or on its way."""
         if self.engine is None:
             return  # still starting; the snapshot announced at join is fetched then
-        newest_known = max(self.engine.version, self.pending[0] if self.pending else -1,
-                           self.downloading if self.downloading is not None else -1)
+        newest_known = max(self._held_version(), self.downloading if self.downloading is not None else -1)
         if snapshot is not None and snapshot.version > newest_known:
             self._download_task = asyncio.create_task(self._fetch(client, snapshot))
 
