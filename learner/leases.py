@@ -140,10 +140,6 @@ class LeaseBook:
         """Prompts `worker_id` holds now (O(its leases))."""
         return sum(len(self._leases[i].prompts) for i in self._by_worker.get(worker_id, ()))
 
-    def holds(self, worker_id: str) -> bool:
-        """Does `worker_id` hold any outstanding lease (anything it could upload into)?"""
-        return worker_id in self._by_worker
-
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 

@@ -73,7 +73,11 @@ class UploadRoom:
         if request.content_type != CONTENT_TYPE:
             raise Rejected(415, "malformed", f"Content-Type must be {CONTENT_TYPE}")
         refuse_encoding(request, self.metrics.rejected)  # aiohttp would inflate it past what `claim` counts
-        if not self.leases.book.holds(worker.id):  # nothing it could upload into: read and decode nothing
+        # An upload answers prompts its sender holds, no more: its decoding is bounded by them. Counted
+        # once, here: a lease that expires while the body is read is then refused by name (409), not
+        # as a body beyond its bounds.
+        held = self.leases.book.held(worker.id)
+        if not held:  # nothing it could upload into: read and decode nothing
             raise Rejected(409, "unknown-lease", "this worker holds no outstanding lease (expired, already "
                                                  "answered, or never leased): lease prompts first")
         claim = min(request.content_length or int(self.max_body_mb * (1 << 20)), int(self.max_body_mb * (1 << 20)))
@@ -100,7 +104,6 @@ class UploadRoom:
             _release(self.by_worker, worker.id, claim)
             _release(self.by_address, worker.address, claim)
         loop = asyncio.get_running_loop()
-        held = self.leases.book.held(worker.id)  # an upload answers prompts its sender holds, no more
         sub = await loop.run_in_executor(self.offload, lambda: decode_submission(
             raw, vocab_size=self.vocab_size, max_tokens=self.max_tokens, group_size=self.rollout.group_size,
             max_groups=held))

@@ -778,6 +778,37 @@ def test_one_worker_cannot_hold_every_upload_byte_the_learner_reads_at_once(toke
                                           "server.long_poll_s": 0})
 
 
+def test_a_lease_that_expires_while_its_upload_is_read_is_named_as_such(tokenizer, tmp_path):
+    """The upload's bound (the prompts its sender holds) was counted again after the body was
+    read: a lease that expired meanwhile made an honest upload of 4 groups "malformed, beyond the
+    protocol's bounds" (400). The bound is taken once, when the upload starts; what expired is
+    then refused by name (409 unknown-lease), and the prompts are out again, not lost."""
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4}, token=cred)
+        assert status == 200 and len(lease["prompts"]) == 4
+        sub = Submission(wid, lease["lease_id"], [group(tokenizer, p["id"], ["9"] * 4, 0.0) for p in lease["prompts"]])
+        body = encode_submission(sub)
+        host, port = api.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write((f"POST /v1/trajectories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                      f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body[:10])
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        expired = api.state.leases.expire(time.monotonic() + 3600)  # the lease runs out mid-read
+        assert [x.id for x in expired] == [lease["lease_id"]]
+        writer.write(body[10:])
+        await writer.drain()
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode()
+        length = int(re.search(r"Content-Length: (\d+)", head, re.I).group(1))
+        reply = json.loads(await reader.readexactly(length))
+        writer.close()
+        assert head.startswith("HTTP/1.1 409") and reply["error"] == "unknown-lease", (head, reply)
+        assert api.state.leases.waiting_retry == 4  # given out again to the next worker
+
+    run_api(tokenizer, test, tmp_path, **{"server.long_poll_s": 0})
+
+
 def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path):
     """One worker looping over GET /v1/snapshots/{v} sent 7.8 Gbit/s of the learner's uplink; each
     reader now gets each version a few times (retries), then 429."""
