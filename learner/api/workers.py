@@ -140,7 +140,9 @@ class WorkerRegistry:
 
     def of_machine(self, machine: str | None) -> WorkerInfo | None:
         """The live identity of pool machine `machine` (a join with its machine token replaces it)."""
-        return next((w for w in self.workers.values() if machine and w.machine == machine), None)
+        if not machine:  # most joins: no machine token, and nothing to scan the fleet for
+            return None
+        return next((w for w in self.workers.values() if w.machine == machine), None)
 
     def refusal(self, address: str, now: float, machine: str | None = None) -> web.Response | None:
         """Why a join from `address` (with `machine`'s machine token) may not pass now (403, 503 or
