@@ -7,8 +7,9 @@ batch every `1 / step_rate` seconds and publishes a snapshot each update: the be
 measures the control plane, not torch. The **workers** are simulated in the other process with
 the real client (`worker.client.LearnerClient`): join, heartbeat at the configured interval,
 long-poll a lease, "generate" for `gen_s`, upload real zstd-msgpack groups whose rewards are
-right (the learner recomputes them). Every `churn_every` seconds a `churn` share of them is
-killed without a word (their leases expire and are re-issued) and replaced by new joins.
+right (the learner recomputes them). A `churn` share of them dies every `churn_every` seconds,
+one at a time as machines do, without a word (their leases expire and are re-issued), each
+replaced by a new join.
 
 Reported: p50/p99 latency per route (a lease's intentional long-poll wait, which the learner
 reports, is subtracted: what remains is the route's own time), the learner's CPU, its largest
@@ -32,6 +33,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -57,8 +59,10 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=1000, help="simulated workers (default 1000)")
     p.add_argument("--seconds", type=float, default=60.0, help="measured duration (default 60)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval (default 2, the learner's default)")
-    p.add_argument("--churn", type=float, default=0.1, help="share of workers killed and replaced (default 0.1)")
-    p.add_argument("--churn-every", type=float, default=10.0, help="seconds between kills (default 10)")
+    p.add_argument("--churn", type=float, default=0.1,
+                   help="share of workers killed and replaced every --churn-every seconds, one at a time (default 0.1)")
+    p.add_argument("--churn-every", type=float, default=10.0,
+                   help="seconds in which a --churn share of the workers dies (default 10)")
     p.add_argument("--step-rate", type=float, default=0.25,
                    help="batches the stand-in trainer consumes per second (default 0.25: a step every 4 s)")
     p.add_argument("--batch-prompts", type=int, default=256,
@@ -87,6 +91,9 @@ def cli(argv: list[str]) -> int:
                         "latency is the one judged, as a worker on its own machine sees it; the big fleet's process "
                         "adds its own queueing to what it measures")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="keep each run's raw data in DIR/<n>-<benign|hostile>/: every probe request's end time and "
+                        "latency, the learner's loop stalls and steps in time, the logs (to look for what sets a tail)")
     p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: run the learner side in DIR
     p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run the probes against URL, results to --out
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -97,6 +104,8 @@ def cli(argv: list[str]) -> int:
     if unknown:
         p.error(f"--attacks: unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
     more_files()
+    if args.keep and not (args.serve or args.probe):
+        args.keep.mkdir(parents=True, exist_ok=True)
     if args.serve:
         return asyncio.run(_serve(args))
     if args.probe:
@@ -169,12 +178,16 @@ async def _serve(args) -> int:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     lags = array("d")
+    t_start = time.monotonic()
+    events: dict[str, list] = {"stall": [], "step": []}  # (s from the start, ...) for --keep
 
     async def lag_monitor() -> None:  # how late a 20 ms sleep wakes up = how long something held the loop
         while True:
             t = time.perf_counter()
             await asyncio.sleep(0.02)
             lags.append(time.perf_counter() - t - 0.02)
+            if lags[-1] > 0.005:
+                events["stall"].append((round(time.monotonic() - t_start, 3), round(1e3 * lags[-1], 1)))
 
     rss: list[float] = []
 
@@ -199,7 +212,9 @@ async def _serve(args) -> int:
             steps += 1
             run.version += 1
             ledger.trained(run.version, [g.prompt_id for g in batch.groups])
+            t1 = time.monotonic()
             await publish(run.version)
+            events["step"].append((round(t1 - t_start, 3), round(1e3 * (time.monotonic() - t1), 1)))
             await asyncio.sleep(max(0.0, 1 / args.step_rate - (time.monotonic() - t0)))
 
     from echo import collector, loopwatch
@@ -237,7 +252,8 @@ async def _serve(args) -> int:
         "relays_probed": _counts(api.metrics.relays_probed, "result"),  # a relay URL that made the learner connect
         "auth_refused": _counts(api.metrics.auth_refused, "credential"),
         "rss_mb": {"first": rss[0] if rss else 0.0, "peak": max(rss, default=0.0), "last": rss[-1] if rss else 0.0,
-                   "half": rss[len(rss) // 2] if rss else 0.0}}))
+                   "half": rss[len(rss) // 2] if rss else 0.0},
+        "events": events, "t0": t_start}))
     await publisher.stop()
     await runner.cleanup()
     api.close()
@@ -271,7 +287,8 @@ async def _probe(args) -> int:
     args.churn = 0.0
     fleet = Fleet(args.probe, args, _tokenizer(), args.probes, prefix="probe")
     await fleet.run()
-    args.out.write_text(json.dumps({"size": fleet.size, "latency": fleet.latency, "at": fleet.at, "acked": fleet.acked,
+    args.out.write_text(json.dumps({"size": fleet.size, "latency": fleet.latency, "at": fleet.at, "t0": fleet.t0,
+                                    "acked": fleet.acked,
                                     "errors": fleet.errors,
                                     "refused": fleet.refused}))
     return 0
@@ -367,17 +384,22 @@ class Fleet:
 
             for i in range(self.size):  # a fleet comes up over seconds, not in one millisecond
                 start(i, random.uniform(0, a.ramp_s))
-            end, next_kill, n = time.monotonic() + a.seconds, time.monotonic() + a.churn_every, self.size
+            # Machines fail one by one, not a tenth of the fleet in the same millisecond: kills
+            # come at the rate `churn` per `churn_every` asks, spread over time (a kill every
+            # 0.1 s or so for a thousand workers), each replaced by a join at once.
+            end, last, due, n = time.monotonic() + a.seconds, time.monotonic(), 0.0, self.size
             while time.monotonic() < end:
-                await asyncio.sleep(min(0.5, max(0.0, end - time.monotonic())))
-                if a.churn and time.monotonic() >= next_kill:
-                    next_kill += a.churn_every
-                    alive = [t for t in self.tasks if not t.done()]
-                    for t in random.sample(alive, int(a.churn * len(alive))):
-                        t.cancel()  # killed mid-whatever: no goodbye, its leases expire
-                        self.killed += 1
-                        start(n)
-                        n += 1
+                await asyncio.sleep(min(0.1, max(0.0, end - time.monotonic())))
+                now = time.monotonic()
+                alive = [t for t in self.tasks if not t.done()] if a.churn else []
+                due += a.churn * len(alive) * (now - last) / a.churn_every
+                last = now
+                for t in random.sample(alive, min(int(due), len(alive))):
+                    t.cancel()  # killed mid-whatever: no goodbye, its leases expire
+                    self.killed += 1
+                    due -= 1
+                    start(n)
+                    n += 1
             self.stopping = True
             for t in self.tasks:
                 t.cancel()
@@ -476,6 +498,10 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
             print("\n".join(slow[:20]), file=sys.stderr)
         if "GROWN" in text:  # ECHO_TRACE_MEMORY
             print(text[text.index("GROWN"):], file=sys.stderr)
+        if args.keep:
+            kept = args.keep / f"{len(list(args.keep.glob('*-*')))}-{'hostile' if hostile else 'benign'}"
+            shutil.copytree(d, kept, ignore=shutil.ignore_patterns("*.key", "url"))
+            print(f"raw data kept in {kept}", file=sys.stderr)
     if attackers is not None and attacks is None:
         return None
     return Measured(fleet, server, client_cpu, attacks, load, probed)
