@@ -96,6 +96,8 @@ def cli(argv: list[str]) -> int:
                         "latency, the learner's loop stalls and steps in time, the logs (to look for what sets a tail)")
     p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: run the learner side in DIR
     p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run the probes against URL, results to --out
+    p.add_argument("--fleet", help=argparse.SUPPRESS)  # internal: run the big fleet against URL, results to --out
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)  # internal: how many workers --probe/--fleet runs
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from learner.bench.attacks import CLASSES
@@ -108,8 +110,8 @@ def cli(argv: list[str]) -> int:
         args.keep.mkdir(parents=True, exist_ok=True)
     if args.serve:
         return asyncio.run(_serve(args))
-    if args.probe:
-        return asyncio.run(_probe(args))
+    if args.probe or args.fleet:
+        return asyncio.run(_clients(args, args.probe or args.fleet, "probe" if args.probe else "sim"))
     return asyncio.run(_drive(args))
 
 
@@ -281,16 +283,28 @@ def _by_kind(workers, held: dict[str, int], most_held: dict[str, int]) -> dict[s
 # --- the simulated workers -------------------------------------------------------------------------
 
 
-async def _probe(args) -> int:
-    """`--probes` honest workers, no churn, in a process of their own: what they measure is the
-    learner's answer, not this process's queueing."""
-    args.churn = 0.0
-    fleet = Fleet(args.probe, args, _tokenizer(), args.probes, prefix="probe")
+async def _clients(args, url: str, prefix: str) -> int:
+    """Simulated workers in a process of their own, a new one for every run: the probes
+    (`--probes` of them, no churn: what they measure is the learner's answer, not the big fleet's
+    queueing) or the big fleet. Fresh per run, so that no run inherits another's state: with the
+    fleet in the long-lived driver, every later run's fleet-side p99 was 10-15x the first run's,
+    and the learner's loop stalled over 5 ms twice as often as in the first run, benign or not.
+    Starts when the driver says "go" (after "ready"); results: JSON to --out."""
+    from echo import collector
+
+    probe = prefix == "probe"
+    if probe:
+        args.churn = 0.0
+    fleet = Fleet(url, args, _tokenizer(), args.size, prefix=prefix)
+    collector.serve()  # machines of their own share no collector: no full passes in the run
+    print("ready", flush=True)
+    if await asyncio.to_thread(sys.stdin.readline) != "go\n":
+        return 1
+    cpu0 = _cpu()
     await fleet.run()
     args.out.write_text(json.dumps({"size": fleet.size, "latency": fleet.latency, "at": fleet.at, "t0": fleet.t0,
-                                    "acked": fleet.acked,
-                                    "errors": fleet.errors,
-                                    "refused": fleet.refused}))
+                                    "acked": fleet.acked, "errors": fleet.errors, "refused": fleet.refused,
+                                    "killed": fleet.killed, "cpu_cores": (_cpu() - cpu0) / args.seconds}))
     return 0
 
 
@@ -415,84 +429,92 @@ class Fleet:
 class Measured:
     """One run: the honest fleet's view, the learner's, and the attackers' (None in a benign run)."""
 
-    fleet: Fleet
+    fleet: dict  # the big fleet's latencies and counts (`_clients`)
     server: dict
-    client_cpu: float
     attacks: dict | None
     load: float  # the machine's 1-minute load average at the end
-    probes: dict  # the probe workers' latencies and counts (`_probe`)
+    probes: dict  # the probe workers' (`_clients`)
 
 
 async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
-    """Serve a learner, run the honest fleet (and `hostile` attackers, a process of their own) against it."""
+    """Serve a learner, run the honest fleet, the probes (and `hostile` attackers) against it, each
+    a process of its own started for this run alone."""
+    learner_core, client_cores = _placement(args)
     with tempfile.TemporaryDirectory(prefix="echo-control-bench-") as tmp:
         d = Path(tmp)
         (d / "config.json").write_text("{}")
-        log = d / "learner.log"
-        learner = subprocess.Popen([sys.executable, "-m", "learner.bench.control_plane", "--serve", str(d),
-                                    "--broadcast", broadcast, *_forward(args)], stderr=log.open("w"))
+        procs: dict[str, subprocess.Popen] = {}
+
+        def start(role: str, argv: list[str], cores: set[int] | None, *, nice: int = 0, realtime: bool = False,
+                  pipe: bool = True) -> subprocess.Popen:
+            def placed() -> None:  # in the child, before it starts: every thread it makes inherits it
+                if cores:
+                    os.sched_setaffinity(0, cores)
+                if nice:
+                    os.nice(nice)
+                if realtime:
+                    _first_in_line()
+
+            procs[role] = subprocess.Popen([sys.executable, "-m", *argv], preexec_fn=placed, text=True,
+                                           stdin=subprocess.PIPE if pipe else None,
+                                           stdout=subprocess.PIPE if pipe else None,
+                                           stderr=(d / f"{role}.log").open("w"))
+            return procs[role]
+
+        def failed(role: str) -> None:
+            print(f"echo-rl bench control-plane: the {role} side failed:\n{(d / f'{role}.log').read_text()}",
+                  file=sys.stderr)
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+
+        learner = start("learner", ["learner.bench.control_plane", "--serve", str(d), "--broadcast", broadcast,
+                                    *_forward(args)], learner_core, pipe=False)
         while not (d / "url").exists():
             if learner.poll() is not None:
-                print(f"echo-rl bench control-plane: the learner side failed:\n{log.read_text()}", file=sys.stderr)
+                failed("learner")
                 return None
             await asyncio.sleep(0.1)
         url = (d / "url").read_text()
-        clients = _pin(learner.pid) if args.pin else None
         probes = max(1, min(args.probes, (args.workers - hostile) // 4))
-        fleet = Fleet(url, args, _tokenizer(), args.workers - hostile - probes)
-        prober = subprocess.Popen([sys.executable, "-m", "learner.bench.control_plane", "--probe", url,
-                                   "--probes", str(probes), "--out", str(d / "probes.json"), *_forward(args),
-                                   "--seconds", str(args.seconds), "--ramp-s", str(args.ramp_s), "--gen-s", str(args.gen_s)],
-                                  stderr=(d / "probes.log").open("w"))
-        if clients:
-            os.sched_setaffinity(prober.pid, clients)
-            _first_in_line(prober.pid)
+        run = [*_forward(args), "--seconds", str(args.seconds), "--ramp-s", str(args.ramp_s), "--gen-s",
+               str(args.gen_s), "--churn", str(args.churn), "--churn-every", str(args.churn_every)]
+        start("fleet", ["learner.bench.control_plane", "--fleet", url, "--size", str(args.workers - hostile - probes),
+                        "--out", str(d / "fleet.json"), *run], client_cores)
+        # The probes are woken the moment a reply lands, as a worker alone on its machine is
+        start("probes", ["learner.bench.control_plane", "--probe", url, "--size", str(probes),
+                         "--out", str(d / "probes.json"), *run], client_cores, realtime=bool(client_cores))
+        if hostile:
+            # Rented attackers are other machines: here they share the honest fleet's core, and must
+            # not take its CPU, or the honest latency would be the client's own queueing behind them.
+            start("attacks", ["learner.bench.attacks", "--url", url, "--token", BENCH_TOKEN, "--workers", str(hostile),
+                              "--seconds", str(args.seconds), "--ramp-s", str(args.ramp_s),
+                              "--out", str(d / "attacks.json"),
+                              *([] if args.attacks == "all" else ["--classes", args.attacks])],
+                  client_cores, nice=19 if client_cores else 0)
         print(f"{args.workers - hostile} honest simulated workers{f' and {hostile} hostile ones' if hostile else ''} "
               f"for {args.seconds:.0f} s against the control plane (the trainer is a stand-in consuming "
               f"{args.step_rate:g} batches/s of {args.batch_prompts} groups)...", file=sys.stderr, flush=True)
-        attackers = subprocess.Popen([sys.executable, "-m", "learner.bench.attacks", "--url", url, "--token", BENCH_TOKEN,
-                                      "--workers", str(hostile), "--seconds", str(args.seconds), "--ramp-s",
-                                      str(args.ramp_s), "--out", str(d / "attacks.json"),
-                                      *([] if args.attacks == "all" else ["--classes", args.attacks])],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(d / "attacks.log").open("w"),
-                                     # Rented attackers are other machines: here they share the honest fleet's
-                                     # core, and must not take its CPU, or the honest latency would be the
-                                     # client's own queueing behind them.
-                                     preexec_fn=(lambda: os.nice(19)) if args.pin else None,
-                                     text=True) if hostile else None
-        if attackers is not None and clients:
-            os.sched_setaffinity(attackers.pid, clients)
-        if attackers is not None:  # it says when it is ready to start (its start-up would load the ramp)
-            if await asyncio.to_thread(attackers.stdout.readline) != "ready\n":
-                print(f"echo-rl bench control-plane: the attackers failed:\n{(d / 'attacks.log').read_text()}",
-                      file=sys.stderr)
-                learner.terminate()
-                await asyncio.to_thread(learner.wait, 60)
+        clients = {role: proc for role, proc in procs.items() if role != "learner"}
+        for role, proc in clients.items():  # each says when it is ready: start-ups would load the ramp
+            if await asyncio.to_thread(proc.stdout.readline) != "ready\n":
+                failed(role)
                 return None
-            attackers.stdin.write("go\n")
-            attackers.stdin.flush()
-        cpu0 = _cpu()
-        await fleet.run()
-        client_cpu = (_cpu() - cpu0) / args.seconds
-        await asyncio.to_thread(prober.wait, 120)
-        if prober.returncode != 0:
-            print(f"echo-rl bench control-plane: the probes failed:\n{(d / 'probes.log').read_text()}", file=sys.stderr)
-            learner.terminate()
-            return None
-        probed = json.loads((d / "probes.json").read_text())
+        for proc in clients.values():
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        out = {}
+        for role, proc in clients.items():  # the learner's counts are read once every client is done
+            await asyncio.to_thread(proc.wait, args.seconds + 120)
+            if proc.returncode != 0:
+                failed(role)
+                return None
+            out[role] = json.loads((d / f"{role}.json").read_text())
         load = os.getloadavg()[0]  # the machine's, others' work included: a busy one moves every latency
-        attacks = None
-        if attackers is not None:  # the learner's counts are read once the attackers are done
-            await asyncio.to_thread(attackers.wait, 60)
-            if attackers.returncode != 0:
-                print(f"echo-rl bench control-plane: the attackers failed:\n{(d / 'attacks.log').read_text()}",
-                      file=sys.stderr)
-            else:
-                attacks = json.loads((d / "attacks.json").read_text())
         learner.send_signal(signal.SIGTERM)
         await asyncio.to_thread(learner.wait, 60)
         server = json.loads((d / "learner.json").read_text())
-        text = log.read_text()
+        text = (d / "learner.log").read_text()
         slow = [line for line in text.splitlines() if line.startswith(("SLOW", "preempted"))]
         if slow:
             print("\n".join(slow[:20]), file=sys.stderr)
@@ -502,9 +524,7 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
             kept = args.keep / f"{len(list(args.keep.glob('*-*')))}-{'hostile' if hostile else 'benign'}"
             shutil.copytree(d, kept, ignore=shutil.ignore_patterns("*.key", "url"))
             print(f"raw data kept in {kept}", file=sys.stderr)
-    if attackers is not None and attacks is None:
-        return None
-    return Measured(fleet, server, client_cpu, attacks, load, probed)
+    return Measured(out["fleet"], server, out.get("attacks"), load, out["probes"])
 
 
 async def _drive(args) -> int:
@@ -532,27 +552,24 @@ async def _drive(args) -> int:
     return 0
 
 
-def _first_in_line(pid: int) -> None:
-    """The probes run as a worker alone on its machine would: woken the moment a reply lands,
-    not after the big fleet's process (a core's worth of work on the same core) yields. A
-    real-time policy where allowed (root; the probes are light: ~0.05 cores), else nice -5."""
+def _first_in_line() -> None:
+    """This process woken the moment its reply lands, not after the big fleet's process (a core's
+    worth of work on the same core) yields: a real-time policy where allowed (root; the probes are
+    light: ~0.05 cores), else nice -5."""
     try:
-        os.sched_setscheduler(pid, os.SCHED_FIFO, os.sched_param(1))
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
     except (PermissionError, OSError):
         try:
-            os.setpriority(os.PRIO_PROCESS, pid, -5)
+            os.setpriority(os.PRIO_PROCESS, 0, -5)
         except (PermissionError, OSError):
             pass
 
 
-def _pin(learner_pid: int) -> set[int] | None:
-    """The learner on the last core, this process (the honest fleet) on the others; returns those."""
-    cores = _CORES
-    if len(cores) < 2:
-        return None
-    os.sched_setaffinity(learner_pid, {cores[-1]})
-    os.sched_setaffinity(0, set(cores[:-1]))
-    return set(cores[:-1])
+def _placement(args) -> tuple[set[int] | None, set[int] | None]:
+    """The learner's core and the clients' (the others), or None, None (`--no-pin`, one core)."""
+    if not args.pin or len(_CORES) < 2:
+        return None, None
+    return {_CORES[-1]}, set(_CORES[:-1])
 
 
 def pool_tails(out: dict, probed: list[tuple[dict, dict]]) -> None:
@@ -630,22 +647,22 @@ def _results(args, m: Measured) -> dict:
                       "max_ms": 1e3 * max(xs), "probe_requests": len(probed.get(route, [])),
                       "probe_p50_ms": 1e3 * _pct(probed.get(route, []), 0.5),
                       "probe_p99_ms": 1e3 * _pct(probed.get(route, []), 0.99)}
-              for route, xs in sorted(fleet.latency.items())}
+              for route, xs in sorted(fleet["latency"].items())}
     return {
-        "workers": fleet.size + m.probes["size"], "seconds": args.seconds, "heartbeat_s": args.heartbeat_s,
-        "killed_and_replaced": fleet.killed, "routes": routes,
+        "workers": fleet["size"] + m.probes["size"], "seconds": args.seconds, "heartbeat_s": args.heartbeat_s,
+        "killed_and_replaced": fleet["killed"], "routes": routes,
         "learner": {k: server[k] for k in ("cpu_cores", "loop_lag_max_ms", "loop_lag_p99_ms", "max_rss_mb", "rss_mb",
                                             "steps", "workers_known", "quarantined", "rejected", "joins_refused",
                                             "quarantined_by_kind", "leased_by_kind", "max_leased_by_kind",
                                             "max_inflight_prompts", "lease_first_prompts", "relays_probed",
                                             "auth_refused")},
-        "client_cpu_cores": m.client_cpu, "machine_load_1min": m.load, "client_errors": fleet.errors,
-        "uploads_refused": fleet.refused,
+        "client_cpu_cores": fleet["cpu_cores"], "machine_load_1min": m.load, "client_errors": fleet["errors"],
+        "uploads_refused": fleet["refused"],
         "probe_errors": m.probes["errors"],
-        "ledger": {"acknowledged_to_workers": fleet.acked + m.probes["acked"], "accepted_by_learner": buf["accepted"],
+        "ledger": {"acknowledged_to_workers": fleet["acked"] + m.probes["acked"], "accepted_by_learner": buf["accepted"],
                    "trained": buf["trained"], "dropped": dropped, "skipped_uniform": buf.get("skipped_uniform", 0),
                    "queued": buf["queue_size"],
-                   "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet.acked + m.probes["acked"] - buf["accepted"],
+                   "lost": buf["accepted"] - accounted, "unacknowledged_beyond_learner": fleet["acked"] + m.probes["acked"] - buf["accepted"],
                    "leases_expired_prompts": server["leases"]["expired_prompts"]},
         **({"attacks": m.attacks} if m.attacks is not None else {}),
         "goals": GOALS,
