@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+import inspect
 
 import torch
 from torch.nn import functional as F
@@ -98,15 +99,11 @@ def sample(
     done = torch.zeros(batch, dtype=torch.bool)
     past = None
     step_ids, step_pos = input_ids, positions
+    cache_kw = _cache_kwarg(model)
     for t in range(max_new_tokens):
-        out = model(
-            input_ids=step_ids,
-            attention_mask=attention,
-            position_ids=step_pos,
-            past_key_values=past,
-            use_cache=True,
-        )
-        past = out.past_key_values
+        out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos, use_cache=True,
+                    **{cache_kw: past})
+        past = getattr(out, cache_kw)
         logits = out.logits[:, -1, :]
         if temperature <= 0:
             logp = torch.log_softmax(logits.float(), -1)
@@ -351,3 +348,9 @@ def completion_logprobs(
     mask[rows, cols] = 1.0
     logp = logp.index_put((rows, cols), flat)
     return logp, mask
+
+
+def _cache_kwarg(model) -> str:
+    """The KV cache's name in `model.forward`: `cache` from transformers 5.x (`past_key_values`
+    is deprecated there, removed in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
