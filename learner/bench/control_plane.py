@@ -1,15 +1,17 @@
 """`echo-rl bench control-plane`: the learner's control API under a thousand workers.
 
-Two processes, one core each. The **learner** is the real control plane (`learner.api`:
-credentials, typed bodies, long-poll leases, uploads decoded and their rewards recomputed off
-the loop, the custody ledger, the reaper) whose trainer is replaced by a loop that consumes one
-batch every `1 / step_rate` seconds and publishes a snapshot each update: the benchmark
-measures the control plane, not torch. The **workers** are simulated in the other process with
-the real client (`worker.client.LearnerClient`): join, heartbeat at the configured interval,
-long-poll a lease, "generate" for `gen_s`, upload real zstd-msgpack groups whose rewards are
-right (the learner recomputes them). A `churn` share of them dies every `churn_every` seconds,
-one at a time as machines do, without a word (their leases expire and are re-issued), each
-replaced by a new join.
+The learner on a core of its own, the clients on the others, every process started anew for
+each run (none inherits another run's state). The **learner** is the real control plane
+(`learner.api`: credentials, typed bodies, long-poll leases, uploads decoded and their rewards
+recomputed off the loop, the custody ledger, the reaper) whose trainer is replaced by a loop
+that consumes one batch every `1 / step_rate` seconds and publishes a snapshot each update: the
+benchmark measures the control plane, not torch. The **workers** are simulated in two processes
+(the big fleet, and `--probes` light ones whose latency is the one judged) with the real client
+(`worker.client.LearnerClient`): join, heartbeat at the configured interval, long-poll a lease,
+"generate" for `gen_s`, upload real zstd-msgpack groups whose rewards are right (the learner
+recomputes them). A `churn` share of them dies every `churn_every` seconds, one at a time as
+machines do, without a word (their leases expire and are re-issued), each replaced by a new
+join.
 
 Reported: p50/p99 latency per route (a lease's intentional long-poll wait, which the learner
 reports, is subtracted: what remains is the route's own time), the learner's CPU, its largest
@@ -106,8 +108,6 @@ def cli(argv: list[str]) -> int:
     if unknown:
         p.error(f"--attacks: unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
     more_files()
-    if args.keep and not (args.serve or args.probe):
-        args.keep.mkdir(parents=True, exist_ok=True)
     if args.serve:
         return asyncio.run(_serve(args))
     if args.probe or args.fleet:
@@ -528,6 +528,8 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
 
 
 async def _drive(args) -> int:
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
     hostile = round(args.hostile * args.workers)
     if not hostile:
         measured = await _measure(args, 0, args.broadcast or "star")

@@ -9,10 +9,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_control_plane_bench_smoke_run_balances_its_ledger():
+def test_control_plane_bench_smoke_run_balances_its_ledger(tmp_path):
     out = subprocess.run([sys.executable, "-m", "learner.bench.control_plane", "--workers", "30", "--seconds", "8",
                           "--churn", "0.3", "--churn-every", "3", "--ramp-s", "1", "--step-rate", "2", "--batch-prompts", "8",
-                          "--gen-s", "0.5", "--probes", "5", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "--gen-s", "0.5", "--probes", "5", "--json", "--keep", str(tmp_path / "kept")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert {"join", "heartbeat", "lease", "trajectories"} <= set(r["routes"]), r["routes"]
@@ -29,3 +30,8 @@ def test_control_plane_bench_smoke_run_balances_its_ledger():
     assert 0 <= ledger["accepted_by_learner"] - ledger["acknowledged_to_workers"] <= r["killed_and_replaced"]
     assert ledger["accepted_by_learner"] == ledger["trained"] + ledger["dropped"] + ledger["queued"]
     assert r["learner"]["quarantined"] == 0  # honest simulated workers: rewards recomputed and agreeing
+    # --keep: the run's raw data, on one clock, to look for what sets a tail
+    kept = tmp_path / "kept" / "0-benign"
+    probes, learner = json.loads((kept / "probes.json").read_text()), json.loads((kept / "learner.json").read_text())
+    assert len(probes["at"]["heartbeat"]) == len(probes["latency"]["heartbeat"]) > 0
+    assert learner["events"]["step"] and abs(probes["t0"] - learner["t0"]) < 60
