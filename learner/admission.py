@@ -33,6 +33,7 @@ class Waiters:
         self._queue: deque[tuple[asyncio.Future, Any]] = deque()
         self._blocked: dict[Any, deque[tuple[asyncio.Future, Any]]] = {}  # by worker: can take nothing now
         self._owed = 0  # wake-ups not yet delivered
+        self._told: deque[asyncio.Future] = deque()  # woken by `wake_where`, not yet delivered
         self._paying: asyncio.Task | None = None
         self.eligible, self.key = eligible, key
 
@@ -60,15 +61,40 @@ class Waiters:
         """Wake `n` waiters, a few at a time: a step that frees room for hundreds of leases would
         otherwise serve them all in one turn of the loop while heartbeats queue behind them."""
         self._owed += n
-        if self._owed > 0 and self._queue and self._paying is None:
+        self._start_paying()
+
+    def wake_where(self, predicate: Callable[[Any], bool]) -> None:
+        """Wake every waiter whose worker `predicate` picks (room or not: they are told something),
+        delivered a few at a time like counted wake-ups: all at once, the hundreds a run's end or an
+        eval round wakes held the loop ~40 ms in one turn."""
+        for key in list(self._blocked):  # (for this, the blocked count as waiting like any other)
+            self.unblock(key)
+        kept: deque = deque()
+        for fut, worker in self._queue:
+            if fut.done():
+                continue
+            if predicate(worker):
+                self._told.append(fut)
+            else:
+                kept.append((fut, worker))
+        self._queue = kept
+        self._start_paying()
+
+    def _start_paying(self) -> None:
+        if self._paying is None and (self._told or (self._owed > 0 and self._queue)):
             self._paying = asyncio.get_running_loop().create_task(self._pay())
 
     async def _pay(self) -> None:
         try:
-            while self._owed > 0 and self._queue:
-                k = min(self._owed, WAKE_BATCH)
+            while self._told or (self._owed > 0 and self._queue):
+                turn = 0  # waiters woken in this turn of the loop
+                while turn < WAKE_BATCH and self._told:
+                    fut = self._told.popleft()
+                    if not fut.done():
+                        fut.set_result(None)
+                        turn += 1
                 woken = 0
-                while woken < k and self._queue:
+                while turn < WAKE_BATCH and woken < self._owed and self._queue:
                     fut, worker = self._queue.popleft()
                     if fut.done():
                         continue
@@ -80,26 +106,14 @@ class Waiters:
                         continue
                     fut.set_result(None)
                     woken += 1
+                    turn += 1
                 self._owed -= woken
-                if woken < k:  # nobody left who could use the rest
+                if not self._told and turn < WAKE_BATCH:  # nobody left who could use the rest
                     break
                 await asyncio.sleep(0)
         finally:
             self._owed = 0
             self._paying = None
-
-    def wake_where(self, predicate: Callable[[Any], bool]) -> None:
-        for key in list(self._blocked):  # (for this, the blocked count as waiting like any other)
-            self.unblock(key)
-        kept: deque = deque()
-        for fut, worker in self._queue:
-            if fut.done():
-                continue
-            if predicate(worker):
-                fut.set_result(None)
-            else:
-                kept.append((fut, worker))
-        self._queue = kept
 
     def wake_all(self) -> None:
         self.wake_where(lambda worker: True)
