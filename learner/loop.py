@@ -16,7 +16,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from echo import collector, loopwatch
+from echo import collector, gil, loopwatch
 from learner.accounting import Accounting
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
@@ -53,6 +53,7 @@ class Loop:
         # loop 100-160 ms (measured by `echo-rl bench control-plane`), and full passes over
         # the rest come on a clock (echo.collector).
         collector.serve()
+        gil.favour_the_loop()  # the offload pool and the trainer's thread hand the loop the GIL within 0.5 ms
         background = [*background, asyncio.create_task(collector.full_collections())]
         loopwatch.watch("echo-learner")
         try:
