@@ -168,7 +168,6 @@ async def _serve(args) -> int:
         blob = os.urandom(1 << 16)  # each version its own bytes, as weights are
         run.announcement = await publisher.publish(version, blob, list(api.registry.workers.values()))
         ledger.published(version)
-        api.leases.changed()
 
     await publish(0)
     runner = api.runner()
@@ -214,15 +213,18 @@ async def _serve(args) -> int:
             steps += 1
             run.version += 1
             ledger.trained(run.version, [g.prompt_id for g in batch.groups])
+            api.leases.stepped()  # as echo-learner's loop: the room freed, and who must install
             t1 = time.monotonic()
             await publish(run.version)
             events["step"].append((round(t1 - t_start, 3), round(1e3 * (time.monotonic() - t1), 1)))
             await asyncio.sleep(max(0.0, 1 / args.step_rate - (time.monotonic() - t0)))
 
-    from echo import collector, loopwatch
+    from echo import collector, gil, loopwatch
 
     loopwatch.watch("control-plane learner")  # with $ECHO_SLOW_CALLBACK_MS: name what holds the loop
     collector.serve()  # as echo-learner does once serving
+    gil.favour_the_loop()
+    pauses = collector.Pauses()  # how long collections held the loop, reported with its lag
     tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer(),
                                               collector.full_collections())]
     cpu0, wall0 = _cpu(), time.monotonic()
@@ -255,7 +257,7 @@ async def _serve(args) -> int:
         "auth_refused": _counts(api.metrics.auth_refused, "credential"),
         "rss_mb": {"first": rss[0] if rss else 0.0, "peak": max(rss, default=0.0), "last": rss[-1] if rss else 0.0,
                    "half": rss[len(rss) // 2] if rss else 0.0},
-        "events": events, "t0": t_start}))
+        "gc": pauses.summary(), "events": events, "t0": t_start}))
     await publisher.stop()
     await runner.cleanup()
     api.close()
@@ -554,6 +556,11 @@ async def _drive(args) -> int:
     return 0
 
 
+def _gc_line(gc: dict) -> str:
+    return (f"{gc['collections']}, {gc['total_ms']:.0f} ms in all, longest {gc['longest_ms']:.0f} ms, "
+            f"{gc['over_5ms']} over 5 ms")
+
+
 def _first_in_line() -> None:
     """This process woken the moment its reply lands, not after the big fleet's process (a core's
     worth of work on the same core) yields: a real-time policy where allowed (root; the probes are
@@ -653,7 +660,7 @@ def _results(args, m: Measured) -> dict:
     return {
         "workers": fleet["size"] + m.probes["size"], "seconds": args.seconds, "heartbeat_s": args.heartbeat_s,
         "killed_and_replaced": fleet["killed"], "routes": routes,
-        "learner": {k: server[k] for k in ("cpu_cores", "loop_lag_max_ms", "loop_lag_p99_ms", "max_rss_mb", "rss_mb",
+        "learner": {k: server[k] for k in ("cpu_cores", "loop_lag_max_ms", "loop_lag_p99_ms", "max_rss_mb", "rss_mb", "gc",
                                             "steps", "workers_known", "quarantined", "rejected", "joins_refused",
                                             "quarantined_by_kind", "leased_by_kind", "max_leased_by_kind",
                                             "max_inflight_prompts", "lease_first_prompts", "relays_probed",
@@ -771,6 +778,7 @@ def compared_table(out: dict) -> str:
         f"learner CPU cores: benign {b['learner']['cpu_cores']:.2f}, hostile {lh['cpu_cores']:.2f}; event-loop lag max "
         f"ms: benign {b['learner']['loop_lag_max_ms']:.0f}, hostile {lh['loop_lag_max_ms']:.0f}; the machine's load "
         f"(1-min average, all its work) at the end: benign {b['machine_load_1min']:.1f}, hostile {h['machine_load_1min']:.1f}",
+        f"garbage collections on the loop: benign {_gc_line(b['learner']['gc'])}; hostile {_gc_line(lh['gc'])}",
         "attacks (outcomes: HTTP status x count, or the client error's name):",
         table(["class", "sent", "outcomes", "longest reply B", "required"], attack_rows),
         f"weight bytes served without the read right: {a['weight_bytes_without_credential']}  "
@@ -829,6 +837,7 @@ def _table(out: dict) -> str:
              f"learner: {lr['cpu_cores']:.2f} cores, event-loop lag max {lr['loop_lag_max_ms']:.0f} ms "
              f"(p99 {lr['loop_lag_p99_ms']:.0f} ms; goal < {GOALS['loop_lag_ms']:.0f}), max RSS {lr['max_rss_mb']:.0f} MB, "
              f"{lr['steps']} batches trained, {lr['workers_known']} workers known, {lr['quarantined']} quarantined",
+             f"garbage collections on the loop: {_gc_line(lr['gc'])}",
              f"simulated workers: {out['client_cpu_cores']:.2f} cores, {out['client_errors']} errors, "
              f"uploads refused: {out['uploads_refused'] or 'none'}",
              f"ledger: {lg['acknowledged_to_workers']} groups acknowledged to workers, {lg['accepted_by_learner']} accepted "
