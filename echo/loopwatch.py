@@ -70,6 +70,8 @@ def _collections_over(limit: float, name: str):
     started = [0.0]
 
     def timed(phase: str, info: dict) -> None:
+        if sys.is_finalizing():  # the interpreter's last full pass at exit: no loop left to hold
+            return
         if phase == "start":
             started[0] = time.perf_counter()
         elif (took := time.perf_counter() - started[0]) >= limit:
