@@ -1,18 +1,21 @@
 """The cyclic garbage collector of a process that serves from one event loop (echo-learner).
 
-A full collection walks every tracked object while the loop waits. Once serving, almost every
-object is long-lived state (workers, leases, the buffer) and a full pass finds next to nothing
-to free (~700 objects in a 120 s run of `echo-rl bench control-plane`), but it ran every
-~20 s there, holding the loop 20-63 ms each time: the tail of every route's latency. So:
-start-up's objects are frozen out of collections altogether, the youngest generations are
-collected as usual (they hold the cycles requests leave behind), and full passes come on a
-clock, every `FULL_EVERY_S`, instead of whenever a quarter more objects has survived.
+CPython collects when allocations outrun deallocations by 700 tracked objects: the young
+generation, every tenth time the middle one too, and a full pass when a quarter more objects
+survived. On a loop serving a thousand workers each of these held every request:
+- full passes walk every live object and find next to nothing to free (~700 objects in a 120 s
+  run of `echo-rl bench control-plane`); they ran every ~20 s there, 20-63 ms each;
+- young passes walk what is young and alive, a thousand workers' parked requests among it
+  (coroutines, tasks, contexts): 2-5 ms each, the middle generation's 10-19 ms, ~3 per second;
+- and they come with allocation, so whoever allocates more makes every request wait more: a
+  hostile 5% of the fleet, each refusal a few hundred short-lived objects, took the loop's
+  collections from 375 to ~660 per 120 s (86 -> 163 over 5 ms; 4 pairs of runs).
 
-The middle generation is collected after every young collection but one (`MIDDLE_EVERY`), not
-every tenth: it holds what survived the young passes since its last collection (a thousand
-workers' parked requests: coroutines, tasks, contexts), and ten passes' worth took 10-19 ms to
-walk, 3-8 ms at one pass's worth. Each object is still walked there once, so the total is alike
-(246 against 237 ms in 30 s); only the longest hold shrinks.
+So once serving: start-up's objects are frozen out of collections altogether, allocation no
+longer triggers any, and `collections` runs them on a clock instead: the young and middle
+generations every `YOUNG_EVERY_S` (the cycles requests leave behind are freed as soon as
+before), a full pass every `FULL_EVERY_S`. However many requests come, the loop pays the same
+few passes a second.
 """
 
 from __future__ import annotations
@@ -20,25 +23,35 @@ from __future__ import annotations
 import asyncio
 import gc
 
+YOUNG_EVERY_S = 0.25
 FULL_EVERY_S = 300.0
-NEVER = 1 << 30  # gen-1 collections between automatic full ones: none
-MIDDLE_EVERY = 1  # young collections between two of the middle generation (CPython: 10)
+NEVER = 1 << 30  # middle-generation passes between automatic full ones: none (each clock pass counts as one)
 
 
 def serve() -> None:
-    """From here on the process serves: freeze what start-up built, take full passes off the
-    automatic schedule (`full_collections` runs them)."""
+    """From here on the process serves: freeze what start-up built, and collect only when
+    `collections` says (run it as a task of the serving loop)."""
     gc.freeze()
-    young, _, _ = gc.get_threshold()
-    gc.set_threshold(young, MIDDLE_EVERY, NEVER)
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, NEVER)  # and once `collections` ends, no automatic full pass either
+    gc.disable()
 
 
-async def full_collections(every_s: float = FULL_EVERY_S) -> None:
-    """A full pass every `every_s` seconds: cycles that outlived the young generations are still
-    freed, a few minutes late."""
-    while True:
-        await asyncio.sleep(every_s)
-        gc.collect()
+async def collections(young_every_s: float = YOUNG_EVERY_S, full_every_s: float = FULL_EVERY_S) -> None:
+    """The young and middle generations every `young_every_s`, everything every `full_every_s`
+    (cycles that outlived the young passes are freed a few minutes late)."""
+    loop = asyncio.get_running_loop()
+    full_at = loop.time() + full_every_s
+    try:
+        while True:
+            await asyncio.sleep(young_every_s)
+            if loop.time() >= full_at:
+                gc.collect()
+                full_at = loop.time() + full_every_s
+            else:
+                gc.collect(1)
+    finally:  # no longer serving (the run ended): what comes after collects as usual
+        gc.enable()
 
 
 class Pauses:

@@ -50,11 +50,11 @@ class Loop:
         record.start(trainer.version)
         # Serving from here on: what start-up built (the model, torch, tokenizers: millions of
         # objects) stays out of the cyclic collector, whose full passes over it held the event
-        # loop 100-160 ms (measured by `echo-rl bench control-plane`), and full passes over
-        # the rest come on a clock (echo.collector).
+        # loop 100-160 ms (measured by `echo-rl bench control-plane`), and every collection
+        # comes on a clock, not with allocations (echo.collector).
         collector.serve()
         gil.favour_the_loop()  # the offload pool and the trainer's thread hand the loop the GIL within 0.5 ms
-        background = [*background, asyncio.create_task(collector.full_collections())]
+        background = [*background, asyncio.create_task(collector.collections())]
         loopwatch.watch("echo-learner")
         try:
             while trainer.updates < self.steps:  # not the version: a resume may skip version numbers

@@ -226,7 +226,7 @@ async def _serve(args) -> int:
     gil.favour_the_loop()
     pauses = collector.Pauses()  # how long collections held the loop, reported with its lag
     tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer(),
-                                              collector.full_collections())]
+                                              collector.collections())]
     cpu0, wall0 = _cpu(), time.monotonic()
     traced = None
     if os.environ.get("ECHO_TRACE_MEMORY"):  # where memory grows after the first minute (slow: diagnosis only)
@@ -298,12 +298,14 @@ async def _clients(args, url: str, prefix: str) -> int:
     if probe:
         args.churn = 0.0
     fleet = Fleet(url, args, _tokenizer(), args.size, prefix=prefix)
-    collector.serve()  # machines of their own share no collector: no full passes in the run
+    collector.serve()  # as a worker's machine would, its own collector: passes on a clock, not on the fleet's allocations
+    collecting = asyncio.create_task(collector.collections())
     print("ready", flush=True)
     if await asyncio.to_thread(sys.stdin.readline) != "go\n":
         return 1
     cpu0 = _cpu()
     await fleet.run()
+    collecting.cancel()
     args.out.write_text(json.dumps({"size": fleet.size, "latency": fleet.latency, "at": fleet.at, "t0": fleet.t0,
                                     "acked": fleet.acked, "errors": fleet.errors, "refused": fleet.refused,
                                     "killed": fleet.killed, "cpu_cores": (_cpu() - cpu0) / args.seconds}))
