@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
+import time
 
 YOUNG_EVERY_S = 0.25
 FULL_EVERY_S = 300.0
@@ -59,17 +61,12 @@ class Pauses:
     all, the longest, and how many held it over 5 ms (`echo-rl bench control-plane` reports them)."""
 
     def __init__(self) -> None:
-        import threading
-        import time
-
         self._thread, self._clock = threading.get_ident(), time.perf_counter
         self._started = 0.0
         self.count, self.total_s, self.longest_s, self.over_5ms = 0, 0.0, 0.0, 0
         gc.callbacks.append(self._timed)
 
     def _timed(self, phase: str, info: dict) -> None:
-        import threading
-
         if threading.get_ident() != self._thread:
             return
         if phase == "start":
