@@ -525,10 +525,14 @@ def test_a_worker_nobody_can_connect_to_is_told_so_and_pulls_every_version(learn
     S = 1 only keeps going if that works. Read tickets live 4 s here: the route feed and the pulls
     go on only if the heartbeats renew them."""
     lp = learner_factory(run={"steps": 8}, buffer={"max_staleness": 1}, broadcast={"fallback_s": 600.0, "ticket_s": 4.0})
-    lp.worker("open", "--worker.max_rollouts_per_s", "100")
+    natted_log = lp.run_dir.parent.parent / "natted.log"
     lp.worker("natted", "--worker.max_rollouts_per_s", "100", "--worker.advertise_url", "http://127.0.0.1:9")
+    # The open worker starts once the natted one is serving: started together, a slow machine let the
+    # open one train all 8 steps before the natted one had loaded its model (CI, 2026-11-27).
+    lp.wait_until(lambda: "natted: installed v" in natted_log.read_text(errors="replace"), 120, "the natted worker's first version")
+    lp.worker("open", "--worker.max_rollouts_per_s", "100")
     assert lp.proc.wait(240) == 0, lp.output()[-3000:]
-    log = (lp.run_dir.parent.parent / "natted.log").read_text()
+    log = natted_log.read_text()
     installs = [line for line in log.splitlines() if "natted: installed v" in line]
     assert len(installs) >= 4, log[-3000:]
     # Never the learner's fallback: a worker joining after a version was published pulls only that one whole.
