@@ -110,6 +110,7 @@ class LeaseBook:
     def __init__(self, prompts: Iterator[Prompt], ttl: float, max_outstanding: int, retry: list[Prompt] = (),
                  on_lease: Callable[[list[Prompt]], None] | None = None, per_worker: WorkerCap | None = None):
         self._fresh = prompts
+        self._ahead: deque[Prompt] = deque()  # drawn from `_fresh` by `upcoming`, issued before it
         # Re-issued first: oldest work is finished first (a restarted learner passes what was in flight).
         self._retry: deque[Prompt] = deque(retry)
         self._leases: dict[str, Lease] = {}
@@ -184,7 +185,7 @@ class LeaseBook:
         lease = Lease(f"L{next(self._ids)}-{secrets.token_hex(8)}", worker_id, now + self.ttl, issued_at=now,
                       latest=now + lifetime)
         for _ in range(room):
-            prompt = self._retry.popleft() if self._retry else next(self._fresh)
+            prompt = self._retry.popleft() if self._retry else self._ahead.popleft() if self._ahead else next(self._fresh)
             lease.prompts[prompt.id] = prompt
         lease.size = len(lease.prompts)
         self._leases[lease.id] = lease
@@ -193,6 +194,12 @@ class LeaseBook:
         self.stats.issued += lease.size
         self.on_lease(list(lease.prompts.values()))
         return lease
+
+    def upcoming(self, n: int) -> list[Prompt]:
+        """The next `n` prompts `lease` would issue, in order, if nothing is queued for re-issue first."""
+        while len(self._ahead) < n - len(self._retry):
+            self._ahead.append(next(self._fresh))
+        return [*itertools.islice(self._retry, n), *itertools.islice(self._ahead, max(0, n - len(self._retry)))]
 
     def prompt_of(self, lease_id: str, prompt_id: str, worker_id: str | None = None) -> Prompt:
         """The outstanding prompt, if `worker_id` (when given) holds the lease."""

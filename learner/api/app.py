@@ -203,7 +203,14 @@ class ControlApi:
         app.add_routes(self.uploads.routes(auth))
         app.add_routes(self.evals.routes(auth))
         self.status.add_routes(app, auth)
+        app.cleanup_ctx.append(self._encoding_ahead)
         return app
+
+    async def _encoding_ahead(self, app: web.Application):
+        """While serving, the next batch's prompts are encoded before any worker asks for them."""
+        task = asyncio.create_task(self.leases.encode_ahead(self.cfg.trainer.batch_prompts))
+        yield
+        task.cancel()
 
     def runner(self) -> web.AppRunner:
         """The app's runner. aiohttp's keep-alive timer also runs from a connection's opening: a
@@ -246,6 +253,7 @@ class ControlApi:
 
     def close(self) -> None:
         self.offload.shutdown()
+        self.leases.close()
 
 
 def join_url(host: str, port: int) -> str:

@@ -7,11 +7,18 @@
 It owns the parked requests (`learner.admission.Waiters`) and the prompts' token ids while
 they are leased; the books it serves from (`learner.leases.LeaseBook`, the optional
 `learner.evals.EvalBook`) are plain logic it drives. Eval leases come before training prompts.
+
+Prompts are encoded off the loop, on one thread of their own, ahead of being leased
+(`encode_ahead`): rendering a chat template and resetting an episode's environment take
+milliseconds a prompt, which every parked request would otherwise wait through.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
@@ -26,6 +33,10 @@ from learner.evals import EvalBook
 from learner.leases import LeaseBook, UnknownLease
 from learner.metrics import LearnerMetrics
 
+log = logging.getLogger(__name__)
+
+ENCODE_CHUNK = 8  # prompts per call of the encoder thread when encoding ahead
+
 
 class LeaseRoom:
     def __init__(self, book: LeaseBook, buffer: AsyncBuffer, run: Run, server: ServerSection, *,
@@ -38,13 +49,41 @@ class LeaseRoom:
         # room goes to who can take it
         self.waiters.eligible = lambda worker: self.book.worker_room(worker.id, time.monotonic()) > 0
         self._token_ids: dict[str, list[int]] = {}
+        self._eval_ids: dict[str, list[int]] = {}  # the eval set's, kept: every round leases them again
+        # One thread: a tokenizer is not shared between threads, and encoding never queues behind uploads.
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
+        self._leased = asyncio.Event()
 
     def token_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased."""
+        """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased
+        (a leased prompt was encoded before its lease was answered: this does not encode on the loop)."""
         ids = self._token_ids.get(prompt.id)
         if ids is None:
             ids = self._token_ids[prompt.id] = self.encode(prompt)
         return ids
+
+    async def _encoded(self, prompts, into: dict[str, list[int]]) -> None:
+        """`prompts`' token ids in `into`, those missing encoded on the encoder thread."""
+        missing = [p for p in prompts if p.id not in into]
+        if missing:
+            ids = await asyncio.get_running_loop().run_in_executor(self._encoder, lambda: [self.encode(p) for p in missing])
+            for p, i in zip(missing, ids):
+                into.setdefault(p.id, i)
+
+    async def encode_ahead(self, ahead: int) -> None:
+        """Keep the next `ahead` prompts to be leased encoded (a task for the server's lifetime)."""
+        while True:
+            self._leased.clear()
+            try:
+                # A few at a time: a lease whose prompts were not ready waits at most one chunk for the thread.
+                while missing := [p for p in self.book.upcoming(ahead) if p.id not in self._token_ids][:ENCODE_CHUNK]:
+                    await self._encoded(missing, self._token_ids)
+            except Exception:  # a prompt that cannot be encoded fails its lease, where it is reported
+                log.exception("encoding prompts ahead of their leases failed")
+            await self._leased.wait()
+
+    def close(self) -> None:
+        self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def trained(self, prompt_id: str) -> None:
         """The prompt's group was taken: its token ids are no longer needed here."""
@@ -142,9 +181,10 @@ class LeaseRoom:
                 got_eval = self.evals.lease(worker.id, worker.version, self.evals.per_lease, now)
                 if got_eval is not None:
                     lease_id, version, eval_prompts = got_eval
+                    await self._encoded(eval_prompts, self._eval_ids)
                     return answer(P.LeaseReply(
                         lease_id=lease_id, eval_version=version, expires_in=server.lease_ttl,
-                        prompts=[P.PromptMsg(id=p.id, text=p.text, answer="", prompt_ids=self.encode(p), seed=p.seed)
+                        prompts=[P.PromptMsg(id=p.id, text=p.text, answer="", prompt_ids=self._eval_ids[p.id], seed=p.seed)
                                  for p in eval_prompts], snapshot=run.announcement))
             # A worker on a version already too old to be admitted would only generate refusals.
             if server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(worker.version, run.version):
@@ -154,8 +194,10 @@ class LeaseRoom:
             room = self.room()
             got = self.book.lease(worker.id, min(req.max_prompts, room), now) if room else None
             if got is not None:
+                self._leased.set()
+                await self._encoded(got.prompts.values(), self._token_ids)  # done ahead, unless re-issued or a burst
                 prompts = [P.PromptMsg.model_construct(id=p.id, text=p.text, answer=p.answer,
-                                                       prompt_ids=self.token_ids(p), seed=p.seed)
+                                                       prompt_ids=self._token_ids[p.id], seed=p.seed)
                            for p in got.prompts.values()]
                 if self.room():
                     self.waiters.wake(1)  # room for more: the next waiter may take it

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import re
+import threading
 import time
 import zlib
 
@@ -74,9 +75,10 @@ class Api:
         return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
 
 
-def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
+def run_api(tokenizer, test, tmp_path, evals=None, encode=None, **overrides):
     """Serve the control API with `overrides` ({"section.key": value}) and run `test(api)`;
-    `evals`: an `EvalBook` the workers answer, each finished round appended to `api.state.results`."""
+    `evals`: an `EvalBook` the workers answer, each finished round appended to `api.state.results`;
+    `encode`: a prompt's token ids (default: the tokenizer's)."""
     args = [a for k, v in overrides.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
     cfg = load_config(LearnerConfig, None, ["--server.token", TOKEN, "--rollout.group_size", "4",
                                             "--rollout.max_new_tokens", "8", *args])
@@ -91,14 +93,14 @@ def run_api(tokenizer, test, tmp_path, evals=None, **overrides):
         run = Run(BlobStore(keep=cfg.publish.keep))
         results = []
         control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases,
-                             encode=lambda prompt: tokenizer(prompt.text)["input_ids"], vocab_size=len(tokenizer),
+                             encode=encode or (lambda prompt: tokenizer(prompt.text)["input_ids"]), vocab_size=len(tokenizer),
                              model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
                              evals=evals, on_eval=results.append)
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
                                 results=results, run=run, links=control.links, eval_room=control.evals,
-                                registry=control.registry, status_room=control.status)
+                                registry=control.registry, status_room=control.status, lease_room=control.leases)
         run.blobs.add(0, b"weights")
         run.announcement = P.Announcement(version=0)
         runner = control.runner()
@@ -371,6 +373,36 @@ def test_a_long_polled_lease_is_served_the_moment_room_frees_up(tokenizer, tmp_p
         assert status == 200 and empty["lease_id"] is None and empty["empty"] == "wait"
 
     run_api(tokenizer, test, tmp_path, **{"server.max_inflight_prompts": 4})
+
+
+def test_prompts_are_encoded_off_the_loop_before_their_leases_ask(tokenizer, tmp_path):
+    """Rendering a prompt (a chat template, an environment's reset) takes milliseconds: on the
+    loop, every parked request waited through each lease's. They are encoded on a thread of their
+    own, the next batch's before any worker asks for it."""
+    encoded = []  # (thread, prompt id)
+
+    def encode(prompt):
+        encoded.append((threading.current_thread().name, prompt.id))
+        return tokenizer(prompt.text)["input_ids"]
+
+    async def test(api: Api):
+        room, book = api.state.lease_room, api.state.leases
+        _, cred = await api.join("w")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 3}, token=cred)
+        assert status == 200 and [p["prompt_ids"] for p in lease["prompts"]] == [
+            tokenizer(p["text"])["input_ids"] for p in lease["prompts"]]
+        deadline = time.monotonic() + 5
+        while any(p.id not in room._token_ids for p in book.upcoming(8)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        upcoming = book.upcoming(8)
+        assert all(p.id in room._token_ids for p in upcoming)  # the next batch, before anyone asked
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 3}, token=cred)
+        assert [p["id"] for p in lease["prompts"]] == [p.id for p in upcoming[:3]]
+        ids = [i for _, i in encoded]
+        assert len(ids) >= 11 and len(set(ids)) == len(ids)  # each once
+        assert {t.split("_")[0] for t, _ in encoded} == {"encode"}  # never the loop's thread
+
+    run_api(tokenizer, test, tmp_path, encode=encode, **{"trainer.batch_prompts": 8, "server.lease_first_prompts": 8})
 
 
 def test_ledger_replay_reissues_in_flight_and_rolled_back_prompts(tmp_path):

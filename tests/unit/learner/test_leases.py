@@ -25,6 +25,17 @@ def test_expired_lease_prompts_are_reissued_first():
     assert s.issued == s.completed + s.reissued + book.outstanding
 
 
+def test_upcoming_names_what_the_next_leases_issue_re_issues_first():
+    book = LeaseBook(prompts(), ttl=5, max_outstanding=10)
+    assert [p.id for p in book.upcoming(3)] == ["p0", "p1", "p2"]
+    a = book.lease("w1", 2, now=0)
+    assert list(a.prompts) == ["p0", "p1"] and [p.id for p in book.upcoming(2)] == ["p2", "p3"]
+    book.give_back(a.id, "p1")
+    assert [p.id for p in book.upcoming(3)] == ["p1", "p2", "p3"]
+    assert list(book.lease("w2", 4, now=0).prompts) == ["p1", "p2", "p3", "p4"]  # as foretold, then fresh ones
+    assert [p.id for p in book.upcoming(1)] == ["p5"]
+
+
 def test_heartbeat_renews_only_that_workers_leases():
     book = LeaseBook(prompts(), ttl=5, max_outstanding=10)
     a, b = book.lease("w1", 1, now=0), book.lease("w2", 1, now=0)
