@@ -16,7 +16,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from echo import collector, gil, loopwatch
+from echo import serving
 from learner.accounting import Accounting
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
@@ -51,11 +51,9 @@ class Loop:
         # Serving from here on: what start-up built (the model, torch, tokenizers: millions of
         # objects) stays out of the cyclic collector, whose full passes over it held the event
         # loop 100-160 ms (measured by `echo-rl bench control-plane`), and every collection
-        # comes on a clock, not with allocations (echo.collector).
-        collector.serve()
-        gil.favour_the_loop()  # the offload pool and the trainer's thread hand the loop the GIL within 0.5 ms
-        background = [*background, asyncio.create_task(collector.collections())]
-        loopwatch.watch("echo-learner")
+        # comes on a clock, not with allocations (echo.collector); the offload pool and the
+        # trainer's thread hand the loop the GIL within 0.5 ms (echo.gil).
+        background = [*background, serving.start("echo-learner")]
         try:
             while trainer.updates < self.steps:  # not the version: a resume may skip version numbers
                 t0 = time.monotonic()

@@ -219,14 +219,11 @@ async def _serve(args) -> int:
             events["step"].append((round(t1 - t_start, 3), round(1e3 * (time.monotonic() - t1), 1)))
             await asyncio.sleep(max(0.0, 1 / args.step_rate - (time.monotonic() - t0)))
 
-    from echo import collector, gil, loopwatch
+    from echo import collector, serving
 
-    loopwatch.watch("control-plane learner")  # with $ECHO_SLOW_CALLBACK_MS: name what holds the loop
-    collector.serve()  # as echo-learner does once serving
-    gil.favour_the_loop()
+    tasks = [serving.start("control-plane learner")]  # as echo-learner's loop does once serving
     pauses = collector.Pauses()  # how long collections held the loop, reported with its lag
-    tasks = [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer(),
-                                              collector.collections())]
+    tasks += [asyncio.create_task(c) for c in (api.reaper(1.0), lag_monitor(), rss_monitor(), trainer())]
     cpu0, wall0 = _cpu(), time.monotonic()
     traced = None
     if os.environ.get("ECHO_TRACE_MEMORY"):  # where memory grows after the first minute (slow: diagnosis only)
