@@ -482,6 +482,8 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
+# ~95 s on a 2-core machine (one-rank resume stays in the default run)
+@pytest.mark.slow
 def test_a_two_rank_learner_killed_twice_applies_exactly_its_steps_and_nothing_outlives_it(learner_factory):
     """`kill -9` of the launcher takes torchrun, both ranks and the spawned worker with it; each
     resume continues from the last checkpoint with later version numbers (the crash lost some)

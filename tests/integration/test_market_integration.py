@@ -71,6 +71,8 @@ def test_vast_rents_the_cheapest_offer_that_joins_trains_and_destroys_everything
     assert summary["cost"]["bandwidth_dollars"] > 0
 
 
+# ~100 s on a 2-core machine: the budget runs out by the clock (the rent-join-train-destroy path stays in the default run)
+@pytest.mark.slow
 def test_a_preempted_instance_is_replaced_and_the_budget_stops_the_run_cleanly(learner_factory, fake, tmp_path):
     steps = 10_000  # the budget ends it long before
     lp = learner_factory(

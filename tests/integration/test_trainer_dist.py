@@ -73,6 +73,7 @@ def test_two_ranks_train_like_one_and_checkpoints_move_between_them(small_model,
     assert max_diff(weights(tmp_path / "r12"), w1) <= 1e-6
 
 
+@pytest.mark.slow  # 30-50 s; bf16, LoRA and two ranks together stay in the default run (test_loop_integration)
 def test_bf16_mixed_precision_trains_alike_on_one_and_two_ranks(small_model, tmp_path):
     """FSDP2's bf16 policy (fp32 master shards, bf16 compute, fp32 reduce) on 1 rank and on 2:
     the same losses and updates up to bf16 rounding in a different order. Stated tolerance:
@@ -93,6 +94,7 @@ def test_bf16_mixed_precision_trains_alike_on_one_and_two_ranks(small_model, tmp
     assert max_diff(w1, weights(tmp_path / "f1")) > 0  # it did compute in bf16
 
 
+@pytest.mark.slow  # 30-50 s; bf16, LoRA and two ranks together stay in the default run (test_loop_integration)
 def test_a_lora_adapter_trains_alike_on_one_and_two_ranks(small_model, tmp_path):
     """LoRA on 2 ranks (the base built on the meta device, each rank reading its shards; the
     adapter drawn from the run's seed and sharded too) trains as on 1 rank (the base loaded
