@@ -50,7 +50,7 @@ class LeaseRoom:
         self.waiters.eligible = lambda worker: self.book.worker_room(worker.id, time.monotonic()) > 0
         self._token_ids: dict[str, list[int]] = {}
         self._eval_ids: dict[str, list[int]] = {}  # the eval set's, kept: every round leases them again
-        # One thread: a tokenizer is not shared between threads, and encoding never queues behind uploads.
+        # A thread of its own: encoding never queues behind uploads on the offload pool, and runs in the order asked.
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._leased = asyncio.Event()
 
