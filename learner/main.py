@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from echo.config import ConfigError, add_config_args, dump_toml
+from echo.tasks import TaskError
 from learner.config import load_learner_config
 from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
@@ -60,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (cfg.model.path / "config.json").exists():
         print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build the demo model "
               f"with `echo-rl build-model --config {config_path}` or set [model] path.", file=sys.stderr)
+        return 2
+    try:
+        cfg.task.build().check_here()
+    except TaskError as e:
+        print(f"echo-learner: {e}", file=sys.stderr)
         return 2
     if args.preflight or (cfg.run.nproc > 1 and not under_torchrun()):
         return launch(cfg, argv, args.json, check_only=args.preflight)

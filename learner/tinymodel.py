@@ -190,6 +190,8 @@ def cli(argv: list[str]) -> int:
         print(f"echo-rl build-model: {e}", file=sys.stderr)
         return 2
     out = Path(args.out or cfg.model.path)
+    if args.out and Path(cfg.task.options.get("opponent_model") or "") == Path(cfg.model.path):
+        cfg.task.opponent_model = str(out)  # the initial model is the frozen opponent: the one built here
     if (out / "config.json").exists() and not args.force:
         msg = f"{out} already exists (use --force to rebuild)"
         print(json.dumps({"path": str(out), "built": False}) if args.json else msg)

@@ -11,6 +11,7 @@ import sys
 import aiohttp
 
 from echo.config import ConfigError, add_config_args, dump_toml
+from echo.tasks import TaskError
 from worker.client import LearnerError
 from worker.config import load_worker_config
 
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except aiohttp.ClientConnectionError as e:
         print(f"echo-worker: cannot reach the learner at {args.url}: {e}", file=sys.stderr)
         return 1
+    except TaskError as e:  # the run's task needs something this machine lacks
+        print(f"echo-worker: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -160,6 +160,7 @@ class Worker:
                 if self.broadcast.mode == "chain":
                     await self._start_relay(client.worker_id)
                 self.task = await asyncio.to_thread(load_task, joined.task.name, joined.task.options)
+                self.task.check_here()  # what its environment reads here (poker's LLM opponent), before any lease
                 e = self.cfg.engine
                 # LoRA runs: versions are adapters on the base, which this worker loads once (and
                 # make_engine checks by digest): its own copy, or the learner's.

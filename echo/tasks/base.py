@@ -110,6 +110,10 @@ class Task(ABC):
         """A fresh episode of `prompt`; the default plays a one-turn task (`reward`)."""
         return OneTurn(self, prompt)
 
+    def check_here(self) -> None:
+        """Raise `TaskError` when something the task reads on this machine is missing (a model
+        directory, a file): said before a run starts, not at its first episode."""
+
     @property
     def episodic(self) -> bool:
         """More than one turn: evaluated by return, not by a completion's reward."""

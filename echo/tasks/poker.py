@@ -36,11 +36,12 @@ import random
 import re
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
-from echo.tasks.base import Environment, Message, Prompt, Step, Task, TaskOptions, register_task
+from echo.tasks.base import Environment, Message, Prompt, Step, Task, TaskError, TaskOptions, register_task
 
 warnings.filterwarnings("ignore", module="pokerkit")  # it warns on every legal-but-odd action; the table decides
 
@@ -123,6 +124,13 @@ def rule_action(style: str, s: float, call: int, pot: int, lo: int | None, hi: i
     return "fold"
 
 
+def _opponent_here(model_dir: str) -> None:
+    if not (Path(model_dir) / "config.json").is_file():  # not a name on a hub: nothing is downloaded at run time
+        raise TaskError(f"task.opponent_model: {model_dir!r} is not a Hugging Face model directory on this machine "
+                        f"(from {Path.cwd()}). Build the demo's with `echo-rl build-model --config configs/poker.toml`, "
+                        "or point task.opponent_model at the frozen opponent's model directory")
+
+
 @functools.cache
 def _llm(model_dir: str):
     """A frozen HF policy on the CPU in fp32, loaded once per process."""
@@ -131,8 +139,9 @@ def _llm(model_dir: str):
 
     from echo.chat import Chat, stop_ids
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    _opponent_here(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
     return model, tok, Chat(tok, "auto", stop_ids=stop_ids(tok, model_dir))
 
 
@@ -305,10 +314,12 @@ class PokerTask(Task):
         super().__init__(options)
         self.max_turns = self.options.turns
         if "llm" in self.options.opponents and not self.options.opponent_model:
-            from echo.tasks.base import TaskError
-
             raise TaskError("task.opponents includes 'llm' but task.opponent_model is empty: give a Hugging Face "
                             "model directory for the frozen opponent (e.g. the initial model)")
+
+    def check_here(self) -> None:
+        if "llm" in self.options.opponents:
+            _opponent_here(self.options.opponent_model)
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(f"poker-train-{seed}")

@@ -152,3 +152,29 @@ def test_eval_poker_prints_table_4s_shape(chat_model, capsys):
             assert cell["deals"] == 4 and cell["ci95_bb"] >= 0 and -100 <= cell["mean_bb"] <= 100
     with pytest.raises(SystemExit):
         cli(["poker", str(chat_model), "--hands", "7"])  # each deal from both seats: an even number
+
+
+def test_a_missing_llm_opponent_is_named_before_a_run_not_looked_up_on_a_hub(chat_model, tmp_path):
+    """The demo's LLM opponent is a local model directory. Missing (a model built with --out, a
+    worker on another machine), it went to the Hugging Face hub: a minute of retries, then a
+    traceback from the first episode. Now the learner says so and exits 2 before serving."""
+    import subprocess
+    import sys
+
+    from echo.tasks import TaskError
+
+    missing = tmp_path / "no-such-model"
+    task = load_task("poker", {"opponents": ["tag", "llm"], "opponent_model": str(missing)})
+    with pytest.raises(TaskError, match="build-model"):
+        task.check_here()
+    alone = load_task("poker", {"opponents": ["llm"], "opponent_model": str(missing)})
+    with pytest.raises(TaskError, match="not a Hugging Face model directory"):
+        for seed in range(4):  # hands against it without the check (one where it acts first): no hub either
+            alone.environment(next(alone.train_prompts(0))).reset(seed)
+    load_task("poker", {"opponents": ["tag", "llm"], "opponent_model": str(chat_model)}).check_here()
+    load_task("poker", {"opponents": ["tag"], "opponent_model": str(missing)}).check_here()  # not played: not needed
+
+    out = subprocess.run([sys.executable, "-m", "learner.main", "--config", "configs/poker.toml", "--model.path",
+                          str(chat_model), "--task.opponent_model", str(missing)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "task.opponent_model" in out.stderr and "Traceback" not in out.stderr, out.stderr
