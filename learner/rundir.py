@@ -48,6 +48,13 @@ class RunDir:
             return int(url.read_text().strip().rsplit(":", 1)[1])
         return configured or free_port_below_ephemeral()
 
+    def announce(self, url: str) -> None:
+        """Write the URL workers join at, whole or not at all: whoever polls for the file (a
+        script starting workers, the tests) read it empty mid-write and joined "" (CI, 2026-11-27)."""
+        tmp = self.path / "url.tmp"
+        tmp.write_text(url + "\n")
+        os.replace(tmp, self.path / "url")
+
     def checkpoint(self) -> Path | None:
         """The checkpoint a resumed run starts from (None: a fresh run, or none was saved)."""
         return latest_checkpoint(self.path) if self.resumed else None

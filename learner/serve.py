@@ -96,7 +96,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     provider = make_provider(cfg, url, run_dir.token, run_dir.path) if cfg.scheduled else None
     fleet = api.registry.fleet = make_fleet(cfg, provider, run_dir.token, run_dir.path) if provider is not None else None
     display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
-    (run_dir / "url").write_text(url + "\n")
+    run_dir.announce(url)
     if run_dir.resumed:
         display.note(recovery.note(trainer.updates, cfg.run.steps, checkpoint))
 

@@ -1,0 +1,34 @@
+"""The run directory's files that other processes poll for."""
+
+import threading
+
+from echo.config import load_config
+from learner.config import LearnerConfig
+from learner.rundir import RunDir
+
+
+def test_the_url_is_never_read_half_written(tmp_path):
+    """Workers (and the tests) poll for RUN_DIR/url and join what it says: written in place, a
+    reader caught it empty between the truncate and the write and joined "" (CI, 2026-11-27)."""
+    cfg = load_config(LearnerConfig, None, ["--run.dir", str(tmp_path), "--server.token", "run-token-0123456789"])
+    run_dir = RunDir(cfg)
+    run_dir.create(cfg)
+    url, seen, done = run_dir / "url", [], threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                seen.append(url.read_text())
+            except FileNotFoundError:
+                pass
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(3000):
+            run_dir.announce(f"http://127.0.0.1:{20000 + i % 2}")
+    finally:
+        done.set()
+        reader.join()
+    assert seen and all(text.startswith("http://127.0.0.1:2000") and text.endswith("\n") for text in seen)
+    assert not (run_dir / "url.tmp").exists()
