@@ -196,7 +196,8 @@ class LeaseBook:
         return lease
 
     def upcoming(self, n: int) -> list[Prompt]:
-        """The next `n` prompts `lease` would issue, in order, if nothing is queued for re-issue first."""
+        """The next `n` prompts `lease` would issue, in order: those queued for re-issue, then fresh
+        ones (a prompt re-queued before then goes ahead of them)."""
         while len(self._ahead) < n - len(self._retry):
             self._ahead.append(next(self._fresh))
         return [*itertools.islice(self._retry, n), *itertools.islice(self._ahead, max(0, n - len(self._retry)))]
