@@ -166,7 +166,7 @@ class LeaseRoom:
         deadline = asked + min(req.wait_s, server.long_poll_s)
 
         def answer(message: P.LeaseReply) -> web.Response:  # saying how long the request was held
-            return web.json_response({**message.model_dump(), "waited_s": round(time.monotonic() - asked, 4)})
+            return reply(message.model_copy(update={"waited_s": round(time.monotonic() - asked, 4)}))
 
         while True:
             if run.finished:
