@@ -10,7 +10,6 @@ last checkpoint.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from echo.config import ConfigError, add_config_args, dump_toml
 from echo.tasks import TaskError
 from learner.config import load_learner_config
+from echo import serving
 from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = LocalWorkers(cfg.workers, run_dir / "workers", run_dir.token, cfg.run.seed)
     signal.signal(signal.SIGTERM, _interrupt)  # a polite kill stops the run like Ctrl-C
     try:
-        return asyncio.run(serve(cfg, world, run_dir, workers, args.json))
+        return serving.run(serve(cfg, world, run_dir, workers, args.json))
     except KeyboardInterrupt:
         print(f"echo-learner: interrupted; the run directory {run_dir} keeps the last checkpoint "
               f"(continue with --resume {run_dir})", file=sys.stderr)

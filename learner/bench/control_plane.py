@@ -109,7 +109,9 @@ def cli(argv: list[str]) -> int:
         p.error(f"--attacks: unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
     more_files()
     if args.serve:
-        return asyncio.run(_serve(args))
+        from echo import serving
+
+        return serving.run(_serve(args))  # as echo-learner runs
     if args.probe or args.fleet:
         return asyncio.run(_clients(args, args.probe or args.fleet, "probe" if args.probe else "sim"))
     return asyncio.run(_drive(args))

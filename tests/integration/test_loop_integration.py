@@ -522,3 +522,22 @@ def test_a_two_rank_learner_killed_twice_applies_exactly_its_steps_and_nothing_o
     assert state["version"] > steps  # versions a crash lost are never reused
     last = lp.records()[-1]
     assert last["step"] == steps and last["lr"] == pytest.approx(lr * floor, rel=1e-6)  # the schedule's end
+
+
+def test_echo_learner_serves_on_uvloop_and_a_sigterm_ends_it_like_ctrl_c(learner_factory, monkeypatch):
+    """As users run it (no `$ECHO_SLOW_CALLBACK_MS`, which every other test sets for
+    `echo.loopwatch`), echo-learner serves on uvloop: it trains with a worker, and a SIGTERM ends
+    the run as Ctrl-C does (exit 130, the run directory named), not with a traceback."""
+    import signal
+
+    import conftest
+
+    monkeypatch.delitem(conftest.WATCHED, "ECHO_SLOW_CALLBACK_MS")
+    lp = learner_factory(run={"steps": 1000})
+    lp.worker("w1")
+    lp.wait_until(lambda: len(lp.records()) >= 2, 120, "two updates")
+    assert "uvloop" in open(f"/proc/{lp.proc.pid}/maps").read()  # its compiled loop is loaded
+    lp.proc.send_signal(signal.SIGTERM)
+    assert lp.proc.wait(30) == 130, lp.output()[-3000:]
+    out = lp.output()
+    assert f"interrupted; the run directory {lp.run_dir}" in out and "Traceback" not in out, out[-3000:]

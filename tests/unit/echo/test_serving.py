@@ -27,3 +27,17 @@ def test_serving_puts_collections_on_the_clock_and_favours_the_loop_until_its_ta
             sys.setswitchinterval(interval)
 
     asyncio.run(scenario())
+
+
+def test_serving_runs_on_uvloop_unless_loopwatch_must_name_callbacks(monkeypatch):
+    import uvloop
+
+    from echo import loopwatch
+
+    async def loop_type() -> type:
+        return type(asyncio.get_running_loop())
+
+    monkeypatch.delenv(loopwatch.ENV, raising=False)
+    assert serving.run(loop_type()) is uvloop.Loop
+    monkeypatch.setenv(loopwatch.ENV, "100")  # loopwatch wraps asyncio's Handle: asyncio's own loop
+    assert issubclass(serving.run(loop_type()), asyncio.BaseEventLoop)
