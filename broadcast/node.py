@@ -125,7 +125,7 @@ class Node:
         """Start serving (the HTTP server, and the advertised transport); returns the node's URL."""
         self._store_added = asyncio.Condition()
         own = [self._make(cls) for cls in dict.fromkeys((transport_class(SERVER_SCHEME), self._advertised))]
-        app = web.Application()
+        app = web.Application(middlewares=[refusals_returned])
         app.add_routes(self._routes() + [r for t in own for r in t.routes()])
         # A connection that sends no whole request in this long (slow headers, idle) is closed.
         self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT_S)
@@ -352,3 +352,20 @@ class Node:
     async def _handle_health(self, request: web.Request) -> web.Response:
         """What `broadcast.reach.probe_relay` fetches: proof that this node accepts connections."""
         return web.json_response({"id": self.id, "ok": True})
+
+
+@web.middleware
+async def refusals_returned(request: web.Request, handler) -> web.StreamResponse:
+    """A refusal raised by a route (`Refused`, or aiohttp's `HTTPException`) answered as a
+    response returned from here. Left to aiohttp, each raised one kept the request, its headers
+    and the exception's frames in a reference cycle (~23 objects) for the collector: a hostile
+    bench run's 8,500 weight requests without a ticket made the learner's clocked collections
+    half as long again."""
+    try:
+        return await handler(request)
+    except Refused as e:
+        return web.Response(status=e.status, text=e.text)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.Response(status=e.status, text=e.text)

@@ -83,9 +83,10 @@ class Readers:
         return holder
 
     def _verify(self, presented: str) -> tuple[str, float]:
-        wrong = Refused(401, "a wrong read ticket: it is not one the run's learner signed")
+        # The refusal is made where it is raised, never held in a local: a raised exception's frame
+        # holding it is a reference cycle, left for the collector on every wrong ticket.
         if len(presented) > MAX_TICKET or presented.count(".") != 1:
-            raise wrong
+            raise _wrong_ticket()
         body, signature = presented.split(".")
         try:
             payload = _unb64(body)
@@ -93,10 +94,14 @@ class Readers:
             fields = json.loads(payload)
             holder, until = fields["h"], float(fields["u"])
         except (SignatureError, binascii.Error, ValueError, TypeError, KeyError):
-            raise wrong from None
+            raise _wrong_ticket() from None
         if not isinstance(holder, str):
-            raise wrong
+            raise _wrong_ticket()
         return holder, until
+
+
+def _wrong_ticket() -> Refused:
+    return Refused(401, "a wrong read ticket: it is not one the run's learner signed")
 
 
 class TicketOffice:
