@@ -16,8 +16,8 @@ def run(main: Coroutine):
     """`asyncio.run(main)` on uvloop's event loop where it is installed: its transports are
     compiled, and asyncio's own leave every closed connection in a reference cycle for the
     collector (7 objects each: a loop answering a wrong credential from a fresh address per
-    request paid ~14,000 objects per 2,000 requests, none with uvloop), and answered a
-    heartbeat for ~10% more CPU. asyncio's own loop where `$ECHO_SLOW_CALLBACK_MS` asks
+    request paid ~14,000 objects per 2,000 requests, none with uvloop) and cost more (such a
+    401: 0.64 ms of learner CPU, 0.52 on uvloop). asyncio's own loop where `$ECHO_SLOW_CALLBACK_MS` asks
     `echo.loopwatch` to judge each callback: it names them by wrapping asyncio's `Handle`, which
     uvloop's compiled loop never calls."""
     if not os.environ.get(loopwatch.ENV):

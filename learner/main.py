@@ -15,10 +15,10 @@ import signal
 import sys
 from pathlib import Path
 
+from echo import serving
 from echo.config import ConfigError, add_config_args, dump_toml
 from echo.tasks import TaskError
 from learner.config import load_learner_config
-from echo import serving
 from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers

@@ -528,8 +528,6 @@ def test_echo_learner_serves_on_uvloop_and_a_sigterm_ends_it_like_ctrl_c(learner
     """As users run it (no `$ECHO_SLOW_CALLBACK_MS`, which every other test sets for
     `echo.loopwatch`), echo-learner serves on uvloop: it trains with a worker, and a SIGTERM ends
     the run as Ctrl-C does (exit 130, the run directory named), not with a traceback."""
-    import signal
-
     import conftest
 
     monkeypatch.delitem(conftest.WATCHED, "ECHO_SLOW_CALLBACK_MS")
