@@ -50,6 +50,7 @@ class LeaseRoom:
         self.waiters.eligible = lambda worker: self.book.worker_room(worker.id, time.monotonic()) > 0
         self._token_ids: dict[str, list[int]] = {}
         self._eval_ids: dict[str, list[int]] = {}  # the eval set's, kept: every round leases them again
+        self._encoding: dict[str, asyncio.Future] = {}  # prompt id -> the encoder's job that has it
         # A thread of its own: encoding never queues behind uploads on the offload pool, and runs in the order asked.
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._leased = asyncio.Event()
@@ -63,12 +64,23 @@ class LeaseRoom:
         return ids
 
     async def _encoded(self, prompts, into: dict[str, list[int]]) -> None:
-        """`prompts`' token ids in `into`, those missing encoded on the encoder thread."""
-        missing = [p for p in prompts if p.id not in into]
-        if missing:
-            ids = await asyncio.get_running_loop().run_in_executor(self._encoder, lambda: [self.encode(p) for p in missing])
-            for p, i in zip(missing, ids):
-                into.setdefault(p.id, i)
+        """`prompts`' token ids in `into`, those missing encoded on the encoder thread, each once: a
+        prompt already on the thread (encoded ahead, or for another lease) is waited for."""
+        while missing := [p for p in prompts if p.id not in into]:
+            ours = [p for p in missing if p.id not in self._encoding]
+            theirs = {self._encoding[p.id] for p in missing if p.id in self._encoding}
+            if ours:
+                job = asyncio.get_running_loop().run_in_executor(self._encoder, lambda: [self.encode(p) for p in ours])
+                self._encoding.update((p.id, job) for p in ours)
+                try:
+                    ids = await job
+                finally:
+                    for p in ours:
+                        self._encoding.pop(p.id, None)
+                for p, i in zip(ours, ids):
+                    into.setdefault(p.id, i)
+            if theirs:  # what failed there, or went to the other table, is encoded here next turn
+                await asyncio.gather(*theirs, return_exceptions=True)
 
     async def encode_ahead(self, ahead: int) -> None:
         """Keep the next `ahead` prompts to be leased encoded (a task for the server's lifetime)."""

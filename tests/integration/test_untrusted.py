@@ -383,6 +383,7 @@ def test_prompts_are_encoded_off_the_loop_before_their_leases_ask(tokenizer, tmp
 
     def encode(prompt):
         encoded.append((threading.current_thread().name, prompt.id))
+        time.sleep(0.02)  # a chat template's rendering, slowed: the first lease asks while its prompts are on the thread
         return tokenizer(prompt.text)["input_ids"]
 
     async def test(api: Api):
