@@ -342,10 +342,7 @@ class Node:
                 raise Refused(401, f"{self.id}: {e.text}") from None
 
     async def _handle_status(self, request: web.Request) -> web.Response:
-        try:
-            self.require_read(bearer(request))
-        except Refused as e:
-            raise web.HTTPUnauthorized(text=e.text) from None
+        self.require_read(bearer(request))  # a `Refused` is answered by `refusals_returned`
         return web.json_response({"id": self.id, "url": self.url,
                                   "versions": {k: s.status() for k, s in self.stores.items()}})
 

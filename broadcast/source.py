@@ -23,7 +23,7 @@ from broadcast.route import Route, SignedRoute, chunk_spans, route_for, sign_rou
 from broadcast.signing import SignedManifest, SigningKey, sign_manifest
 from broadcast.store import VersionStore
 from broadcast.tickets import Readers
-from broadcast.transport import PREFIX, Hop, Refused, bearer
+from broadcast.transport import PREFIX, Hop, bearer
 
 FEED_WAIT_S = 20.0  # how long one long poll of the route feed waits for a route
 FEED_KEEP = 16  # routes the feed remembers
@@ -165,10 +165,7 @@ class Source(Node):
             self._feed_changed.notify_all()
 
     async def _handle_routes(self, request: web.Request) -> web.Response:
-        try:
-            self.require_read(bearer(request))
-        except Refused as e:
-            raise web.HTTPUnauthorized(text=e.text) from None
+        self.require_read(bearer(request))
         try:
             after = int(request.query.get("after", "0"))
             wait = min(float(request.query.get("wait", FEED_WAIT_S)), 60.0)
