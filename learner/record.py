@@ -93,7 +93,7 @@ class RunRecord:
             "leases_reissued": self.leases.stats.reissued, "dropped_reissued": self.leases.stats.dropped_reissued,
             "sampled_mean_length": round(buf["sampled_mean_length"], 3),
             "trained_mean_length": round(buf["trained_mean_length"], 3),
-            "workers": [{"id": w.id, "name": w.name, "groups": w.groups_accepted} for w in workers],
+            "workers": [{"id": w.id, "name": w.name, "groups": w.groups_accepted} for w in workers],  # accepted, not trained
             "quarantined": [{"id": w.id, "name": w.name, "address": w.address, "why": w.quarantined}
                             for w in workers if w.quarantined],
             "rewards_checked": verifier.checked, "rewards_mismatched": verifier.mismatched,

@@ -91,7 +91,7 @@ class StatusDisplay:
             ("cost", f"${s['cost']['dollars']:.4f} total, ${s['cost']['dollars_per_step']:.6f}/step"
                      + (f", ${s['cost']['dollars_per_improvement']:.4f} per unit of eval improvement"
                         if s['cost'].get('dollars_per_improvement') else "")),
-            ("workers", ", ".join(f"{w['name']}: {w['groups']} groups" for w in s["workers"])),
+            ("groups accepted, by worker", ", ".join(f"{w['name']}: {w['groups']}" for w in s["workers"])),
             ("run directory", s["run_dir"]),
         ]
         for k, v in rows:
