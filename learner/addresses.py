@@ -18,6 +18,7 @@ refused credential.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ UNKNOWN = "unknown"  # a request whose address cannot be parsed counts under one
 TRACKED = 65536  # addresses remembered for failures, and for bans: the least recently seen go first
 
 
+@functools.lru_cache(maxsize=4096)  # parsed twice per refused credential, a burst of them from one address
 def address_key(address: str) -> str:
     """The unit limits count in: the IPv4 address itself, or the /64 an IPv6 address lies in."""
     try:

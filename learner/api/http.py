@@ -143,9 +143,8 @@ class Auth:
         wait = self.addresses.throttled(address, now)
         if wait > 0:
             self.refused.labels("throttled").inc()
-            raise web.HTTPTooManyRequests(headers={"Retry-After": str(max(1, round(wait)))},
-                                          text=f"too many wrong tokens or credentials from {address}; "
-                                               "retry after the given seconds")
+            raise Refusal(429, "throttled", f"too many wrong tokens or credentials from {address}; retry after the "
+                                            "given seconds", {"Retry-After": str(max(1, round(wait)))})
         return address
 
     def run_token(self, request: web.Request, machines: bool = False) -> str | None:
@@ -160,9 +159,8 @@ class Auth:
             return machine
         self.addresses.failed(address, time.monotonic())
         self.refused.labels("run-token").inc()
-        raise web.HTTPUnauthorized(
-            text=f"{'missing' if not given else 'wrong'} run token: pass the token the learner printed at "
-                 "start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
+        raise Refusal(401, "unauthorized", f"{'missing' if not given else 'wrong'} run token: pass the token the "
+                                           "learner printed at start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
 
     def worker(self, request: web.Request):
         """The calling worker (its `last_seen` renewed, unless it is quarantined), or 401.
@@ -177,9 +175,8 @@ class Auth:
             address = self._throttled(request)
             self.addresses.failed(address, time.monotonic())
             self.refused.labels("credential").inc()
-            raise web.HTTPUnauthorized(reason="unknown-credential",
-                                       text="unknown or wrong worker credential (the learner restarted or forgot "
-                                            "this worker): join again with the run token")
+            raise Refusal(401, "unknown-credential", "unknown or wrong worker credential (the learner restarted or "
+                                                     "forgot this worker): join again with the run token")
         self._rate(worker)
         if not worker.quarantined:  # whatever it calls, a quarantined worker is forgotten after forget_after_s
             worker.last_seen = time.monotonic()
@@ -231,8 +228,6 @@ async def errors_as_json(request: web.Request, handler):
         if e.status < 400:
             raise
         reason = {401: "unauthorized", 404: "not-found", 413: "oversized", 429: "throttled"}.get(e.status, "bad-request")
-        if e.status == 401 and e.reason == "unknown-credential":
-            reason = "unknown-credential"
         message = e.text or e.reason
         if e.status == 413:
             message = (f"body larger than the learner's limit for this route "
