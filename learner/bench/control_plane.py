@@ -47,12 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from echo.procs import more_files
+from learner.bench import tails
 
 _CORES = sorted(os.sched_getaffinity(0))  # the machine's, before any pinning
 
 BENCH_TOKEN = "control-plane-bench-token"  # a run token of the strength the learner requires
 GOALS = {"p99_ms": 250.0, "loop_lag_ms": 100.0}
-# --hostile: what the honest fleet may lose to the attackers, against the benign run just before (issue #18)
+# --hostile: what the honest fleet may lose to the attackers, against the benign runs beside them (issue #18)
 HOSTILE_GOALS = {"p99_ratio": 1.10, "groups_ratio": 0.90, "rss_growth": 0.02}
 
 
@@ -82,7 +83,8 @@ def cli(argv: list[str]) -> int:
                    help="how versions are served: star (the default) or chain, where the broadcast source runs "
                         "too (the default with --hostile, so that its routes are attacked)")
     p.add_argument("--pairs", type=int, default=1,
-                   help="with --hostile: benign and hostile runs alternated this many times (B H B H ...); the ratios "
+                   help="with --hostile: this many pairs of a benign and a hostile run, in the order B H H B B H ... (a "
+                        "drift of the machine over the runs falls on both arms alike); the ratios "
                         "are the median over pairs, and the benign runs against each other give the machine's own noise")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin the learner to a core of its own (default: pinned, the clients on the others, "
@@ -544,11 +546,14 @@ async def _drive(args) -> int:
     # The baseline first, then the same fleet with a share of it hostile: same machine, same settings.
     broadcast = args.broadcast or "chain"
     pairs, probed = [], []
-    for _ in range(max(1, args.pairs)):
-        benign = await _measure(args, 0, broadcast)
-        attacked = await _measure(args, hostile, broadcast) if benign is not None else None
-        if attacked is None:
-            return 1
+    turns = tails.hostile_turns(max(1, args.pairs))  # B H H B ...: a drift of the machine falls on both arms
+    for first_hostile in turns[::2]:
+        runs = {}
+        for is_hostile in (first_hostile, not first_hostile):
+            runs[is_hostile] = await _measure(args, hostile if is_hostile else 0, broadcast)
+            if runs[is_hostile] is None:
+                return 1
+        benign, attacked = runs[False], runs[True]
         pairs.append(compare(args, _results(args, benign), _results(args, attacked)))
         probed.append((benign.probes, attacked.probes))
     out = pairs[-1] if len(pairs) == 1 else over_pairs(pairs)
@@ -585,10 +590,8 @@ def _placement(args) -> tuple[set[int] | None, set[int] | None]:
 def pool_tails(out: dict, probed: list[tuple[dict, dict]]) -> None:
     """Judge the honest p99 on the probes' requests pooled over every run of each arm, with the
     interval a two-stage bootstrap gives (runs, then 10 s windows; `learner.bench.tails`); with
-    2+ pairs, the benign runs split into two (alternate runs) and compared the same way: an A/A
+    2+ pairs, the benign runs split into two (`tails.halves`) and compared the same way: an A/A
     test of the method, whose interval should hold 1."""
-    from learner.bench import tails
-
     def runs(arm: list[dict], route: str) -> list[tuple[list, list]]:
         return [(p.get("at", {}).get(route, []), p["latency"].get(route, [])) for p in arm]
 
@@ -599,7 +602,7 @@ def pool_tails(out: dict, probed: list[tuple[dict, dict]]) -> None:
         r = tails.ratio(runs(benign, route), runs(hostile, route))
         r["verdict"] = tails.verdict(r, bound)
         if len(benign) >= 2:
-            r["benign_a_vs_b"] = tails.ratio(runs(benign[0::2], route), runs(benign[1::2], route))
+            r["benign_a_vs_b"] = tails.ratio(*(runs(half, route) for half in tails.halves(benign)))
         pooled[route] = r
     out["pooled_p99"] = pooled
     judged = {k: r for k, r in pooled.items() if r["verdict"] != "too few samples"}
@@ -753,8 +756,8 @@ def compared_table(out: dict) -> str:
     caught = sorted(f["seconds"] for f in forgers if f["caught"] and f["seconds"] is not None)
     acked = [f["acknowledged"] for f in forgers if f["caught"]]
     lines = [
-        f"control plane under a hostile fleet: {out['workers']} workers, {out['seconds']:.0f} s per run, the benign run "
-        f"then the hostile one on this machine; hostile: {out['workers'] - n} honest + {n} attackers "
+        f"control plane under a hostile fleet: {out['workers']} workers, {out['seconds']:.0f} s per run, benign and hostile "
+        f"runs on this machine ({'B H H B ...' if out.get('pairs', 1) > 1 else 'B H'}); hostile: {out['workers'] - n} honest + {n} attackers "
         f"({out['hostile_share']:.0%}), one attack each every 1-2 s, and a forger each"
         + (f" (only these attacks: {', '.join(a['classes_run'])})" if len(a["classes_run"]) < len(CLASSES) else ""),
         "honest fleet, per route, as the probe workers measured it (a light process of their own: a worker on its "
@@ -816,7 +819,7 @@ def _pooled_lines(out: dict) -> list[str]:
              r["verdict"], ci(r.get("benign_a_vs_b"))] for route, r in pooled.items()]
     return [f"the judged p99: the probes' requests pooled over the {n} benign and {n} hostile runs, the ratio's 90% "
             "interval from a two-stage bootstrap (runs, then 10 s windows of each: learner.bench.tails); met = the "
-            f"whole interval within {HOSTILE_GOALS['p99_ratio']:.2f}; A/A = alternate benign runs against each other, the method's own check "
+            f"whole interval within {HOSTILE_GOALS['p99_ratio']:.2f}; A/A = the benign runs in two halves (runs 1, 4, 5, 8, ... against 2, 3, 6, 7, ...), the method's own check "
             "(its interval should hold 1):",
             table(["route", "requests/arm", "benign p99 ms", "hostile p99 ms", "ratio [90%]", "verdict", "A/A [90%]"],
                   rows)]

@@ -13,6 +13,11 @@ narrow: use `--pairs` 3 or more for a verdict. A verdict needs the interval: `me
 it is within the bound, `missed` when all of it is beyond, `not settled` otherwise; a route
 with fewer than `MIN_SAMPLES` requests per arm is not judged at all (its p99 would be its
 ten slowest).
+
+The arms run in the order B H H B B H H B ... (`hostile_turns`), not B H B H: the machine
+drifts over a sitting (another tenant, its clock), and with every hostile run after its benign
+one, a drift falls on the hostile arm alone. Counterbalanced, a linear drift falls on both
+alike; the A/A check splits the benign runs the same way (`halves`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,18 @@ import numpy as np
 BLOCK_S = 10.0
 MIN_SAMPLES = 1000
 LEVEL = 0.90  # two-sided: the bound is judged against the upper 95% limit
+
+
+def hostile_turns(pairs: int) -> list[bool]:
+    """Which of `2 * pairs` runs are hostile: B H, H B, B H, H B, ... (each pair's mean place
+    in time is the same for both arms over every two pairs)."""
+    return [(i % 4) in (1, 2) for i in range(2 * pairs)]
+
+
+def halves(runs: list) -> tuple[list, list]:
+    """`runs` (in the order they ran) split into two by the same pattern: 0 3 4 7 ... and 1 2 5 6 ...,
+    for an A/A check that a drift does not decide."""
+    return [r for i, r in enumerate(runs) if i % 4 in (0, 3)], [r for i, r in enumerate(runs) if i % 4 in (1, 2)]
 
 
 def blocks(runs: list[tuple[list[float], list[float]]]) -> list[list[np.ndarray]]:

@@ -1,6 +1,8 @@
 """The hostile bench's p99 verdict (learner.bench.tails): pooled runs, a two-stage bootstrap
 interval, and a verdict only where the interval decides it."""
 
+import functools
+
 import numpy as np
 
 from learner.bench import tails
@@ -38,3 +40,20 @@ def test_too_few_requests_are_not_judged():
     r = tails.ratio(runs(2, 1.0, 1, per_run=300), runs(2, 3.0, 2, per_run=300))
     assert r["samples"] == 600 and tails.verdict(r, 1.10) == "too few samples"
     assert tails.verdict(tails.ratio([], runs(1, 1.0, 1)), 1.10) == "too few samples"
+
+
+def test_the_runs_are_counterbalanced_so_a_drifting_machine_favours_neither_arm():
+    """Benign and hostile alike on a machine slowing 10% per run: B H B H puts every hostile run
+    after its benign one and reads the drift as the attack's cost; B H H B ... does not."""
+    turns = tails.hostile_turns(4)
+    assert turns == [False, True, True, False, False, True, True, False]
+    rng = np.random.default_rng(0)
+    sitting = [runs(1, 1.0 + 0.1 * slot, int(rng.integers(1 << 30)), per_run=20000)[0] for slot in range(8)]
+    ratio = functools.partial(tails.ratio, reps=10)  # the point estimate is what is asked here
+    counterbalanced = ratio([r for r, h in zip(sitting, turns) if not h], [r for r, h in zip(sitting, turns) if h])
+    alternated = ratio(sitting[0::2], sitting[1::2])
+    assert alternated["ratio"] > 1.04  # the drift of one slot, read as the attack's
+    assert abs(counterbalanced["ratio"] - 1.0) < (alternated["ratio"] - 1.0) / 2
+    benign = [r for r, h in zip(sitting, turns) if not h]  # slots 0, 3, 4, 7
+    a, b = tails.halves(benign)
+    assert [sitting.index(r) for r in a] == [0, 7] and [sitting.index(r) for r in b] == [3, 4]  # both at 3.5 on average
