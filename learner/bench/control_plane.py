@@ -543,7 +543,7 @@ async def _drive(args) -> int:
         out = _results(args, measured)
         print(json.dumps(out, indent=2) if args.json else _table(out))
         return 0
-    # The baseline first, then the same fleet with a share of it hostile: same machine, same settings.
+    # The same fleet benign, and with a share of it hostile: same machine, same settings, pairs of runs.
     broadcast = args.broadcast or "chain"
     pairs, probed = [], []
     turns = tails.hostile_turns(max(1, args.pairs))  # B H H B ...: a drift of the machine falls on both arms
@@ -592,6 +592,7 @@ def pool_tails(out: dict, probed: list[tuple[dict, dict]]) -> None:
     interval a two-stage bootstrap gives (runs, then 10 s windows; `learner.bench.tails`); with
     2+ pairs, the benign runs split into two (`tails.halves`) and compared the same way: an A/A
     test of the method, whose interval should hold 1."""
+
     def runs(arm: list[dict], route: str) -> list[tuple[list, list]]:
         return [(p.get("at", {}).get(route, []), p["latency"].get(route, [])) for p in arm]
 
