@@ -545,17 +545,14 @@ async def _drive(args) -> int:
         return 0
     # The same fleet benign, and with a share of it hostile: same machine, same settings, pairs of runs.
     broadcast = args.broadcast or "chain"
-    pairs, probed = [], []
-    turns = tails.hostile_turns(max(1, args.pairs))  # B H H B ...: a drift of the machine falls on both arms
-    for first_hostile in turns[::2]:
-        runs = {}
-        for is_hostile in (first_hostile, not first_hostile):
-            runs[is_hostile] = await _measure(args, hostile if is_hostile else 0, broadcast)
-            if runs[is_hostile] is None:
-                return 1
-        benign, attacked = runs[False], runs[True]
-        pairs.append(compare(args, _results(args, benign), _results(args, attacked)))
-        probed.append((benign.probes, attacked.probes))
+    arms: dict[bool, list[Measured]] = {False: [], True: []}  # benign, hostile runs
+    for is_hostile in tails.hostile_turns(max(1, args.pairs)):  # B H H B ...: a drift falls on both arms
+        measured = await _measure(args, hostile if is_hostile else 0, broadcast)
+        if measured is None:
+            return 1
+        arms[is_hostile].append(measured)
+    pairs = [compare(args, _results(args, b), _results(args, h)) for b, h in zip(arms[False], arms[True])]
+    probed = [(b.probes, h.probes) for b, h in zip(arms[False], arms[True])]
     out = pairs[-1] if len(pairs) == 1 else over_pairs(pairs)
     pool_tails(out, probed)
     print(json.dumps(out, indent=2) if args.json else compared_table(out))

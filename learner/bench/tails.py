@@ -38,7 +38,8 @@ def hostile_turns(pairs: int) -> list[bool]:
 def halves(runs: list) -> tuple[list, list]:
     """`runs` (in the order they ran) split into two by the same pattern: 0 3 4 7 ... and 1 2 5 6 ...,
     for an A/A check that a drift does not decide."""
-    return [r for i, r in enumerate(runs) if i % 4 in (0, 3)], [r for i, r in enumerate(runs) if i % 4 in (1, 2)]
+    second = hostile_turns((len(runs) + 1) // 2)
+    return [r for r, s in zip(runs, second) if not s], [r for r, s in zip(runs, second) if s]
 
 
 def blocks(runs: list[tuple[list[float], list[float]]]) -> list[list[np.ndarray]]:
