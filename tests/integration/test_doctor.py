@@ -13,7 +13,7 @@ def doctor(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=WATCHED, timeout=120)
 
 
-def test_doctor_passes_on_a_cpu_machine_and_says_there_is_no_gpu(learner_factory):
+def test_doctor_passes_on_a_cpu_machine_says_there_is_no_gpu_and_fails_plainly_on_a_wrong_token_or_no_learner(learner_factory):
     lp = learner_factory(run={"steps": 1000})
     from scheduler.providers import machine_token
 
@@ -30,10 +30,7 @@ def test_doctor_passes_on_a_cpu_machine_and_says_there_is_no_gpu(learner_factory
             assert status["gpu"] == "SKIP"
         assert all(status[n] == "PASS" for n in ("engine", "disk", "learner", "download", "clock", "generate")), lines
         assert "round trip" in lines[3] and "Mbit/s" in lines[4] and "skew" in lines[5]
-
-
-def test_doctor_fails_plainly_on_a_wrong_token_or_no_learner(learner_factory):
-    lp = learner_factory(run={"steps": 1000})
+    # ...and fails plainly on a wrong token or no learner.
     out = doctor(lp.url, "--token", "wrong")
     assert out.returncode == 1 and "FAIL download" in out.stdout and "check --token" in out.stdout
     assert out.stdout.splitlines()[-1] == "echo-worker doctor: FAIL (download)"

@@ -1,6 +1,7 @@
 """FSDP2 under torchrun on CPU ranks (gloo): 2 ranks train exactly as 1 does, publish the same
-bytes, and a checkpoint written by either resumes on the other. Real `torchrun` processes
-running tests/dist_trainer.py, steered by `Lockstep` as the learner steers its ranks. ~45 s."""
+bytes and sum the token check alike, and a checkpoint written by either resumes on the other.
+Real `torchrun` processes running tests/dist_trainer.py, steered by `Lockstep` as the learner
+steers its ranks. ~60 s."""
 
 from __future__ import annotations
 
@@ -49,8 +50,12 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def test_two_ranks_train_like_one_and_checkpoints_move_between_them(small_model, tmp_path):
-    one = torchrun(1, small_model, tmp_path / "r1", "--save-at", "2")
-    two = torchrun(2, small_model, tmp_path / "r2", "--save-at", "2")
+    # The token check draws every group (fraction 1 of 4 trained + 4 skipped per step), so its sums
+    # are compared too (`token_checks_alike`); it scores, it does not train.
+    check = ("--skipped", "4", "--save-at", "2")
+    one = torchrun(1, small_model, tmp_path / "r1", *check, overrides=("--verify.token_check_fraction", "1.0"))
+    two = torchrun(2, small_model, tmp_path / "r2", *check, overrides=("--verify.token_check_fraction", "1.0"))
+    token_checks_alike(one, two)
     assert (one["ranks"], two["ranks"]) == (1, 2) and one["parameters"] == two["parameters"] > 2_000_000
     # Same snapshot bytes from a sharded model (gathered tensor by tensor) as from a whole one.
     assert one["first_snapshot_sha256"] == two["first_snapshot_sha256"]
@@ -118,14 +123,10 @@ def test_a_lora_adapter_trains_alike_on_one_and_two_ranks(small_model, tmp_path)
     assert int((delta > 1e-5).sum()) <= 1e-3 * delta.numel() and float(delta.max()) <= 2 * steps * lr
 
 
-def test_the_token_check_sums_alike_on_one_and_two_ranks(small_model, tmp_path):
+def token_checks_alike(one: dict, two: dict) -> None:
     """The token check on 2 ranks (each scoring its share of the drawn samples, the skipped
     groups' split by tokens apart from the batch's) gives the sums 1 rank gives, for the trained
-    groups drawn and the skipped ones alike. Every group is drawn here (fraction 1 of 4 groups
-    from 4 trained + 12 skipped per step), so both kinds appear over the 3 steps."""
-    check = ("--verify.token_check_fraction", "1.0")
-    one = torchrun(1, small_model, tmp_path / "t1", "--skipped", "4", overrides=check)
-    two = torchrun(2, small_model, tmp_path / "t2", "--skipped", "4", overrides=check)
+    groups drawn and the skipped ones alike; both kinds appear over the 3 steps."""
     checked = skipped = 0
     for a, b in zip(one["token_checks"], two["token_checks"], strict=True):
         for x, y in zip(a["groups"], b["groups"], strict=True):
