@@ -126,9 +126,11 @@ class Node:
         self._store_added = asyncio.Condition()
         own = [self._make(cls) for cls in dict.fromkeys((transport_class(SERVER_SCHEME), self._advertised))]
         app = web.Application(middlewares=[refusals_returned])
+        app.on_response_prepare.append(no_version_banner)
         app.add_routes(self._routes() + [r for t in own for r in t.routes()])
         # A connection that sends no whole request in this long (slow headers, idle) is closed.
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT_S)
+        # auto_decompress=False: nothing here takes a compressed body, and aiohttp would inflate a gzip one unbounded
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT_S, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -349,6 +351,12 @@ class Node:
     async def _handle_health(self, request: web.Request) -> web.Response:
         """What `broadcast.reach.probe_relay` fetches: proof that this node accepts connections."""
         return web.json_response({"id": self.id, "ok": True})
+
+
+async def no_version_banner(request: web.Request, response: web.StreamResponse) -> None:
+    """`Server: echo`, not aiohttp's `Python/3.x aiohttp/3.y.z`: which versions (and so which of
+    their published faults) a server runs is none of a client's business."""
+    response.headers["Server"] = "echo"
 
 
 @web.middleware

@@ -190,10 +190,18 @@ class Refused(BroadcastError):
         self.status, self.text = status, text
 
 
+NOT_A_TOKEN = "\x00"  # what a bearer value outside printable ASCII reads as: wrong, never equal to a token
+
+
 def bearer(request: Any) -> str | None:
-    """The `Authorization: Bearer` value of an HTTP request, or None."""
+    """The `Authorization: Bearer` value of an HTTP request, or None. A value with a character
+    outside printable ASCII (no token has one) is `NOT_A_TOKEN`: comparing or encoding it raised
+    (a 500 with a traceback, unthrottled), where it is only a wrong token."""
     header = request.headers.get("Authorization", "")
-    return header[7:] if header.startswith("Bearer ") else None
+    if not header.startswith("Bearer "):
+        return None
+    value = header[7:]
+    return value if value.isascii() and value.isprintable() else NOT_A_TOKEN
 
 
 class PeerError(BroadcastError):

@@ -21,15 +21,27 @@ takes the worker's identity from it, never from a body.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 MAX_JSON_BYTES = 256 << 10  # a JSON body larger than this is refused before it is parsed
 
-# No control characters (C0, DEL, C1): a worker's name is printed in the learner's log and
-# status, where a newline or an ANSI escape forged whole lines ("quarantined <honest worker>").
-Name = Annotated[str, StringConstraints(max_length=64, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
+# No control characters (C0, DEL, C1) and no invisible format ones (zero-width, bidirectional
+# overrides, line and paragraph separators): a worker's name is printed in the learner's log and
+# status, where a newline or an ANSI escape forged whole lines ("quarantined <honest worker>"),
+# and U+202E shows a name backwards.
+NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]*$"
+NAME_MAX = 64
+Name = Annotated[str, StringConstraints(max_length=NAME_MAX, pattern=NAME_PATTERN)]
+
+
+def valid_name(name: str) -> bool:
+    """Whether `name` could be a worker's `Name` (a machine id from a token becomes one)."""
+    return len(name) <= NAME_MAX and re.fullmatch(NAME_PATTERN, name) is not None
+
+
 Id = Annotated[str, StringConstraints(max_length=128)]
 Url = Annotated[str, StringConstraints(max_length=256, pattern=r"^(|https?://\S+|p2p:/\S+)$")]
 # A worker's relay: where other workers and the learner connect, so nothing but an address and a

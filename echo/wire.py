@@ -83,6 +83,12 @@ def _encode_sample(s: SampleMsg) -> dict:
     return out
 
 
+# No sampled token has a log-probability below this: e^-1000 is 0 in every float format, so a token
+# that unlikely is never drawn. A claimed -3e38 was taken (finite, <= 0), and every quantity made
+# of π - μ (an importance weight exp(π - μ), the drift the verifier measures) overflows on it.
+LOGPROB_FLOOR = -1000.0
+
+
 def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int,
                       max_groups: int = MAX_GROUPS) -> Submission:
     """Decode and validate an upload of at most `max_groups` groups (the prompts its sender
@@ -210,8 +216,9 @@ def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMs
                                          "(rollout.max_episode_tokens)")
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise Rejected(422, "bad-token", f"{where}: token ids must lie in [0, {vocab_size})")
-    if not np.isfinite(logprobs).all() or (logprobs > 1e-4).any():
-        raise Rejected(422, "nonfinite-logprobs", f"{where}: behaviour log-probs must be finite and <= 0")
+    if not np.isfinite(logprobs).all() or (logprobs > 1e-4).any() or (logprobs < LOGPROB_FLOOR).any():
+        raise Rejected(422, "bad-logprobs", f"{where}: behaviour log-probs must be finite, <= 0 and >= {LOGPROB_FLOOR:g} "
+                                            "(the sampled tokens' log-probabilities under the policy that sampled them)")
     if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
         raise Rejected(422, "bad-reward", f"{where}: reward must be a finite number")
     mask = None

@@ -2,6 +2,8 @@
 
     config.toml   the resolved config (`--resume` takes it as the base config)
     token         the run token (a resumed run keeps it, so running workers can join it again)
+    machine.key   the secret machine tokens are keyed by (`scheduler.providers.machine_token`);
+                  no worker is given it, and a resumed run keeps it
     url           the control API's address (a resumed run binds the same port: workers come back)
     checkpoints/  `latest` and `step-N` (learner.train.trainer)
     ledger.jsonl, metrics.jsonl, summary.json, workers/, model/
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -24,6 +27,8 @@ class RunDir:
         saved = self.path / "token"
         self.token = cfg.server.token or os.environ.get("ECHO_TOKEN", "") or (
             saved.read_text().strip() if resume and saved.exists() else cfg.resolve_token())
+        key = self.path / "machine.key"
+        self.machine_key = key.read_text().strip() if resume and key.exists() else secrets.token_hex(32)
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
@@ -34,9 +39,11 @@ class RunDir:
     def create(self, cfg: LearnerConfig) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "config.toml").write_text(dump_toml(cfg))
-        token_file = self.path / "token"
-        token_file.write_text(self.token + "\n")
-        token_file.chmod(0o600)
+        for name, secret in (("token", self.token), ("machine.key", self.machine_key)):
+            path = self.path / name
+            path.touch(0o600)  # never readable by others, not even between the write and a chmod
+            path.chmod(0o600)
+            path.write_text(secret + "\n")
 
     def port(self, configured: int) -> int:
         """The port to bind: a resumed run on a free port takes the one it had. A fresh run on a

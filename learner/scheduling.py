@@ -20,20 +20,20 @@ from scheduler import providers
 from scheduler.providers import Provider
 
 
-def make_provider(cfg: LearnerConfig, url: str, token: str, run_dir: Path) -> Provider:
+def make_provider(cfg: LearnerConfig, url: str, machine_key: str, run_dir: Path) -> Provider:
     """The `[scheduler.provider]` of this run, given the learner's address (`scheduler.providers.make_provider`)."""
     w = cfg.workers
-    return providers.make_provider(cfg.scheduler.provider, url=url, token=token, log_dir=run_dir / "workers",
+    return providers.make_provider(cfg.scheduler.provider, url=url, machine_key=machine_key, log_dir=run_dir / "workers",
                                    worker_config=w.config, worker_overrides=w.overrides,
                                    python=w.python or sys.executable)
 
 
-def machine_tokens(pool: Pool, token: str, path: Path) -> None:
+def machine_tokens(pool: Pool, machine_key: str, path: Path) -> None:
     """The token each machine of a pool the operator brings up joins with (`--token`): it binds the
     worker to its pool entry, whose price and rate are the operator's word (a provider that
     launches machines hands theirs out itself)."""
     lines = ["# echo-worker join URL --token <this machine's token>: the pool entry it joins as", "[tokens]"]
-    lines += [f'"{c.id}" = "{providers.machine_token(token, c.id)}"' for c in pool.candidates()]
+    lines += [f'"{c.id}" = "{providers.machine_token(machine_key, c.id)}"' for c in pool.candidates()]
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o600)
 
@@ -47,12 +47,12 @@ def version_bytes_prior(cfg: LearnerConfig) -> float:
     return float(sum(p.stat().st_size for p in model.glob("*.safetensors"))) if model.is_dir() else 0.0
 
 
-def make_fleet(cfg: LearnerConfig, provider: Provider, token: str, run_dir: Path) -> Fleet:
+def make_fleet(cfg: LearnerConfig, provider: Provider, machine_key: str, run_dir: Path) -> Fleet:
     sc = cfg.scheduler
     market = provider.offers() is not None  # a market's live offers are the candidates, not a pool file
     pool = load_pool(sc.pool) if sc.pool and not market else None
     if pool is not None and not provider.launches_machines:
-        machine_tokens(pool, token, run_dir / "machine-tokens.toml")
+        machine_tokens(pool, machine_key, run_dir / "machine-tokens.toml")
     return Fleet(pool, provider, sc.controller_params(), batch=cfg.batch_rollouts,
                  publish_every=cfg.publish_every, max_staleness=cfg.buffer.max_staleness,
                  t_train_prior=sc.t_train_s, t_bcast_prior=sc.t_bcast_s, install_prior=sc.install_s,

@@ -89,12 +89,12 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                      vocab_size=trainer.vocab_size, model_dir=cfg.model.path, links=links, metrics=metrics,
                      waiters=waiters, evals=evaluation.book, on_eval=evaluation.finished, rescore=rescore,
                      broadcast=publisher.info, tickets=publisher.tickets, on_note=display.note, rollout=trainer.rollout_params(),
-                     lora=trainer.lora_info(keep=cfg.buffer.max_staleness + 2))
+                     lora=trainer.lora_info(keep=cfg.buffer.max_staleness + 2), machine_key=run_dir.machine_key)
     evaluation.parts.quarantine = lambda worker_id, why: api.registry.quarantine_id(worker_id, "eval", why)
     url = await api.start(cfg.server.host, run_dir.port(cfg.server.port), reap_every=min(1.0, cfg.server.lease_ttl / 4))
     # The scheduler comes once the address is known: its provider hands it to the machines it starts.
-    provider = make_provider(cfg, url, run_dir.token, run_dir.path) if cfg.scheduled else None
-    fleet = api.registry.fleet = make_fleet(cfg, provider, run_dir.token, run_dir.path) if provider is not None else None
+    provider = make_provider(cfg, url, run_dir.machine_key, run_dir.path) if cfg.scheduled else None
+    fleet = api.registry.fleet = make_fleet(cfg, provider, run_dir.machine_key, run_dir.path) if provider is not None else None
     display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
     run_dir.announce(url)
     if run_dir.resumed:

@@ -144,11 +144,11 @@ class MarketProvider(Provider):
     launches_machines = True
     releases_machines = True
 
-    def __init__(self, market: Market, *, url: str, token: str, gpus: dict[str, float], onstart: str,
+    def __init__(self, market: Market, *, url: str, machine_key: str, gpus: dict[str, float], onstart: str,
                  refresh_s: float = 30.0, background: bool = True, clock=time.monotonic):
         if not gpus:
             raise ValueError("a market provider needs [scheduler.provider] gpus: GPU name → expected rollouts/s")
-        self.market, self.url, self.token, self.gpus = market, url, token, gpus
+        self.market, self.url, self.machine_key, self.gpus = market, url, machine_key, gpus
         self.onstart_template, self.refresh_s, self.clock = onstart, refresh_s, clock
         self._lock = threading.Lock()
         self._offers: dict[str, tuple[Machine, Offer]] = {}  # machine id → offered now
@@ -198,7 +198,7 @@ class MarketProvider(Provider):
         return events
 
     def onstart(self, machine: Machine) -> str:
-        fields = {"url": self.url, "token": machine_token(self.token, machine.id), "id": machine.id,
+        fields = {"url": self.url, "token": machine_token(self.machine_key, machine.id), "id": machine.id,
                   "gpu": machine.gpu}
         return self.onstart_template.format(**{k: shlex.quote(str(v)) for k, v in fields.items()})
 

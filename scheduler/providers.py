@@ -8,9 +8,11 @@
 - `vast`: Vast.ai through its `vastai` SDK: live offers are the candidates (`scheduler.vast`).
 - `skypilot`: SkyPilot's Python SDK (RunPod, Lambda, Vast, clouds; `scheduler.sky`).
 
-A machine a provider brings up joins with its own **machine token** (`machine_token`: the run
-token's HMAC of the machine id), which binds it to its pool entry: the pool's price and rate are
-the operator's word, so a worker that merely names itself after a pool machine gets neither.
+A machine a provider brings up joins with its own **machine token** (`machine_token`: an HMAC of
+the machine id under the run's machine key, a secret the learner keeps in `RUN_DIR/machine.key`
+and no worker is given), which binds it to its pool entry: the pool's price and rate are the
+operator's word, so a worker that merely names itself after a pool machine gets neither. Keyed
+by the run token, which every worker holds, any worker could mint any machine's token.
 Machines of a `static` pool (brought up by the operator) take theirs from `RUN_DIR/machine-tokens.toml`.
 
 The `[scheduler.provider]` table picks one (`make_provider` is the one place a kind becomes
@@ -30,6 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo.protocol import valid_name
 from scheduler.config import (CommandProviderConfig, LocalProviderConfig, ProviderConfig, SkyProviderConfig,
                               StaticProviderConfig, VastProviderConfig)
 
@@ -37,19 +40,24 @@ from scheduler.config import (CommandProviderConfig, LocalProviderConfig, Provid
 MACHINE_PREFIX = "machine:"
 
 
-def machine_token(run_token: str, machine_id: str) -> str:
+def machine_token(machine_key: str, machine_id: str) -> str:
     """The token machine `machine_id` joins with: it proves the learner (or its provider) handed
-    it out for that machine, and cannot be turned into another machine's."""
-    mac = hmac.new(run_token.encode(), machine_id.encode(), hashlib.sha256).hexdigest()[:32]
+    it out for that machine, and cannot be turned into another machine's. `machine_key`: the
+    run's secret (`learner.rundir.RunDir.machine_key`), never the run token."""
+    mac = hmac.new(machine_key.encode(), machine_id.encode(), hashlib.sha256).hexdigest()[:32]
     return f"{MACHINE_PREFIX}{machine_id}:{mac}"
 
 
-def machine_of(run_token: str, presented: str) -> str | None:
-    """The machine id a presented machine token is valid for, or None."""
+def machine_of(machine_key: str, presented: str) -> str | None:
+    """The machine id a presented machine token is valid for, or None. An id a worker's name
+    could not be (`echo.protocol.Name`: 64 characters, no control or format characters) is none:
+    the id becomes the worker's name in the log and the status."""
     if not presented.startswith(MACHINE_PREFIX):
         return None
     machine_id = presented[len(MACHINE_PREFIX):].rpartition(":")[0]
-    return machine_id if machine_id and hmac.compare_digest(machine_token(run_token, machine_id), presented) else None
+    if not machine_id or not valid_name(machine_id):
+        return None
+    return machine_id if hmac.compare_digest(machine_token(machine_key, machine_id), presented) else None
 
 
 @dataclass(frozen=True)
@@ -97,9 +105,9 @@ class LocalProvider(Provider):
     kind = "local"
     launches_machines = True
 
-    def __init__(self, url: str, token: str, worker_config: Path, log_dir: Path, overrides: list[str],
+    def __init__(self, url: str, machine_key: str, worker_config: Path, log_dir: Path, overrides: list[str],
                  python: str = sys.executable):
-        self.url, self.token, self.worker_config, self.python = url, token, worker_config, python
+        self.url, self.machine_key, self.worker_config, self.python = url, machine_key, worker_config, python
         self.log_dir, self.overrides = log_dir, overrides
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -107,7 +115,7 @@ class LocalProvider(Provider):
         if machine.id in self.procs and self.procs[machine.id].poll() is None:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [self.python, "-m", "worker.main", "join", self.url, f"--token={machine_token(self.token, machine.id)}",
+        cmd = [self.python, "-m", "worker.main", "join", self.url, f"--token={machine_token(self.machine_key, machine.id)}",
                "--config", str(self.worker_config), "--worker.name", machine.id,
                "--worker.price_per_hour", repr(machine.price_per_hour),
                "--worker.max_rollouts_per_s", repr(machine.rollouts_per_s), "--worker.gpu", machine.gpu,
@@ -132,16 +140,16 @@ class CommandProvider(Provider):
     launches_machines = True
     releases_machines = True
 
-    def __init__(self, launch_command: str, release_command: str, url: str, token: str, log_dir: Path):
+    def __init__(self, launch_command: str, release_command: str, url: str, machine_key: str, log_dir: Path):
         if not launch_command:
             raise ValueError("[scheduler] provider = 'command' needs launch_command (and usually release_command)")
         self.launch_command, self.release_command = launch_command, release_command
-        self.url, self.token, self.log_dir = url, token, log_dir
+        self.url, self.machine_key, self.log_dir = url, machine_key, log_dir
         self.procs: list[subprocess.Popen] = []
 
     def _run(self, template: str, machine: Machine, what: str) -> None:
         fields = {"id": machine.id, "gpu": machine.gpu, "price": machine.price_per_hour,
-                  "rate": machine.rollouts_per_s, "url": self.url, "token": machine_token(self.token, machine.id)}
+                  "rate": machine.rollouts_per_s, "url": self.url, "token": machine_token(self.machine_key, machine.id)}
         command = template.format(**{k: shlex.quote(str(v)) for k, v in fields.items()})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{machine.id}.{what}.log", "a")
@@ -155,15 +163,15 @@ class CommandProvider(Provider):
             self._run(self.release_command, machine, "release")
 
 
-def make_provider(spec: ProviderConfig, *, url: str, token: str, log_dir: Path, worker_config: Path,
+def make_provider(spec: ProviderConfig, *, url: str, machine_key: str, log_dir: Path, worker_config: Path,
                   worker_overrides: list[str], python: str = sys.executable) -> Provider:
     """The provider `[scheduler.provider]` names, wired to the learner at `url`; each machine's
     output goes to `log_dir`. `worker_config`, `worker_overrides` and `python` start a local worker."""
     match spec:
         case LocalProviderConfig():
-            return LocalProvider(url, token, worker_config, log_dir, worker_overrides, python=python)
+            return LocalProvider(url, machine_key, worker_config, log_dir, worker_overrides, python=python)
         case CommandProviderConfig():
-            return CommandProvider(spec.launch_command, spec.release_command, url, token, log_dir)
+            return CommandProvider(spec.launch_command, spec.release_command, url, machine_key, log_dir)
         case StaticProviderConfig():
             return Provider()
         case VastProviderConfig():
@@ -173,7 +181,7 @@ def make_provider(spec: ProviderConfig, *, url: str, token: str, log_dir: Path, 
             market = VastMarket(gpus=spec.gpus, query=spec.query, image=spec.image, disk_gb=spec.disk_gb,
                                 interruptible=spec.interruptible, bid_margin=spec.bid_margin, limit=spec.max_offers,
                                 api_url=spec.api_url, api_key=os.environ.get(spec.api_key_env))
-            return MarketProvider(market, url=spec.learner_url or url, token=token, gpus=spec.gpus,
+            return MarketProvider(market, url=spec.learner_url or url, machine_key=machine_key, gpus=spec.gpus,
                                   onstart=spec.onstart, refresh_s=spec.refresh_s)
         case SkyProviderConfig():
             from scheduler.market import MarketProvider
@@ -182,6 +190,6 @@ def make_provider(spec: ProviderConfig, *, url: str, token: str, log_dir: Path, 
             market = SkyMarket(gpus=spec.gpus, prices=spec.prices, clouds=spec.clouds, image=spec.image,
                                disk_gb=spec.disk_gb, use_spot=spec.use_spot, per_gpu=spec.per_gpu_count,
                                dollars_per_gb=spec.dollars_per_gb)
-            return MarketProvider(market, url=spec.learner_url or url, token=token, gpus=spec.gpus,
+            return MarketProvider(market, url=spec.learner_url or url, machine_key=machine_key, gpus=spec.gpus,
                                   onstart=spec.onstart, refresh_s=spec.refresh_s)
     raise TypeError(f"unknown provider config {spec!r}")

@@ -21,6 +21,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from broadcast.links import MBIT, LinkTable
+from broadcast.node import no_version_banner
 from echo import protocol as P
 from learner.addresses import address_key, prefix48
 from learner.admission import Waiters
@@ -163,8 +164,10 @@ class ControlApi:
                  metrics: LearnerMetrics | None = None, waiters: Waiters | None = None,
                  evals: EvalBook | None = None, on_eval=lambda result: None, rescore=None, fleet=None,
                  broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None,
-                 rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None, tickets=None):
+                 rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None, tickets=None,
+                 machine_key: str = ""):
         self.cfg, self.token, self.run = cfg, token, run
+        self.machine_key = machine_key  # what machine tokens are keyed by (`scheduler.providers`); "": none valid
         self.lora = lora  # LoRA mode: told at join; /v1/model then serves the base's weights too
         r = cfg.rollout
         self.rollout = rollout or P.RolloutParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
@@ -194,9 +197,10 @@ class ControlApi:
     def app(self) -> web.Application:
         cfg = self.cfg
         app = web.Application(client_max_size=int(cfg.server.max_body_mb * (1 << 20)), middlewares=[errors_as_json])
+        app.on_response_prepare.append(no_version_banner)
         app[BODY_TIMEOUT] = cfg.server.body_timeout_s
         auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused, self.registry.addresses,
-                    [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies])
+                    [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies], self.machine_key)
         app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, self.rollout, self.run, self.broadcast,
                                                            self.lora)))
         app.add_routes(self.leases.routes(auth))
@@ -216,7 +220,9 @@ class ControlApi:
         """The app's runner. aiohttp's keep-alive timer also runs from a connection's opening: a
         connection that has not sent a whole request by then (slow headers, or nothing) is closed.
         Each address (IPv6: its /64; its /48 `max_64s_per_48` times that) holds at most
-        `CONNECTIONS_PER_WORKER` connections per worker it may join (trusted proxies: any number)."""
+        `CONNECTIONS_PER_WORKER` connections per worker it may join (trusted proxies: any number).
+        No body is inflated by HTTP (`auto_decompress=False`): a gzip body declaring nothing was
+        inflated whole, 2.5 GiB from 2.5 MiB, before any handler could refuse it."""
         server_log = logging.getLogger("aiohttp.server")
         for old in [f for f in server_log.filters if isinstance(f, MalformedRequests)]:
             server_log.removeFilter(old)  # one per process: this API's counter
@@ -224,7 +230,7 @@ class ControlApi:
         return CappedRunner(self.app(), CONNECTIONS_PER_WORKER * self.cfg.server.max_workers_per_address,
                             [ipaddress.ip_network(n, strict=False) for n in self.cfg.server.trusted_proxies],
                             self.cfg.server.max_64s_per_48,
-                            access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s)
+                            access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s, auto_decompress=False)
 
     async def start(self, host: str, port: int, reap_every: float) -> str:
         """Serve on `host:port` (0: a free port) and start the reaper; returns the URL workers join."""

@@ -2,8 +2,9 @@
 
 Every error a worker sees is JSON (`echo.protocol.ErrorReply`) with a reason and a message
 saying what to do. Bodies are read bounded and validated against their protocol model.
-`Auth` tells the run token (joins, the operator) and machine tokens (a provider's machines)
-from a worker's own credential, and throttles an address that keeps presenting wrong ones.
+`Auth` tells the run token (joins, the operator) and machine tokens (a provider's machines,
+keyed by the run's machine key, which no worker holds) from a worker's own credential, and
+throttles an address that keeps presenting wrong ones.
 """
 
 from __future__ import annotations
@@ -64,9 +65,13 @@ ABORTED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)  # the
 def refuse_encoding(request: web.Request, rejected) -> None:
     """415 for a body sent with a `Content-Encoding` (gzip, deflate, ...): aiohttp would inflate it
     before the learner holds it, so the bytes counted against the limits would not be the bytes
-    held. Nothing echo sends is compressed by HTTP (uploads are zstd inside)."""
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
+    held. Nothing echo sends is compressed by HTTP (uploads are zstd inside). Every
+    Content-Encoding header and every coding listed in one counts: aiohttp's parser inflated by a
+    second header (`identity` then `gzip`) that `headers.get` never showed. (The server does not
+    inflate bodies at all either: `auto_decompress=False` in `ControlApi.runner`.)"""
+    codings = [c.strip().lower() for h in request.headers.getall("Content-Encoding", []) for c in h.split(",")]
+    encoding = next((c for c in codings if c not in ("", "identity")), "")
+    if encoding:
         rejected.labels("content-encoding").inc()
         raise Refusal(415, "content-encoding", f"Content-Encoding {encoding[:32]!r} is not accepted: send the body "
                                                "as it is, without a Content-Encoding header (trajectories are "
@@ -125,8 +130,9 @@ class Auth:
     `quarantined` and `requests` (a `learner.admission.TokenBucket` of its requests, or None)."""
 
     def __init__(self, token: str, workers: Mapping, refused, addresses: AddressBook | None = None,
-                 trusted_proxies: list | None = None):
+                 trusted_proxies: list | None = None, machine_key: str = ""):
         self.token, self.workers, self.refused = token, workers, refused  # refused: a Counter by credential kind
+        self.machine_key = machine_key  # machine tokens' key ("": none is valid)
         self.addresses = addresses or AddressBook()
         self.trusted_proxies = trusted_proxies or []
 
@@ -154,7 +160,7 @@ class Auth:
         given = self.bearer(request)
         if given and hmac.compare_digest(given.encode(), self.token.encode()):
             return None
-        machine = machine_of(self.token, given) if given and machines else None
+        machine = machine_of(self.machine_key, given) if given and machines and self.machine_key else None
         if machine is not None:
             return machine
         self.addresses.failed(address, time.monotonic())

@@ -152,7 +152,10 @@ class WorkerRegistry:
         if not self.gate.allowed_from(address):
             refused.labels("network").inc()
             return json_error(403, "network", f"joins from {address} are not allowed ([server] allow_networks)")
-        banned = self.addresses.banned(address, now)
+        # A pool machine (its machine token is the operator's word) is not barred for a neighbour behind
+        # the same address: the ban is there to stop a quarantined worker coming back under a new name,
+        # and a machine's own quarantine is kept by its id (below).
+        banned = "" if machine else self.addresses.banned(address, now)
         if banned:
             refused.labels("banned").inc()
             return json_error(403, "banned", f"a worker from {address} was quarantined: {banned}")

@@ -17,7 +17,8 @@ def test_doctor_passes_on_a_cpu_machine_says_there_is_no_gpu_and_fails_plainly_o
     lp = learner_factory(run={"steps": 1000})
     from scheduler.providers import machine_token
 
-    for token in (lp.token, machine_token(lp.token, "vast-1")):  # the run token, or a provider's machine token
+    key = (lp.run_dir / "machine.key").read_text().strip()
+    for token in (lp.token, machine_token(key, "vast-1")):  # the run token, or a provider's machine token
         out = doctor(lp.url, "--token", token)
         lines = out.stdout.splitlines()
         assert out.returncode == 0, out.stdout + out.stderr

@@ -87,7 +87,7 @@ def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(lear
     assert submit(b"\x00garbage")[0] == 400
     assert submit(encode_submission(Submission(wid, lease["lease_id"], [_group(p0, version)])), "text/plain")[0] == 415
     status, body = submit(Submission(wid, lease["lease_id"], [_group(p0, version, logprob=float("nan"))]))
-    assert (status, body["error"]) == (422, "nonfinite-logprobs")
+    assert (status, body["error"]) == (422, "bad-logprobs")
     status, body = submit(Submission(wid, lease["lease_id"], [_group(p0, version, n=3)]))
     assert (status, body["error"]) == (422, "wrong-group-size")
     status, body = submit(Submission(wid, "no-such-lease", [_group(p0, version)]))
@@ -111,7 +111,7 @@ def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(lear
     v = lp.status()["learner_version"]
     lp.wait_until(lambda: lp.status()["learner_version"] > v, 60, "training to continue")
     metrics = lp.request("GET", "/metrics", token=None)[1]
-    for reason in ("malformed", "nonfinite-logprobs", "wrong-group-size", "unknown-lease", "future-version",
+    for reason in ("malformed", "bad-logprobs", "wrong-group-size", "unknown-lease", "future-version",
                    "oversized", "stale-version"):
         assert f'echo_trajectories_rejected_total{{reason="{reason}"}}' in metrics, reason
     assert 'echo_auth_refused_total{credential="run-token"} 2.0' in metrics

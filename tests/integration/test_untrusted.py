@@ -34,6 +34,7 @@ from learner.verify import Rescorer, Verdict
 from scheduler.providers import machine_token
 
 TOKEN = "run-token-0123456789"
+MACHINE_KEY = "machine-key-of-this-run-0123456789"  # the learner's secret: no worker holds it
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, encode=None, **overrides):
         control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases,
                              encode=encode or (lambda prompt: tokenizer(prompt.text)["input_ids"]), vocab_size=len(tokenizer),
                              model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
-                             evals=evals, on_eval=results.append)
+                             evals=evals, on_eval=results.append, machine_key=MACHINE_KEY)
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
@@ -982,7 +983,7 @@ def test_one_machine_token_holds_one_live_identity(tokenizer, tmp_path):
     """A pool machine's token joins as that machine: a second join replaces the first identity
     (a restarted machine), whose credential stops working and whose leases go out again at once,
     also when the fleet or the address is full. A quarantined machine does not come back by it."""
-    machine = machine_token(TOKEN, "cpu-a-0")
+    machine = machine_token(MACHINE_KEY, "cpu-a-0")
 
     async def test(api: Api):
         state = api.state
@@ -1235,3 +1236,102 @@ def test_a_forwarded_address_that_is_not_one_is_not_taken(tokenizer, tmp_path):
             assert api.state.workers[body["worker_id"]].address == expect
 
     run_api(tokenizer, test, tmp_path, **{"server.trusted_proxies": ["127.0.0.0/8"]})
+
+
+def test_the_run_token_cannot_mint_a_pool_machines_token(tokenizer, tmp_path):
+    """Machine tokens were the run token's HMAC of the machine id, and every worker holds the run
+    token: one minted `cpu-a-0`'s, joined as it (the honest machine's credential stopped working)
+    and, uploading forgeries under its name, got the honest machine banned. They are keyed by the
+    learner's own machine key now; an id a name could not be is refused whatever its MAC."""
+    async def test(api: Api):
+        for minted in (machine_token(TOKEN, "cpu-a-0"), machine_token(TOKEN + "x", "cpu-a-0")):
+            status, body, _ = await api.call("/v1/join", {"name": "cpu-a-0"}, token=minted)
+            assert (status, body["error"]) == (401, "unauthorized")
+        assert not api.state.workers
+        for odd in ("x" * 65, "cpu\ta", "cpu\u202ea"):  # keyed right, but no worker may be named so
+            status, body, _ = await api.call("/v1/join", {"name": "w"}, token=machine_token(MACHINE_KEY, odd)
+                                             .encode("utf-8").decode("latin-1"))
+            assert status == 401, (odd, body)
+        wid, _ = await _join(api, machine_token(MACHINE_KEY, "cpu-a-0"), "whatever")
+        assert api.state.workers[wid].name == "cpu-a-0"
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_a_pool_machine_is_not_barred_by_a_neighbours_ban(tokenizer, tmp_path):
+    """A self-joined worker quarantined bans its address from joining (it would come back under a
+    new name); a pool machine behind the same address (its machine token is the operator's word,
+    its own quarantine kept by its id) still joins."""
+    async def test(api: Api):
+        bad, _ = await api.join("neighbour")
+        api.state.registry.quarantine(api.state.workers[bad], Verdict(bad, "rewards", "rewards differ"))
+        status, body, _ = await api.call("/v1/join", {"name": "new-name"})
+        assert (status, body["error"]) == (403, "banned")
+        wid, _ = await _join(api, machine_token(MACHINE_KEY, "cpu-b-0"), "cpu-b-0")
+        assert api.state.workers[wid].name == "cpu-b-0" and not api.state.workers[wid].quarantined
+
+    run_api(tokenizer, test, tmp_path)
+
+
+async def _raw(url: str, head: bytes, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """One request written byte for byte (what aiohttp's client would not send), and its answer."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(head + b"\r\n" + body)
+    await writer.drain()
+    status_line = await reader.readline()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode("latin-1").partition(":")
+        headers[k.strip().lower()] = v.strip()
+    payload = await reader.readexactly(int(headers.get("content-length", 0)))
+    writer.close()
+    return int(status_line.split()[1]), headers, payload
+
+
+def test_a_bearer_value_outside_ascii_is_a_wrong_token_not_a_500(tokenizer, tmp_path):
+    """`Authorization: Bearer \\xe9\\xff` raised UnicodeEncodeError in the token check: a 500 and a
+    traceback per request, never throttled. Now it is a wrong token: 401, counted, throttled."""
+    async def test(api: Api):
+        head = (b"POST /v1/join HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xe9\xff\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 2\r\n")
+        for _ in range(4):
+            status, headers, body = await _raw(api.url, head, b"{}")
+            assert status == 401 and json.loads(body)["error"] == "unauthorized" and headers["server"] == "echo"
+        status, _, body = await _raw(api.url, head, b"{}")
+        assert status == 429 and json.loads(body)["error"] == "throttled"
+        status, _, _ = await _raw(api.url, b"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xe9\r\n")
+        assert status == 429
+
+    run_api(tokenizer, test, tmp_path, **{"server.auth_failure_burst": 4})
+
+
+def test_a_second_content_encoding_header_is_refused_and_nothing_is_inflated(tokenizer, tmp_path):
+    """`Content-Encoding: identity` then `Content-Encoding: gzip`: the check read the first, aiohttp
+    inflated by the second (a heartbeat's gzip body was taken, 200). And aiohttp inflated a gzip
+    body whole before anything could refuse it: 2.5 MiB that inflate to 2.5 GiB held every
+    heartbeat ~8 s. Every coding of every header counts now, and the server inflates nothing."""
+    import gzip
+
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        hb = gzip.compress(b'{"gpu": "H100"}')
+        head = (b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + cred.encode() +
+                b"\r\nContent-Type: application/json\r\nContent-Encoding: identity\r\nContent-Encoding: gzip\r\n"
+                b"Content-Length: %d\r\n" % len(hb))
+        status, _, body = await _raw(api.url, head, hb)
+        assert (status, json.loads(body)["error"]) == (415, "content-encoding") and api.state.workers[wid].gpu == ""
+        # A bomb: 2 GiB of zeros in ~2 MiB. Answered 415 while the body is still arriving, and the
+        # next request on a fresh connection is answered as at any time (inflating took seconds).
+        bomb = gzip.compress(bytes(64 << 20), compresslevel=9) * 32
+        head = (b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + cred.encode() +
+                b"\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n" % len(bomb))
+        t = time.monotonic()
+        status, _, body = await _raw(api.url, head, bomb)
+        assert (status, json.loads(body)["error"]) == (415, "content-encoding")
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=cred)
+        assert status == 200 and time.monotonic() - t < 3.0  # inflating it: ~8 s on 2 cores
+
+    run_api(tokenizer, test, tmp_path)

@@ -81,9 +81,11 @@ def test_a_json_body_parses_as_its_model():
 
 
 @pytest.mark.parametrize("field", ["name", "gpu", "device", "engine"])
-@pytest.mark.parametrize("text", ["evil\nquarantined honest (w1, 10.0.0.1)", "\x1b[2Jred", "a\rb", "tab\there", "c1\x9bx"])
+@pytest.mark.parametrize("text", ["evil\nquarantined honest (w1, 10.0.0.1)", "\x1b[2Jred", "a\rb", "tab\there", "c1\x9bx",
+                                  "line\u2028sep", "\u202eevil-backwards", "zero\u200bwidth", "bom\ufeff"])
 def test_a_report_with_control_characters_is_refused(field, text):
-    """A worker's name and hardware strings reach the operator's log and terminal as they are."""
+    """A worker's name and hardware strings reach the operator's log and terminal as they are: no
+    control characters, and no invisible format ones (a line separator, a right-to-left override)."""
     with pytest.raises(P.ProtocolError, match=field):
         P.parse(P.Report, {field: text})
     assert P.parse(P.Report, {field: "RTX 4090 · node-7 (ünïcode ok)"})

@@ -49,9 +49,10 @@ def test_malformed_bodies(body, reason, status):
     ([SampleMsg([1], [-1.0], 1.0)], "wrong-group-size"),
     ([SampleMsg([1] * 5, [-1.0] * 5, 1.0)] * 2, "oversized"),
     ([SampleMsg([99], [-1.0], 1.0)] * 2, "bad-token"),
-    ([SampleMsg([1], [math.nan], 1.0)] * 2, "nonfinite-logprobs"),
-    ([SampleMsg([1], [math.inf], 1.0)] * 2, "nonfinite-logprobs"),
-    ([SampleMsg([1], [0.7], 1.0)] * 2, "nonfinite-logprobs"),
+    ([SampleMsg([1], [math.nan], 1.0)] * 2, "bad-logprobs"),
+    ([SampleMsg([1], [math.inf], 1.0)] * 2, "bad-logprobs"),
+    ([SampleMsg([1], [0.7], 1.0)] * 2, "bad-logprobs"),
+    ([SampleMsg([1], [-3e38], 1.0)] * 2, "bad-logprobs"),  # finite and <= 0, but no sampled token's
     ([SampleMsg([1], [-1.0], math.nan)] * 2, "bad-reward"),
 ])
 def test_invalid_samples(samples, reason):

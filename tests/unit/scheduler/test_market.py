@@ -51,7 +51,7 @@ def offer(i: str, gpu="RTX 4090", price=0.3, **kw) -> Offer:
 
 
 def provider(market, **kw) -> MarketProvider:
-    p = MarketProvider(market, url="http://learner:1", token="run-token", gpus={"RTX 4090": 3.0},
+    p = MarketProvider(market, url="http://learner:1", machine_key="run-token", gpus={"RTX 4090": 3.0},
                        onstart="echo-worker join {url} --token {token} --worker.name {id}", refresh_s=0.0,
                        background=False, **kw)
     p.step()

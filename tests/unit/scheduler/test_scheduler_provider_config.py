@@ -36,7 +36,7 @@ def test_command_line_overrides_and_the_resolved_config_round_trip(tmp_path):
 
 
 def test_make_provider_builds_the_named_variant(tmp_path):
-    env = dict(url="http://x", token="t", log_dir=tmp_path, worker_config=tmp_path / "w.toml", worker_overrides=[])
+    env = dict(url="http://x", machine_key="t", log_dir=tmp_path, worker_config=tmp_path / "w.toml", worker_overrides=[])
     assert type(make_provider(StaticProviderConfig(), **env)) is Provider
     local = make_provider(LocalProviderConfig(), **env, python="py")
     assert isinstance(local, LocalProvider) and local.python == "py" and local.launches_machines

@@ -44,7 +44,7 @@ def test_the_provider_launches_and_downs_clusters_through_the_sdk_calls():
         status=lambda cluster_names, refresh: [{"name": n, "status": "UP"} for n in cluster_names or []])
     market = SkyMarket(gpus={"RTX 4090": 3.0}, prices={"RTX 4090": 0.4}, clouds=[], image="img", per_gpu=2,
                        sky_module=fake)
-    p = MarketProvider(market, url="http://l:1", token="t", gpus={"RTX 4090": 3.0}, onstart="echo-worker join {url}",
+    p = MarketProvider(market, url="http://l:1", machine_key="t", gpus={"RTX 4090": 3.0}, onstart="echo-worker join {url}",
                        refresh_s=0.0, background=False)
     p.step()
     assert [m.id for m in p.offers()] == ["sky-rtx-4090-0", "sky-rtx-4090-1"]
