@@ -356,6 +356,14 @@ class LearnerConfig(Section):
         if self.run.nproc > 1 and self.trainer.compute_dtype == "float16":
             raise ValueError("[trainer] compute_dtype = 'float16' (loss scaling) is supported on one rank; "
                              "use 'bfloat16' with [run] nproc > 1")
+        b, every = self.buffer, self.publish_every
+        if (b.staleness_filter or b.type == "queue-max") and every > b.max_staleness + 1:
+            # At version S + 1 the newest snapshot is still v0 (the next comes at I): nothing within S
+            # can ever arrive, and the learner waited for a batch forever, saying nothing.
+            raise ValueError(f"[publish] every = {every} > max_staleness + 1 = {b.max_staleness + 1}: at update "
+                             f"{b.max_staleness + 1} no published version is within S = {b.max_staleness} of the "
+                             f"learner, so no group could be trained and the run would wait forever; set [publish] "
+                             f"every <= {b.max_staleness + 1} (the default is S - 1) or raise [buffer] max_staleness")
         return self
 
     @property

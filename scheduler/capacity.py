@@ -95,6 +95,10 @@ class Requirement:
 RULES = ("overlapped", "paper")
 
 
+def _upper_first(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def requirement(rule: str, *, batch: int, t_train: float, t_bcast: float, publish_every: int,
                 max_staleness: int, install_s: float = 0.0, transfer_s: float | None = None) -> Requirement:
     """`R_req` under `rule` (see the module docstring); `InfeasibleOverlap` when no capacity can
@@ -115,14 +119,17 @@ def requirement(rule: str, *, batch: int, t_train: float, t_bcast: float, publis
         largest = next((i for i in range(min(S, I - 1), 0, -1) if (S - i + 1) * T > Tb), None)
         smallest_s = I - 1 + math.floor(Tb / T * (1 + _EPS)) + 1
         fixes = [f"publish more often (I ≤ {largest})"] if largest else []
-        fixes += [f"allow more staleness (S ≥ {smallest_s})",
-                  f"make the broadcast faster (T_bcast < {max(0.0, (S - I + 1) * T):.3g} s)"]
+        fixes += [f"allow more staleness (S ≥ {smallest_s})"]
+        if S - I + 1 > 0:  # else no broadcast is fast enough: the newest snapshot alone is too stale by then
+            fixes += [f"make the broadcast faster (T_bcast < {(S - I + 1) * T:.3g} s)"]
+        why = (f"a snapshot takes T_bcast = {Tb:.3g} s to reach the workers, but its rollouts must be trained within "
+               f"(S − I + 1)·T_train = {S - I + 1}·{T:.3g} s = {(S - I + 1) * T:.3g} s to stay within S"
+               if S - I + 1 > 0 else
+               f"with a snapshot every I = {I} updates its rollouts would have to be trained within (S − I + 1)·T_train "
+               f"= {S - I + 1}·{T:.3g} s of its publication to stay within S, however fast the broadcast")
         raise InfeasibleOverlap(
-            f"infeasible at S = {S}, I = {I}: a snapshot takes T_bcast = {Tb:.3g} s to reach the workers, but its "
-            f"rollouts must be trained within (S − I + 1)·T_train = {max(0, S - I + 1)}·{T:.3g} s = "
-            f"{max(0.0, (S - I + 1) * T):.3g} s to stay within S, so they would be dropped whatever the capacity. "
-            f"{fixes[0][0].upper()}{fixes[0][1:]}, " + (f"{fixes[1]}, or {fixes[2]}" if len(fixes) == 3 else
-                                                       f"or {fixes[1]}"),
+            f"infeasible at S = {S}, I = {I}: {why}, so they would be dropped whatever the capacity. "
+            + _upper_first(", ".join(fixes[:-1]) + ", or " + fixes[-1] if len(fixes) > 1 else fixes[0]),
             condition="admissibility", largest_feasible_period=largest, smallest_feasible_staleness=smallest_s,
             **common)
     busy = I * T - install_s

@@ -37,6 +37,17 @@ def test_default_publication_period_is_s_minus_one():
     assert load_config(LearnerConfig, None, ["--buffer.max_staleness", "4"]).publish_every == 3
 
 
+def test_a_publication_period_no_version_can_be_trained_in_is_refused():
+    """S = 2, I = 5 loaded, trained 3 steps on v0, then waited forever for a group within S of
+    version 3 (the next snapshot comes at 5), saying nothing. I = S + 1 still trains (each
+    version's rollouts at staleness 0 wait for it); the pure queue-drop (no filter) never waits."""
+    with pytest.raises(ConfigError, match=r"\[publish\] every = 5 > max_staleness \+ 1 = 3.*wait forever"):
+        load_config(LearnerConfig, None, ["--buffer.max_staleness", "2", "--publish.every", "5"])
+    assert load_config(LearnerConfig, None, ["--buffer.max_staleness", "2", "--publish.every", "3"]).publish_every == 3
+    assert load_config(LearnerConfig, None, ["--buffer.max_staleness", "2", "--publish.every", "5",
+                                             "--buffer.staleness_filter", "false"]).publish_every == 5
+
+
 def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[trainer]\nlearning_rate = 0.1\n")

@@ -117,6 +117,7 @@ def test_overlapped_rule_takes_the_larger_of_throughput_and_admissibility() -> N
     (5, 5, 0.1, ["S = 5, I = 5", "I ≤ 4", "S ≥ 6"]),  # T_b ≥ T: I = S leaves one step for the broadcast
     (2, 2, 0.3, ["S ≥ 5"]),
     (6, 5, 0.0, ["S = 5, I = 6", "I ≤ 5"]),  # I > S: every rollout would be dropped (the demo's old advice)
+    (3, 1, 0.2, ["S = 1, I = 3", "S ≥ 5", "= -1·0.08 s"]),  # no broadcast is fast enough: none advised
 ])
 def test_overlapped_infeasibility_names_i_s_and_the_broadcast_time(I, S, t_bcast, needs) -> None:
     with pytest.raises(InfeasibleOverlap) as e:
@@ -124,6 +125,7 @@ def test_overlapped_infeasibility_names_i_s_and_the_broadcast_time(I, S, t_bcast
     assert e.value.condition == "admissibility"
     for text in needs:
         assert text in str(e.value), str(e.value)
+    assert ("T_bcast <" in str(e.value)) == (S - I + 1 > 0)  # "T_bcast < 0 s" was advised at S - I + 1 <= 0
     if e.value.largest_feasible_period:  # the advice is right: that I works at this S
         cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=t_bcast,
                         publish_every=e.value.largest_feasible_period, max_staleness=S)
