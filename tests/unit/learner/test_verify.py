@@ -218,3 +218,15 @@ def test_a_worker_alone_at_its_staleness_is_held_to_the_largest_spread_the_fleet
         groups.append(("back", 3, 0.03 * 40 + rng.gauss(0.0, 8 * 0.3), 0.09, 40.0, 0.0))
         verdicts += v.tokens_checked(groups)
     assert verdicts == [], [(w, round(e.token_z, 1)) for w, e in v.evidence.items()]
+
+
+def test_tokens_outside_the_nucleus_count_only_at_the_learners_own_version():
+    """With top_p 0.9 on the demo (S = 5) an honest worker's tokens lay outside the current π's
+    nucleus 0% at staleness 0 and 3-11% at 1-4: the older snapshot's nucleus is another one, and a
+    flat 5% quarantined it at step 7. Only groups of the learner's own version count; there 5%
+    outside still is a writer's."""
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=64, max_outside_nucleus=0.05))
+    stale = [("honest", 3, 0.0, 90 / 12, 90, 10) for _ in range(8)]  # 10% outside, at staleness 3
+    assert v.tokens_checked(stale) == [] and v.evidence["honest"].outside_share == 0.0
+    assert v.tokens_checked([("writer", 0, 0.0, 90 / 12, 90, 10) for _ in range(8)])[0].message.startswith(
+        "10.0% of its last 800 checked tokens of the learner's own version lie outside")
