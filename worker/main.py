@@ -61,13 +61,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    from worker.rollout import Worker
+    from worker.rollout import QUARANTINED, Worker
 
     try:
         return asyncio.run(Worker(cfg, args.url, args.token).run())
     except LearnerError as e:
         print(f"echo-worker: the learner refused: {e.message or e}", file=sys.stderr)
-        return 1
+        # Quarantined (or barred from joining for it), whichever call heard it first: code 3, as
+        # docs/workers.md says, so a supervisor does not restart a worker the learner refuses.
+        return QUARANTINED if e.reason in ("quarantined", "banned") else 1
     except aiohttp.ClientConnectionError as e:
         print(f"echo-worker: cannot reach the learner at {args.url}: {e}", file=sys.stderr)
         return 1

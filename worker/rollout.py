@@ -40,6 +40,7 @@ from worker.client import Forgotten, LearnerClient, LearnerError, RunFinished
 from worker.config import WorkerConfig
 from worker.engines import Engine, EngineError, GenerationParams, make_engine
 
+QUARANTINED = 3  # the exit code of a worker the learner quarantined (docs/workers.md)
 log = logging.getLogger("echo.worker")
 
 # A request the learner refuses for now (429, 503: it is busy, or this worker is past its request
@@ -201,7 +202,7 @@ class Worker:
                     await self.relay.stop()
         if self.quarantined:
             log.error("%s: quarantined by the learner: %s", self.name, self.quarantined)
-            return 3
+            return QUARANTINED
         if self.unreachable:
             return 1
         log.info("%s: run finished after %d rollouts", self.name, self.rollouts)

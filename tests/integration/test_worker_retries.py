@@ -102,3 +102,18 @@ def test_a_batch_refused_for_now_is_sent_again_not_dropped(learner_factory, tmp_
         assert status == 200 and reply["accepted"] >= 1, reply
     assert log.count("sending it again") >= 3 and "refused" in log
     assert "groups of v" not in log  # no batch given up ("N groups of vX refused")
+
+
+def test_a_worker_the_learner_refuses_as_quarantined_exits_with_code_3(learner_factory, tmp_path):
+    """docs/workers.md: a quarantined worker exits with code 3 (so a supervisor does not restart
+    it). Heard on a lease or a join (banned: its address or machine was quarantined), it exited 1."""
+    lp = learner_factory(run={"steps": 1000})
+    for path, reason in (("/v1/lease", "quarantined"), ("/v1/join", "banned")):
+        proxy = RefusingProxy(lp.url, {path: (403, reason, 1000)})
+        url = proxy.start()
+        try:
+            worker = start_worker(url, lp.token, f"q-{reason}", tmp_path / f"{reason}.log")
+            assert worker.wait(120) == 3, (tmp_path / f"{reason}.log").read_text()[-2000:]
+        finally:
+            proxy.stop()
+        assert "the learner refused" in (tmp_path / f"{reason}.log").read_text()
