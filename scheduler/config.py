@@ -147,6 +147,19 @@ class SchedulerSection(Section):
         return None if value == "" else value  # `--scheduler.pool ""` turns a config's pool off
 
     @model_validator(mode="after")
+    def _pool_readable(self) -> "SchedulerSection":
+        """A pool file that is missing or wrong is a config error (`--dry-run` says so), not a
+        traceback once the model has loaded."""
+        if self.pool is not None:
+            from scheduler.pool import PoolError, load_pool
+
+            try:
+                load_pool(self.pool)
+            except PoolError as e:
+                raise ValueError(f"[scheduler] pool: {e}") from None
+        return self
+
+    @model_validator(mode="after")
     def _budget_leaves_room(self) -> "SchedulerSection":
         if self.max_dollars_per_hour and self.max_dollars_per_hour <= self.learner_price_per_hour:
             raise ValueError(f"[scheduler] max_dollars_per_hour = {self.max_dollars_per_hour:g} leaves nothing for workers: "

@@ -48,6 +48,12 @@ def test_a_publication_period_no_version_can_be_trained_in_is_refused():
                                              "--buffer.staleness_filter", "false"]).publish_every == 5
 
 
+def test_a_missing_pool_file_is_a_config_error_not_a_traceback(tmp_path):
+    """It was a 28-line `PoolError` traceback once the model had loaded, and `--dry-run` passed."""
+    with pytest.raises(ConfigError, match=r"\[scheduler\] pool: pool file .*nope.toml does not exist; shipped pools"):
+        load_config(LearnerConfig, None, ["--scheduler.pool", str(tmp_path / "nope.toml")])
+
+
 def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[trainer]\nlearning_rate = 0.1\n")
