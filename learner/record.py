@@ -24,23 +24,32 @@ class RunRecord:
         self.metrics, self.buffer, self.leases, self.registry = metrics, buffer, leases, registry
         self.started = time.monotonic()
         self.waited = 0.0  # seconds the trainer waited for a batch
+        self.stepped = self.started  # when the last step ended: the idle share's clock stops there
 
     def event(self, record: dict) -> None:
         self.log.write(record)
 
     def start(self, version: int) -> None:
         self.started, self.waited = time.monotonic(), 0.0
+        self.stepped = self.started
         self.display.start(version)
 
     def stop(self) -> None:
         """Training is over: the progress bar goes."""
         self.display.stop()
 
+    def idle_ratio(self) -> float:
+        """The trainer's waits over the time from the start to the last step: what the status line
+        shows. The whole wall time would count the final eval and checkpoint as work (a run's
+        summary said 45% where its last status line and its cost's bubble said 58%)."""
+        return self.waited / max(1e-9, self.stepped - self.started)
+
     def step(self, updates: int, version: int, published_version: int, batch: BatchInfo, stats: dict, *,
              wait: float, train: float) -> dict:
         """The step's run-log record (the gauges of /metrics set alongside)."""
         self.waited += wait
-        idle = self.waited / max(1e-9, time.monotonic() - self.started)
+        self.stepped = time.monotonic()
+        idle = self.idle_ratio()
         buf = self.buffer.buffer.metrics()
         m = self.metrics
         m.version.set(version)
@@ -87,7 +96,7 @@ class RunRecord:
             "eval_accuracy_start": first_accuracy,
             "eval_accuracy_end": last_eval.accuracy if last_eval else None,
             "eval_version_end": last_eval.version if last_eval else None,
-            "wall_s": round(wall, 1), "learner_idle_ratio": round(self.waited / max(wall, 1e-9), 3),
+            "wall_s": round(wall, 1), "learner_idle_ratio": round(self.idle_ratio(), 3),
             "groups_trained": buf["trained"], "recycled": buf["recycled"],
             "dropped_overflow": buf["dropped_overflow"], "skipped_uniform": buf["skipped_uniform"], "rejected": rejected,
             "leases_reissued": self.leases.stats.reissued, "dropped_reissued": self.leases.stats.dropped_reissued,

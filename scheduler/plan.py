@@ -367,7 +367,10 @@ def render_plan(plan: dict) -> str:
         f"  {'mean staleness':<34}{'PQS':>7}{'IQS':>7}{'total':>7}{'max':>5}",
         f"  {'closed form (I = 1, instant sync)':<34}{cf['pqs']:>7.2f}{cf['iqs']:>7.2f}{cf['total']:>7.2f}",
         (f"  {'  + snapshot lag (I−1)/2 + T_b/T_eff':<34}{'':>14}{stale['closed_form_with_lag']:>7.2f}"
-         f"   (lag ≈ {stale['snapshot_lag']:.2f}, an approximation)"),
+         f"   (lag ≈ {stale['snapshot_lag']:.2f}, an approximation"
+         # It adds the lag to every group and drops none; the learner trains nothing staler than S.
+         + (f" with no staleness filter: above S = {S}, groups that stale are dropped, see the simulator)"
+            if stale['closed_form_with_lag'] > S else ")")),
     ]
     sim = stale.get("simulator")
     if sim:

@@ -53,7 +53,10 @@ class PlanInputs:
                 f"{self.group_size} (B = groups per step × n)"
             )
         if self.max_staleness < 1:
-            raise SchedulerError(f"the staleness budget S must be ≥ 1, got {self.max_staleness}")
+            raise SchedulerError(
+                f"the staleness budget S must be ≥ 1 to plan, got {self.max_staleness}: S = 0 is the synchronous "
+                "baseline (generate, then train, then publish), which waits for every batch by design, so there is no "
+                "overlap to size a fleet for; the learner runs it as it is (--buffer.max_staleness 0)")
         if self.publish_every is not None and self.publish_every < 1:
             raise SchedulerError(f"the publication period I must be ≥ 1, got {self.publish_every}")
         if self.queue_factor < 1:

@@ -200,6 +200,9 @@ def test_resume_continues_from_the_last_checkpoint(learner_factory):
     assert lp.proc.wait(120) == 0, lp.output()[-3000:]
     first = json.loads((lp.run_dir / "summary.json").read_text())
     assert first["steps"] == 4
+    # The summary's idle share is the last status line's (the final eval and save are not idle time
+    # divided into more wall: it said 45% where the status line said 58%).
+    assert first["learner_idle_ratio"] == pytest.approx(lp.records()[-1]["idle_ratio"], abs=1e-3)
 
     import subprocess
     import sys
