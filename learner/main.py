@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         print(dump_toml(cfg), end="")
         return 0
     if not (cfg.model.path / "config.json").exists():
-        print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build the demo model "
-              f"with `echo-rl build-model --config {config_path}` or set [model] path.", file=sys.stderr)
+        print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build a tiny model there "
+              f"with `echo-rl build-model --config {config_path} --out {cfg.model.path}` or set [model] path.",
+              file=sys.stderr)
         return 2
     try:
         cfg.task.build().check_here()
@@ -84,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return serving.run(serve(cfg, world, run_dir, workers, args.json))
     except KeyboardInterrupt:
-        print(f"echo-learner: interrupted; the run directory {run_dir} keeps the last checkpoint "
-              f"(continue with --resume {run_dir})", file=sys.stderr)
+        from learner.rundir import latest_checkpoint
+
+        kept = (f"keeps the last checkpoint (continue with --resume {run_dir})" if latest_checkpoint(run_dir.path)
+                else "holds no checkpoint yet (the first comes at [run] checkpoint_every; start the run again)")
+        print(f"echo-learner: interrupted; the run directory {run_dir} {kept}", file=sys.stderr)
         return 130
     finally:
         workers.kill()
