@@ -84,8 +84,10 @@ def _encode_sample(s: SampleMsg) -> dict:
 
 
 # No sampled token has a log-probability below this: e^-1000 is 0 in every float format, so a token
-# that unlikely is never drawn. A claimed -3e38 was taken (finite, <= 0), and every quantity made
-# of π - μ (an importance weight exp(π - μ), the drift the verifier measures) overflows on it.
+# that unlikely is never drawn (a bound, not a tolerance: raw log-probs at a high temperature can lie
+# far below float32's -104). A claimed -3e38 was taken (finite, <= 0), and sums of π - μ (the drift
+# the verifier measures) overflowed on it; the importance weight is taken in log space whatever μ
+# (`learner.train.losses.grpo_loss`).
 LOGPROB_FLOOR = -1000.0
 
 

@@ -25,6 +25,7 @@ inf − inf = NaN, poisoning every weight. Such tokens are left out of the KL an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,8 +118,12 @@ def grpo_loss(
     safe_old = torch.where(valid > 0, old_logp, torch.zeros_like(old_logp)).detach()
     safe_logp = torch.where(valid > 0, logp, safe_old)
     ratio = torch.exp(safe_logp - safe_old)
-    raw_w = torch.exp(safe_old - behaviour_logp) * valid
-    is_weight = raw_w.detach().clamp(max=is_cap)
+    # The importance weight π_old/μ, capped, taken in log space and only where a token counts: a
+    # worker's μ is its word, and exp(π_old − μ) of μ = −1000 on a masked (environment) token was
+    # inf there, inf · 0 a NaN, and the whole step's loss NaN (the step skipped, for one group).
+    log_w = torch.where(valid > 0, safe_old - behaviour_logp, torch.zeros_like(safe_old)).detach()
+    over_cap = log_w > math.log(is_cap)
+    is_weight = torch.exp(log_w.clamp(max=math.log(is_cap))) * valid
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
     objective = is_weight * torch.minimum(unclipped, clipped)
@@ -141,7 +146,7 @@ def grpo_loss(
         sums = torch.stack([
             valid.sum(), (mask - valid).sum(), loss.detach(), (ratio * valid).sum(),
             (((ratio - 1).abs() > clip_eps).to(valid.dtype) * valid).sum(), (is_weight * valid).sum(),
-            ((raw_w > is_cap).to(valid.dtype) * valid).sum(), ((behaviour_logp - safe_old) * valid).sum(),
+            (over_cap.to(valid.dtype) * valid).sum(), (-log_w * valid).sum(),
             kl_ref.detach(), kl_excluded.detach(),
         ])
     return loss, sums

@@ -92,3 +92,20 @@ def test_asymre_is_reinforce_with_a_shifted_baseline_and_no_importance_weight():
                             reinforce=True)
         loss.backward()
         assert torch.allclose(logp.grad, -adv / 3)
+
+
+def test_a_workers_mu_on_a_masked_token_cannot_make_the_loss_nan():
+    """μ is the worker's word. −1000 (accepted: finite, ≤ 0, above the floor) on an environment
+    token (mask 0) made exp(π_old − μ) inf there and inf · 0 a NaN: the step's loss was NaN and
+    the step skipped, for one group. Where a token counts, the weight is capped as before."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = logp.detach().clone()
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    loss, sums = grpo_loss_sums(logp, old, torch.tensor([[-1.0, -1000.0, -0.5]]), torch.tensor([1.0]), mask,
+                           clip_eps=0.2, is_cap=2.0, total_tokens=3)
+    assert torch.isfinite(loss) and torch.isfinite(sums).all() and float(loss) == pytest.approx(-2 / 3)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    loss, sums = grpo_loss_sums(logp, old, torch.tensor([[-1.0, -2.0, -1000.0]]), torch.tensor([1.0]), mask,
+                           clip_eps=0.2, is_cap=2.0, total_tokens=3)
+    assert float(loss) == pytest.approx(-(1 + 2) / 3) and float(sums[6]) == 1  # capped at 2, counted over the cap
