@@ -82,7 +82,8 @@ def test_a_json_body_parses_as_its_model():
 
 @pytest.mark.parametrize("field", ["name", "gpu", "device", "engine"])
 @pytest.mark.parametrize("text", ["evil\nquarantined honest (w1, 10.0.0.1)", "\x1b[2Jred", "a\rb", "tab\there", "c1\x9bx",
-                                  "line\u2028sep", "\u202eevil-backwards", "zero\u200bwidth", "bom\ufeff"])
+                                  "line\u2028sep", "\u202eevil-backwards", "zero\u200bwidth", "bom\ufeff",
+                                  "cpu-a\u00ad-0", "arabic\u061cmark", "cpu-a-0\U000e0065\U000e0076\U000e0069\U000e006c"])
 def test_a_report_with_control_characters_is_refused(field, text):
     """A worker's name and hardware strings reach the operator's log and terminal as they are: no
     control characters, and no invisible format ones (a line separator, a right-to-left override)."""
