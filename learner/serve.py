@@ -94,43 +94,51 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     url = await api.start(cfg.server.host, run_dir.port(cfg.server.port), reap_every=min(1.0, cfg.server.lease_ttl / 4))
     # The scheduler comes once the address is known: its provider hands it to the machines it starts.
     provider = make_provider(cfg, url, run_dir.machine_key, run_dir.path) if cfg.scheduled else None
-    fleet = api.registry.fleet = make_fleet(cfg, provider, run_dir.machine_key, run_dir.path) if provider is not None else None
-    display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
-    run_dir.announce(url)
-    if run_dir.resumed:
-        display.note(recovery.note(trainer.updates, cfg.run.steps, checkpoint))
+    try:
+        fleet = None if provider is None else make_fleet(cfg, provider, run_dir.machine_key, run_dir.path)
+        api.registry.fleet = fleet
+        display.banner(banner(cfg, url, run_dir, run_dir.token, trainer.num_parameters, world.size, len(eval_prompts)))
+        run_dir.announce(url)
+        if run_dir.resumed:
+            display.note(recovery.note(trainer.updates, cfg.run.steps, checkpoint))
 
-    accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
-                            fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars), group_size=cfg.rollout.group_size)
-    record = RunRecord(log, display, as_json, metrics=metrics, buffer=buffer, leases=book, registry=api.registry)
-    publishing = Publishing(publisher, driver=driver, run=run, registry=api.registry, ledger=ledger,
-                            accounting=accounting, metrics=metrics)
-    loop = Loop(cfg, run_dir.path, driver=driver, buffer=buffer, run=run, ledger=ledger, leases=api.leases,
-                registry=api.registry, publishing=publishing, evaluation=evaluation, accounting=accounting,
-                record=record)
-    await loop.begin()
-    workers.spawn(url)
-    stalls = NoInstalls(60.0, display.note, run_dir / "workers")
-    background = [api.reaping, asyncio.create_task(workers.watch()), asyncio.create_task(stalls.watch(api.registry, run))]
-    if cfg.dynamic_sampling:  # every group skipped for equal rewards: say why no batch fills
-        background.append(asyncio.create_task(NoSignal(8 * G, display.note).watch(buffer.buffer)))
-    if fleet is not None:
-        background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
-                                                       display.note)))
-    await loop.train(background)
-    await loop.end()
+        accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
+                                fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars), group_size=cfg.rollout.group_size)
+        record = RunRecord(log, display, as_json, metrics=metrics, buffer=buffer, leases=book, registry=api.registry)
+        publishing = Publishing(publisher, driver=driver, run=run, registry=api.registry, ledger=ledger,
+                                accounting=accounting, metrics=metrics)
+        loop = Loop(cfg, run_dir.path, driver=driver, buffer=buffer, run=run, ledger=ledger, leases=api.leases,
+                    registry=api.registry, publishing=publishing, evaluation=evaluation, accounting=accounting,
+                    record=record)
+        await loop.begin()
+        workers.spawn(url)
+        stalls = NoInstalls(60.0, display.note, run_dir / "workers")
+        background = [api.reaping, asyncio.create_task(workers.watch()),
+                      asyncio.create_task(stalls.watch(api.registry, run))]
+        if cfg.dynamic_sampling:  # every group skipped for equal rewards: say why no batch fills
+            background.append(asyncio.create_task(NoSignal(8 * G, display.note).watch(buffer.buffer)))
+        if fleet is not None:
+            background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
+                                                           display.note)))
+        await loop.train(background)
+        await loop.end()
 
-    await workers.stop(api.registry, grace=2 * cfg.server.heartbeat_interval + 3)
-    if provider is not None:
-        await asyncio.to_thread(provider.close)  # waits for processes: not on the event loop
-    await publisher.stop()
-    await api.stop()
-    summary = record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last, cost.summary())
-    if resumed_after is not None:  # `steps` is the run's; wall time, groups and cost are this process's
-        summary["resumed_after_update"] = resumed_after
-    if loop.stopped:
-        summary["stopped"] = loop.stopped
-    if provider is not None and hasattr(provider, "destroyed"):
-        summary["instances_destroyed"] = list(provider.destroyed)
-    record.finish(run_dir, summary)
-    return 0
+        await workers.stop(api.registry, grace=2 * cfg.server.heartbeat_interval + 3)
+        if provider is not None:
+            await asyncio.to_thread(provider.close)  # waits for processes: not on the event loop
+        await publisher.stop()
+        await api.stop()
+        summary = record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last, cost.summary())
+        if resumed_after is not None:  # `steps` is the run's; wall time, groups and cost are this process's
+            summary["resumed_after_update"] = resumed_after
+        if loop.stopped:
+            summary["stopped"] = loop.stopped
+        if provider is not None and hasattr(provider, "destroyed"):
+            summary["instances_destroyed"] = list(provider.destroyed)
+        record.finish(run_dir, summary)
+        return 0
+    finally:
+        # Interrupted (Ctrl-C, SIGTERM) as well: the machines it started go too. The demo's local
+        # workers outlived the learner, retrying it forever; a market's would bill on.
+        if provider is not None:  # a second close (after the end's) finds nothing left to stop
+            await asyncio.to_thread(provider.close)

@@ -268,6 +268,31 @@ def test_scheduler_activates_the_cheapest_sufficient_worker_and_idles_the_other(
     assert summary["cost"]["dollars"] > 0 and records[-1]["dollars_total"] == round(summary["cost"]["dollars"], 6)
 
 
+def test_an_interrupted_learner_takes_the_machines_it_started_with_it(learner_factory, tmp_path):
+    """SIGTERM (or Ctrl-C) mid-run: the local provider's workers went on retrying the dead learner
+    forever (`make demo` interrupted left four); a market's rented machines would have billed on.
+    The provider is closed on every way out of the run, as at its end."""
+    import signal
+    import time
+
+    from conftest import ROOT
+
+    pool = tmp_path / "pool.toml"
+    pool.write_text('[[workers]]\nname = "box"\ncount = 2\nprice_per_hour = 0.1\nrollouts_per_s = 1000\n')
+    lp = learner_factory(run={"steps": 100_000}, workers={"config": str(ROOT / "configs" / "worker.toml")},
+                         scheduler={"pool": str(pool), "provider": {"type": "local"}, "t_train_s": 10.0,
+                                    "t_bcast_s": 0.0})
+    lp.wait_until(lambda: lp.status()["learner_version"] >= 1, 90, "the provider's machines to train")
+    started = _descendants(lp.proc.pid)
+    assert len(started) >= 1
+    lp.proc.send_signal(signal.SIGTERM)
+    assert lp.proc.wait(60) == 130, lp.output()[-3000:]
+    deadline = time.monotonic() + 20
+    while _alive(started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(started), lp.output()[-2000:]
+
+
 def test_abort_policy_hands_stale_batches_back(learner_factory):
     lp = learner_factory(run={"steps": 15})
     lp.worker("finisher", "--worker.max_rollouts_per_s", "60")
