@@ -115,14 +115,15 @@ class LocalProvider(Provider):
         if machine.id in self.procs and self.procs[machine.id].poll() is None:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [self.python, "-m", "worker.main", "join", self.url, f"--token={machine_token(self.machine_key, machine.id)}",
+        cmd = [self.python, "-m", "worker.main", "join", self.url,
                "--config", str(self.worker_config), "--worker.name", machine.id,
                "--worker.price_per_hour", repr(machine.price_per_hour),
                "--worker.max_rollouts_per_s", repr(machine.rollouts_per_s), "--worker.gpu", machine.gpu,
                *self.overrides]
         log = open(self.log_dir / f"{machine.id}.log", "a")
-        self.procs[machine.id] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # The token in the environment, not on the command line, where any user of the machine reads it (ps)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "ECHO_TOKEN": machine_token(self.machine_key, machine.id)}
+        self.procs[machine.id] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def close(self) -> None:
         for p in self.procs.values():

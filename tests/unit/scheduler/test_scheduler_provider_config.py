@@ -44,3 +44,17 @@ def test_make_provider_builds_the_named_variant(tmp_path):
     assert isinstance(command, CommandProvider) and command.releases_machines and command.launch_command == "up {id}"
     with pytest.raises(ValueError, match="launch_command"):
         make_provider(CommandProviderConfig(), **env)
+
+
+def test_a_local_machine_gets_its_token_in_the_environment_not_on_the_command_line(tmp_path):
+    """Any user of the machine reads a command line (`ps`): the machine token was on it."""
+    from scheduler.providers import Machine, machine_token
+
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\necho "$ECHO_TOKEN" > {tmp_path}/token\n')
+    fake.chmod(0o755)
+    p = LocalProvider("http://x:1", "key", tmp_path / "w.toml", tmp_path / "logs", [], python=str(fake))
+    p.launch(Machine("box-0", "cpu", 0.1, 10.0))
+    assert p.procs["box-0"].wait(10) == 0
+    assert "machine:" not in (tmp_path / "argv").read_text()
+    assert (tmp_path / "token").read_text().strip() == machine_token("key", "box-0")
