@@ -38,13 +38,17 @@ NAME_MAX = 64
 HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"})
 
 
+def _hides(text: str) -> bool:
+    return any(unicodedata.category(c) in HIDDEN_CATEGORIES for c in text)
+
+
 def valid_name(name: str) -> bool:
     """Whether `name` could be a worker's `Name` (a machine id from a token becomes one)."""
-    return len(name) <= NAME_MAX and not any(unicodedata.category(c) in HIDDEN_CATEGORIES for c in name)
+    return len(name) <= NAME_MAX and not _hides(name)
 
 
 def _visible(text: str) -> str:
-    if any(unicodedata.category(c) in HIDDEN_CATEGORIES for c in text):
+    if _hides(text):
         raise ValueError("must not contain control or invisible characters (Unicode categories "
                          f"{', '.join(sorted(HIDDEN_CATEGORIES))})")
     return text
