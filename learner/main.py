@@ -81,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     more_files()  # the control API holds a few connections per worker
     run_dir = RunDir(cfg, args.resume)
     workers = LocalWorkers(cfg.workers, run_dir / "workers", run_dir.token, cfg.run.seed)
-    signal.signal(signal.SIGTERM, _interrupt)  # a polite kill stops the run like Ctrl-C
     try:
         return serving.run(serve(cfg, world, run_dir, workers, args.json))
     except KeyboardInterrupt:
@@ -94,10 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         workers.kill()
         close(world)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -3,9 +3,18 @@ stand-in alike: collections on a clock, the GIL handed to the loop, until the ta
 
 import asyncio
 import gc
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from echo import collector, gil, serving
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_serving_puts_collections_on_the_clock_and_favours_the_loop_until_its_task_ends():
@@ -41,3 +50,52 @@ def test_serving_runs_on_uvloop_unless_loopwatch_must_name_callbacks(monkeypatch
     assert serving.run(loop_type()) is uvloop.Loop
     monkeypatch.setenv(loopwatch.ENV, "100")  # loopwatch wraps asyncio's Handle: asyncio's own loop
     assert issubclass(serving.run(loop_type()), asyncio.BaseEventLoop)
+
+
+STOPPABLE = """
+import asyncio, sys, time
+from echo import serving
+
+async def busy():  # Python bytecode all the time: where a raise from a signal.signal handler lands
+    while True:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.05:
+            pass
+        await asyncio.sleep(0)
+
+async def main():
+    spinner = asyncio.create_task(busy())
+    print("serving", flush=True)
+    try:
+        await asyncio.sleep(3600)
+    finally:
+        await asyncio.sleep(0.05)  # a stop's cleanup awaits (machines released, workers told)
+        print("cleaned up", flush=True)
+
+try:
+    serving.run(main())
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_served_coroutine_through_its_finally_without_a_traceback(loop, sig, monkeypatch):
+    """Ctrl-C and SIGTERM cancel what `serving.run` serves, wherever the main thread is: a
+    KeyboardInterrupt raised by a `signal.signal` handler landed in an aiohttp request's task
+    (a traceback) or inside uvloop (a learner that served on past 30 s)."""
+    from echo import loopwatch
+
+    env = {k: v for k, v in os.environ.items() if k != loopwatch.ENV}
+    if loop == "asyncio":
+        env[loopwatch.ENV] = "100000"
+    p = subprocess.Popen([sys.executable, "-c", STOPPABLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=ROOT)
+    assert p.stdout.readline() == "serving\n"
+    time.sleep(0.3)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 130 and out == "cleaned up\ninterrupted\n", (out, err)
+    assert "Traceback" not in err, err
