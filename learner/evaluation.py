@@ -58,6 +58,7 @@ class EvalParts:
     redecode: Callable[[list[Prompt]], Awaitable[list[float]]] | None = None  # greedy returns under the held version
     stop_ids: frozenset[int] = frozenset()  # the ids that end a turn: a greedy answer ends on one...
     max_new_tokens: int = 0  # ...or is this long
+    updates: Callable[[], int] | None = None  # the trainer's update count (a resume's versions skip ahead of it)
 
 
 REASKS = 2  # times a round's forged answers are asked again of other workers before they are left out
@@ -71,6 +72,15 @@ class Evaluation:
         self.parts = parts
         self.last: EvalResult | None = None
         self.first_accuracy: float | None = parts.resumed.get("first_eval_accuracy")
+        self._step_of: dict[int, int] = {}  # version -> the update that made it
+
+    def _made(self, version: int) -> None:
+        self._step_of[version] = self.parts.updates() if self.parts.updates is not None else version
+
+    def _event(self, version: int, **fields) -> dict:
+        """An eval event of the run log. Its `step` is the update that made `version`, as in the
+        step records: after a resume, whose versions skip ahead, the two differ."""
+        return {"event": "eval", "step": self._step_of.get(version, version), "version": version, **fields}
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -174,11 +184,10 @@ class WorkerEvaluation(Evaluation):
         self.parts.metrics.eval_accuracy.set(result.accuracy)  # the checked accuracy, not the round's raw one
         self.first_accuracy = result.accuracy if self.first_accuracy is None else self.first_accuracy
         self.parts.cost.record_eval(result.accuracy)
-        self.parts.log({"event": "eval", "step": result.version, "eval_accuracy": result.accuracy,
-                        "where": "workers", "prompts": result.prompts, "seconds": round(result.seconds, 3),
-                        "workers": result.workers, "restarts": result.restarts, "checked": checked,
-                        "forged": forged, "redecoded": self.round_redecoded if checked else 0,
-                        "check_s": round(self.check_s, 4) if checked else None})
+        self.parts.log(self._event(result.version, eval_accuracy=result.accuracy, where="workers", prompts=result.prompts,
+                                   seconds=round(result.seconds, 3), workers=result.workers, restarts=result.restarts,
+                                   checked=checked, forged=forged, redecoded=self.round_redecoded if checked else 0,
+                                   check_s=round(self.check_s, 4) if checked else None))
         self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
                         f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
                         + (f", {result.restarts} restarts" if result.restarts else "")
@@ -188,9 +197,11 @@ class WorkerEvaluation(Evaluation):
                         + ")")
 
     async def start(self, version: int) -> None:
+        self._made(version)
         await self._open(version)
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
+        self._made(version)
         due = self.parts.eval_every and version - self.opened >= self.parts.eval_every
         due = due or self.book.abandoned is not None  # nobody could finish the last one: evaluate this one
         if published and (last or (due and self.book.round is None)):
@@ -223,13 +234,14 @@ class LearnerEvaluation(Evaluation):
         self.parts.metrics.eval_accuracy.set(accuracy)
 
     async def start(self, version: int) -> None:
+        self._made(version)
         resumed = self.parts.resumed
         accuracy = resumed.get("eval_accuracy")
         if accuracy is None:
             accuracy = await self.parts.evaluate()
         self.first_accuracy = resumed.get("first_eval_accuracy", accuracy)
         self._record(version, accuracy)
-        self.parts.log({"event": "eval", "step": version, "eval_accuracy": accuracy, "where": "learner"})
+        self.parts.log(self._event(version, eval_accuracy=accuracy, where="learner"))
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
         every = self.parts.eval_every

@@ -152,3 +152,24 @@ def test_checked_rounds_rescore_near_ties_forge_on_unterminated_answers_and_neve
     assert redecoded == [ids[1]]  # the near-tie, scored by the learner
     assert [w for w, _ in quarantined] == ["liar"] and "2 of its eval answers" in quarantined[0][1]
     assert not [e for e in log if e.get("event") == "eval"]  # nothing recorded: not v5, and v7 went back out
+
+
+def test_an_eval_event_names_the_update_that_made_its_version_not_only_the_version():
+    """After a resume the versions skip ahead of the updates (they restart at the newest published
+    version + 1): an eval event's `step` is the update, as in the step records, and its `version`
+    the version, so a plot of accuracy against steps puts the point where it belongs."""
+    log, updates = [], [4]
+    p = parts(5, resumed={"eval_accuracy": 0.3}, log=log)
+    p.updates = lambda: updates[0]
+    learner = make_evaluation(LearnerEval(), p)
+    workers = WorkerEvaluation(WorkersEval(), p)
+
+    async def run():
+        await learner.start(9)  # a resume after 4 updates, at v9
+        await workers.start(9)
+        updates[0] = 5
+        await workers.stepped(10, True, True)
+
+    asyncio.run(run())
+    workers.finished(EvalResult(10, 0.5, 8, 1.0, 1, 0))  # no check configured: recorded, marked unchecked
+    assert [(e["where"], e["step"], e["version"]) for e in log] == [("learner", 4, 9), ("workers", 5, 10)]
