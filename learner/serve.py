@@ -129,6 +129,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         await publisher.stop()
         await api.stop()
         summary = record.summary(run_dir, driver.updates, evaluation.first_accuracy, evaluation.last, cost.summary())
+        summary["eval_metric"] = "mean return" if task.episodic else "accuracy"  # what eval_accuracy_* hold
         if resumed_after is not None:  # `steps` is the run's; wall time, groups and cost are this process's
             summary["resumed_after_update"] = resumed_after
         if loop.stopped:

@@ -76,8 +76,8 @@ class StatusDisplay:
     def summary(self, s: dict) -> None:
         table = Table(title="run summary", show_header=False)
         rows = [
-            ("eval accuracy", f"{_acc(s['eval_accuracy_start'])} -> {_acc(s['eval_accuracy_end'])}"
-                              + (f" (v{s['eval_version_end']})" if s.get("eval_version_end") is not None else "")),
+            (f"eval {s.get('eval_metric', 'accuracy')}", f"{_acc(s['eval_accuracy_start'])} -> {_acc(s['eval_accuracy_end'])}"
+             + (f" (v{s['eval_version_end']})" if s.get("eval_version_end") is not None else "")),
             ("steps / wall time", f"{s['steps']} in {s['wall_s']} s" if s.get("resumed_after_update") is None else
              # A resumed run's steps are the whole run's; what this process measured is its own share.
              f"{s['steps']}, of which {s['steps'] - s['resumed_after_update']} after resuming at update "

@@ -37,7 +37,7 @@ def test_two_workers_train_within_the_staleness_bound_and_survive_a_killed_worke
     # Eval ran on the workers: the first and the last version, every prompt answered.
     evals = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert [e["step"] for e in evals] == [0, steps] and all(e["where"] == "workers" and e["prompts"] == 16 for e in evals)
-    assert summary["eval_version_end"] == steps
+    assert summary["eval_version_end"] == steps and summary["eval_metric"] == "accuracy"
     assert fast.wait(30) == 0  # told the run finished, it exits cleanly
     # Versions went out by the signed push (chain mode, the default), and their arrival was timed.
     published = [r["snapshot_bytes"] for r in records if "snapshot_bytes" in r]
@@ -437,6 +437,7 @@ def test_a_multi_turn_task_trains_through_real_workers(learner_factory, chat_mod
     assert records[0]["mismatch_kl"] < 1e-4  # the first batch: μ of the workers' weights is π (staleness aside)
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert summary["rewards_checked"] >= steps * 4 * 4 and summary["rewards_mismatched"] == 0  # every episode replayed
+    assert summary["eval_metric"] == "mean return"  # what eval_accuracy_* hold for a multi-turn task
     assert not summary["quarantined"]
     evals = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals and all(e["where"] == "learner" for e in evals)

@@ -52,4 +52,8 @@ def test_a_resumed_runs_summary_says_which_counts_are_the_whole_runs():
     assert "40, of which 30 after resuming at update 10 in 25.7 s" in text
     display.console = Console(record=True, width=400)
     display.summary({**summary, "resumed_after_update": None})
-    assert "40 in 25.7 s" in display.console.export_text()
+    text = display.console.export_text()
+    assert "40 in 25.7 s" in text and "eval accuracy " in text
+    display.console = Console(record=True, width=400)  # a multi-turn task is evaluated by its mean return
+    display.summary({**summary, "eval_metric": "mean return"})
+    assert "eval mean return " in display.console.export_text()
