@@ -97,7 +97,7 @@ class RunRecord:
             "eval_accuracy_end": last_eval.accuracy if last_eval else None,
             "eval_version_end": last_eval.version if last_eval else None,
             "wall_s": round(wall, 1), "learner_idle_ratio": round(self.idle_ratio(), 3),
-            "groups_trained": buf["trained"], "recycled": buf["recycled"],
+            "groups_trained": buf["trained"], "groups_replayed": buf["replayed"], "recycled": buf["recycled"],
             "dropped_overflow": buf["dropped_overflow"], "skipped_uniform": buf["skipped_uniform"], "rejected": rejected,
             "leases_reissued": self.leases.stats.reissued, "dropped_reissued": self.leases.stats.dropped_reissued,
             "sampled_mean_length": round(buf["sampled_mean_length"], 3),

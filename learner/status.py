@@ -83,7 +83,10 @@ class StatusDisplay:
              f"{s['steps']}, of which {s['steps'] - s['resumed_after_update']} after resuming at update "
              f"{s['resumed_after_update']} in {s['wall_s']} s (this row's time and the counts below: since the resume)"),
             ("learner idle", f"{100 * s['learner_idle_ratio']:.1f}%"),
-            ("groups trained / recycled / overflow", f"{s['groups_trained']} / {s['recycled']} / {s['dropped_overflow']}"
+            # A replayed group is trained again: counted once in groups_trained, its replays beside it.
+            ("groups trained / recycled / overflow", f"{s['groups_trained']}"
+             + (f" (+{s['groups_replayed']} replays)" if s.get("groups_replayed") else "")
+             + f" / {s['recycled']} / {s['dropped_overflow']}"
              + (f"; {s['skipped_uniform']} of equal rewards skipped" if s.get("skipped_uniform") else "")),
             ("uploads rejected", ", ".join(f"{k}={v}" for k, v in s["rejected"].items()) or "none"),
             ("prompts re-issued", f"{s['leases_reissued']} (leases lost or refused), {s.get('dropped_reissued', 0)} (groups dropped)"),

@@ -55,5 +55,6 @@ def test_a_resumed_runs_summary_says_which_counts_are_the_whole_runs():
     text = display.console.export_text()
     assert "40 in 25.7 s" in text and "eval accuracy " in text
     display.console = Console(record=True, width=400)  # a multi-turn task is evaluated by its mean return
-    display.summary({**summary, "eval_metric": "mean return"})
-    assert "eval mean return " in display.console.export_text()
+    display.summary({**summary, "eval_metric": "mean return", "groups_replayed": 60})
+    text = display.console.export_text()  # ...and with replay, a group's replays are counted beside it
+    assert "eval mean return " in text and "240 (+60 replays) / 0 / 0" in text
