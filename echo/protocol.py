@@ -158,13 +158,16 @@ class EvalSubmission(Message):
 
 # --- learner → worker ----------------------------------------------------------------------------
 
+Sha256 = Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{64})?$")]
+
 
 class TaskInfo(Message):
+    """The task the run trains, and the digest (`echo.dirfiles.digest`) of each model directory its
+    environment reads where it runs (option -> sha256: poker's LLM opponent), which a worker
+    holding no copy with that digest fetches from the learner (`GET /v1/task-dirs/<option>`)."""
     name: str
     options: dict[str, Any] = {}
-
-
-Sha256 = Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{64})?$")]
+    model_dirs: dict[str, Sha256] = {}
 
 
 class Announcement(Message):

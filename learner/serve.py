@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import sys
 from functools import partial
+from pathlib import Path
 
 from broadcast.star import BlobStore
+from echo import dirfiles
 from learner.accounting import Accounting
 from learner.admission import Waiters
 from learner.api import ControlApi, Run, link_table
@@ -85,11 +87,14 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         max_new_tokens=cfg.rollout.max_new_tokens, updates=lambda: driver.updates))
     # Scores eval answers always, and replays [verify] rescore_fraction of the uploaded episodes (the verifier picks).
     rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance, episodes=trainer.episodes)
+    # The task's own model directories (poker's LLM opponent), served to workers without the same copy.
+    task_dirs = {option: (Path(d), await asyncio.to_thread(dirfiles.digest, Path(d))) for option, d in task.model_dirs().items()}
     api = ControlApi(cfg, run_dir.token, run=run, buffer=buffer, lease_book=book, encode=trainer.encode,
                      vocab_size=trainer.vocab_size, model_dir=cfg.model.path, links=links, metrics=metrics,
                      waiters=waiters, evals=evaluation.book, on_eval=evaluation.finished, rescore=rescore,
                      broadcast=publisher.info, tickets=publisher.tickets, on_note=display.note, rollout=trainer.rollout_params(),
-                     lora=trainer.lora_info(keep=cfg.buffer.max_staleness + 2), machine_key=run_dir.machine_key)
+                     lora=trainer.lora_info(keep=cfg.buffer.max_staleness + 2), machine_key=run_dir.machine_key,
+                     task_dirs=task_dirs)
     evaluation.parts.quarantine = lambda worker_id, why: api.registry.quarantine_id(worker_id, "eval", why)
     url = await api.start(cfg.server.host, run_dir.port(cfg.server.port), reap_every=min(1.0, cfg.server.lease_ttl / 4))
     # The scheduler comes once the address is known: its provider hands it to the machines it starts.

@@ -8,6 +8,7 @@ silent too long) a call raises `Forgotten`, and the worker joins again.
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import quote
 
 import aiohttp
 import msgpack
@@ -100,6 +101,14 @@ class LearnerClient:
     async def model_files(self, weights: bool = False) -> dict[str, bytes]:
         async with await self._call("GET", "/v1/model?weights=1" if weights else "/v1/model") as resp:
             return msgpack.unpackb(await resp.read(), raw=False)
+
+    async def task_dir(self, option: str) -> dict[str, bytes]:
+        """One of the task's model directories (`TaskInfo.model_dirs`): {file name: bytes}."""
+        async with await self._call("GET", f"/v1/task-dirs/{quote(option, safe='')}") as resp:
+            files = msgpack.unpackb(await resp.read(), raw=False)
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in files.items()):
+            raise LearnerError(resp.status, "bad-task-dir", f"task.{option}: not a directory's files")
+        return files
 
     async def snapshot(self, info: BlobInfo) -> bytes:
         return await fetch_blob(self.session, f"{self.url}/v1/snapshots/{info.version}", info, headers=self._headers())

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import hashlib
 import logging
 import os
 import random
@@ -30,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from broadcast.star import BlobError, BlobInfo
-from echo import loopwatch
+from echo import dirfiles, loopwatch
 from echo import protocol as P
 from echo.chat import ChatError
 from echo.episodes import EpisodeError, Episodes
@@ -160,7 +159,7 @@ class Worker:
                 self.broadcast = joined.broadcast
                 if self.broadcast.mode == "chain":
                     await self._start_relay(client.worker_id)
-                self.task = await asyncio.to_thread(load_task, joined.task.name, joined.task.options)
+                self.task = await asyncio.to_thread(load_task, joined.task.name, await self._task_options(client, joined.task))
                 self.task.check_here()  # what its environment reads here (poker's LLM opponent), before any lease
                 e = self.cfg.engine
                 # LoRA runs: versions are adapters on the base, which this worker loads once (and
@@ -281,14 +280,32 @@ class Worker:
 
     async def _fetch_model_dir(self, client: LearnerClient, weights: bool = False) -> Path:
         files = await client.model_files(weights)
-        digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items()))).hexdigest()[:16]
-        path = self.cfg.worker.cache_dir / f"model-{digest}"
-        path.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            if "/" in name or name.startswith("."):
-                raise LearnerError(0, "bad-model-file", f"refusing model file name {name!r}")
-            (path / name).write_bytes(data)
-        return path
+        try:
+            return await asyncio.to_thread(dirfiles.write, files, self.cfg.worker.cache_dir, "model")
+        except ValueError as e:
+            raise LearnerError(0, "bad-model-file", f"the model directory: {e}") from None
+
+    async def _task_options(self, client: LearnerClient, info: P.TaskInfo) -> dict:
+        """The task's options, each of its model directories (poker's LLM opponent) pointing at a
+        copy here with the learner's digest: the one the option names where it digests the same,
+        else the learner's, fetched into the cache. An opponent that plays otherwise than the
+        learner's would make every replayed episode a reward mismatch, and this worker quarantined."""
+        options = dict(info.options)
+        for option, want in info.model_dirs.items():
+            local = Path(str(options.get(option) or ""))
+            if local.is_dir() and await asyncio.to_thread(dirfiles.digest, local) == want:
+                continue
+            files = await client.task_dir(option)
+            if dirfiles.files_digest(files) != want:
+                raise LearnerError(0, "bad-task-dir", f"task.{option} as the learner sent it does not digest to "
+                                                      "what its join reply said")
+            try:
+                options[option] = str(await asyncio.to_thread(dirfiles.write, files, self.cfg.worker.cache_dir, option))
+            except ValueError as e:
+                raise LearnerError(0, "bad-task-dir", f"task.{option}: {e}") from None
+            log.info("%s: task.%s fetched from the learner into %s (%s)", self.name, option, options[option],
+                     "this machine's copy differs" if local.is_dir() else f"no {local} here")
+        return options
 
     async def _start_relay(self, worker_id: str) -> None:
         from broadcast.relay import Relay

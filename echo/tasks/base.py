@@ -114,6 +114,11 @@ class Task(ABC):
         """Raise `TaskError` when something the task reads on this machine is missing (a model
         directory, a file): said before a run starts, not at its first episode."""
 
+    def model_dirs(self) -> dict[str, str]:
+        """The options naming a model directory the environment reads where it runs (option ->
+        directory): the learner serves each to workers that hold no copy of it (`echo.dirfiles`)."""
+        return {}
+
     @property
     def episodic(self) -> bool:
         """More than one turn: evaluated by return, not by a completion's reward."""

@@ -321,6 +321,9 @@ class PokerTask(Task):
         if "llm" in self.options.opponents:
             _opponent_here(self.options.opponent_model)
 
+    def model_dirs(self) -> dict[str, str]:
+        return {"opponent_model": self.options.opponent_model} if "llm" in self.options.opponents else {}
+
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(f"poker-train-{seed}")
         i = 0

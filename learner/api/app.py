@@ -165,10 +165,11 @@ class ControlApi:
                  evals: EvalBook | None = None, on_eval=lambda result: None, rescore=None, fleet=None,
                  broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None,
                  rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None, tickets=None,
-                 machine_key: str = ""):
+                 machine_key: str = "", task_dirs: dict[str, tuple[Path, str]] | None = None):
         self.cfg, self.token, self.run = cfg, token, run
         self.machine_key = machine_key  # what machine tokens are keyed by (`scheduler.providers`); "": none valid
         self.lora = lora  # LoRA mode: told at join; /v1/model then serves the base's weights too
+        self.task_dirs = task_dirs or {}  # option -> (directory, digest): the task's model directories (`Task.model_dirs`)
         r = cfg.rollout
         self.rollout = rollout or P.RolloutParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
                                                   temperature=r.temperature, top_p=r.top_p,
@@ -191,7 +192,7 @@ class ControlApi:
                               rescore=rescore, on_result=on_eval)
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,
                                  links=self.links, metrics=self.metrics, model_dir=model_dir, offload=self.offload,
-                                 serve_weights=lora is not None,
+                                 serve_weights=lora is not None, task_dirs={k: d for k, (d, _) in self.task_dirs.items()},
                                  metrics_from=[ipaddress.ip_network(n, strict=False) for n in cfg.server.metrics_from])
 
     def app(self) -> web.Application:
@@ -202,7 +203,7 @@ class ControlApi:
         auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused, self.registry.addresses,
                     [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies], self.machine_key)
         app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, self.rollout, self.run, self.broadcast,
-                                                           self.lora)))
+                                                           self.lora, {k: h for k, (_, h) in self.task_dirs.items()})))
         app.add_routes(self.leases.routes(auth))
         app.add_routes(self.uploads.routes(auth))
         app.add_routes(self.evals.routes(auth))

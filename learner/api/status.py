@@ -3,6 +3,7 @@
     GET  /v1/status          JSON status (run token)
     GET  /metrics            Prometheus
     GET  /v1/model           the model directory minus weights (config, tokenizer)
+    GET  /v1/task-dirs/NAME  a model directory the task's environment reads (poker's LLM opponent)
     GET  /v1/snapshots/...   versioned weights (broadcast.star)
 
 Reading is free of side effects; files are read on the `offload` threads.
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from broadcast.links import LinkTable
 from broadcast.star import add_star_routes
+from echo import dirfiles
 from learner.addresses import remember
 from learner.api.http import Auth, Refusal
 from learner.api.leases import LeaseRoom
@@ -42,8 +44,9 @@ MAX_SERVED_WEIGHTS = 2 << 30  # LoRA mode: the largest base /v1/model?weights=1 
 class StatusRoom:
     def __init__(self, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom, registry: WorkerRegistry,
                  links: LinkTable, metrics: LearnerMetrics, model_dir: Path, offload: Executor,
-                 metrics_from: list | None = None, serve_weights: bool = False):
+                 metrics_from: list | None = None, serve_weights: bool = False, task_dirs: dict[str, Path] | None = None):
         self.run, self.buffer, self.leases, self.registry = run, buffer, leases, registry
+        self.task_dirs = task_dirs or {}  # option -> the directory (`Task.model_dirs`), served whole
         self.metrics_from = metrics_from or []  # networks /metrics answers without the run token
         self.links, self.metrics, self.model_dir, self.offload = links, metrics, model_dir, offload
         self.serve_weights = serve_weights  # LoRA mode: workers without [engine] base_dir fetch the base here
@@ -100,6 +103,15 @@ class StatusRoom:
             files.update({p.name: p.read_bytes() for p in paths})
         return msgpack.packb(files, use_bin_type=True)
 
+    def task_dir_files(self, option: str) -> bytes:
+        """A task's model directory, weights and all, up to `MAX_SERVED_WEIGHTS` (a larger one:
+        each worker keeps its own copy, which the join reply's digest checks)."""
+        path = self.task_dirs[option]
+        if dirfiles.size(path) > MAX_SERVED_WEIGHTS:
+            raise Refusal(413, "too-large", f"task.{option} is over {MAX_SERVED_WEIGHTS >> 30} GiB, too large to serve: "
+                                            f"copy it to the worker and set task.{option} there (its digest is checked)")
+        return msgpack.packb(dirfiles.read(path), use_bin_type=True)
+
     def add_routes(self, app: web.Application, auth: Auth) -> None:
         async def status(request: web.Request) -> web.Response:
             auth.run_token(request)
@@ -121,7 +133,24 @@ class StatusRoom:
             data = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files, weights)
             return web.Response(body=data, content_type="application/msgpack")
 
+        async def task_dir(request: web.Request) -> web.Response:
+            """A joined worker's copy of a task directory, each at most MAX_SNAPSHOT_DOWNLOADS times."""
+            worker = auth.worker(request)
+            option = request.match_info["option"]
+            if option not in self.task_dirs:
+                raise Refusal(404, "no-task-dir", f"this run's task serves no directory {option[:64]!r} "
+                                                  f"(it serves: {', '.join(self.task_dirs) or 'none'})")
+            key = f"{worker.id} task {option}"
+            count = self.downloads.get(key, 0) + 1
+            if count > MAX_SNAPSHOT_DOWNLOADS:
+                raise Refusal(429, "downloads", f"task.{option} was already downloaded {MAX_SNAPSHOT_DOWNLOADS} times "
+                                                "by this worker; use the copy you have")
+            remember(self.downloads, key, count)
+            data = await asyncio.get_running_loop().run_in_executor(self.offload, self.task_dir_files, option)
+            return web.Response(body=data, content_type="application/msgpack")
+
         app.router.add_get("/v1/model", model_files)
+        app.router.add_get("/v1/task-dirs/{option}", task_dir)
         app.router.add_get("/v1/status", status)
         app.router.add_get("/metrics", metrics)
         def snapshot_reader(request: web.Request) -> None:

@@ -391,15 +391,17 @@ class WorkerRegistry:
 
 
 def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, run: Run, broadcast: P.BroadcastInfo,
-            lora: P.LoraInfo | None = None):
+            lora: P.LoraInfo | None = None, task_dirs: dict[str, str] | None = None):
     """The join reply's maker: what a new worker needs to start (`broadcast`: how versions travel,
-    with the worker's own read ticket)."""
+    with the worker's own read ticket; `task_dirs`: the digest of each of the task's model directories)."""
+    info = P.TaskInfo(name=task.name, options=task.options, model_dirs=task_dirs or {})
+
     def make(worker_id: str, credential: str, read_token: str = "") -> P.JoinReply:
         return P.JoinReply(
             worker_id=worker_id, credential=credential,
             broadcast=broadcast.model_copy(update={"read_token": read_token}) if read_token else broadcast,
             heartbeat_interval=server.heartbeat_interval, lease_ttl=server.lease_ttl,
-            long_poll_s=server.long_poll_s, task=P.TaskInfo(name=task.name, options=task.options),
+            long_poll_s=server.long_poll_s, task=info,
             rollout=rollout, snapshot=run.announcement, lora=lora)
     return make
 

@@ -14,6 +14,7 @@ import threading
 import time
 import zlib
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
@@ -76,10 +77,10 @@ class Api:
         return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
 
 
-def run_api(tokenizer, test, tmp_path, evals=None, encode=None, **overrides):
+def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, **overrides):
     """Serve the control API with `overrides` ({"section.key": value}) and run `test(api)`;
     `evals`: an `EvalBook` the workers answer, each finished round appended to `api.state.results`;
-    `encode`: a prompt's token ids (default: the tokenizer's)."""
+    `encode`: a prompt's token ids (default: the tokenizer's); `task_dirs`: the task's model directories."""
     args = [a for k, v in overrides.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
     cfg = load_config(LearnerConfig, None, ["--server.token", TOKEN, "--rollout.group_size", "4",
                                             "--rollout.max_new_tokens", "8", *args])
@@ -96,7 +97,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, encode=None, **overrides):
         control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases,
                              encode=encode or (lambda prompt: tokenizer(prompt.text)["input_ids"]), vocab_size=len(tokenizer),
                              model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
-                             evals=evals, on_eval=results.append, machine_key=MACHINE_KEY)
+                             evals=evals, on_eval=results.append, machine_key=MACHINE_KEY, task_dirs=task_dirs)
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
@@ -1335,3 +1336,61 @@ def test_a_second_content_encoding_header_is_refused_and_nothing_is_inflated(tok
         assert status == 200 and time.monotonic() - t < 3.0  # inflating it: ~8 s on 2 cores
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_a_worker_gets_the_tasks_model_directory_from_the_learner_unless_its_own_copy_digests_the_same(tokenizer, tmp_path):
+    """Poker's LLM opponent is a model directory the environment reads on the worker. A worker on
+    another machine had none (`check_here` refused to start); one with another build of it would
+    play other opponent moves than the learner replays, every checked episode a mismatch. The
+    join reply names its digest; a worker without that copy fetches the learner's, checked."""
+    from echo import dirfiles
+    from worker.client import LearnerClient, LearnerError
+    from worker.config import WorkerConfig
+    from worker.rollout import Worker
+
+    opponent = tmp_path / "opponent"
+    opponent.mkdir()
+    (opponent / "config.json").write_text('{"model_type": "qwen2"}')
+    (opponent / "model.safetensors").write_bytes(b"\x01" * 100_000)
+    digest = dirfiles.digest(opponent)
+
+    async def test(api: Api):
+        worker = Worker(load_config(WorkerConfig, None, ["--worker.cache_dir", str(tmp_path / "cache")]), api.url, TOKEN)
+        client = LearnerClient(api.session, api.url, TOKEN)
+        joined = await client.join(P.Report(name="w"))
+        assert joined.task.model_dirs == {"opponent_model": digest}
+        # No copy here (the learner's relative path names nothing on this machine): the learner's, fetched.
+        info = joined.task.model_copy(update={"options": {"opponent_model": "models/no-such-dir"}})
+        fetched = Path((await worker._task_options(client, info))["opponent_model"])
+        assert fetched.parent == tmp_path / "cache" and dirfiles.digest(fetched) == digest
+        # Its own copy, the same files: kept, nothing fetched.
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        for name, data in dirfiles.read(opponent).items():
+            (mine / name).write_bytes(data)
+        info = joined.task.model_copy(update={"options": {"opponent_model": str(mine)}})
+        assert (await worker._task_options(client, info))["opponent_model"] == str(mine)
+        # Another build of it: replaced by the learner's.
+        (mine / "model.safetensors").write_bytes(b"\x02" * 100_000)
+        assert Path((await worker._task_options(client, info))["opponent_model"]) == fetched
+        # The route: a joined worker only, a directory the task declares only, a few times each.
+        async def get(path: str, token: str) -> tuple[int, dict]:
+            async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {token}"}) as resp:
+                return resp.status, await resp.json()
+
+        assert (await get("/v1/task-dirs/opponent_model", TOKEN))[0] == 401  # the run token is not a worker
+        status, body = await get("/v1/task-dirs/..%2F..%2Fetc", client.credential)
+        assert status == 404 and body["error"] == "no-task-dir" and "opponent_model" in body["message"]
+        for _ in range(2):  # the third and fourth downloads (MAX_SNAPSHOT_DOWNLOADS)
+            await client.task_dir("opponent_model")
+        with pytest.raises(LearnerError) as refused:
+            await client.task_dir("opponent_model")
+        assert refused.value.status == 429 and refused.value.reason == "downloads"
+        # What the learner sends is checked against what its join reply said.
+        info = P.TaskInfo(name="poker", options={}, model_dirs={"opponent_model": "0" * 64})
+        other = LearnerClient(api.session, api.url, TOKEN)
+        await other.join(P.Report(name="w2"))
+        with pytest.raises(LearnerError, match="does not digest"):
+            await worker._task_options(other, info)
+
+    run_api(tokenizer, test, tmp_path, task_dirs={"opponent_model": (opponent, digest)})
