@@ -22,9 +22,11 @@ import asyncio
 import json
 import logging
 import time
+from http import HTTPStatus
 from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from broadcast.manifest import BroadcastError, Buffer
 from broadcast.route import SignedRoute
@@ -130,7 +132,7 @@ class Node:
         app.add_routes(self._routes() + [r for t in own for r in t.routes()])
         # A connection that sends no whole request in this long (slow headers, idle) is closed.
         # auto_decompress=False: nothing here takes a compressed body, and aiohttp would inflate a gzip one unbounded
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT_S, auto_decompress=False)
+        self._runner = QuietRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT_S, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -357,6 +359,60 @@ async def no_version_banner(request: web.Request, response: web.StreamResponse) 
     """`Server: echo`, not aiohttp's `Python/3.x aiohttp/3.y.z`: which versions (and so which of
     their published faults) a server runs is none of a client's business."""
     response.headers["Server"] = "echo"
+
+
+def _plain_text(status: int) -> web.Response:
+    return web.Response(status=status, text=f"{status} {HTTPStatus(status).phrase}")
+
+
+class _QuietParserErrors(RequestHandler):
+    __slots__ = ()  # aiohttp's layout: a handler aiohttp made becomes one (`QuietRunner`)
+    answer = staticmethod(_plain_text)
+    rejected = None
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        super().handle_error(request, status, exc, message)  # logs it, or raises where a reply already began
+        if status == HTTPStatus.BAD_REQUEST and self.rejected is not None:
+            self.rejected.labels("malformed-http").inc()
+        response = self.answer(status)
+        response.headers["Server"] = "echo"
+        response.force_close()
+        return response
+
+
+class _Handlers:
+    """aiohttp's protocol factory (its `web.Server`), each request handler it makes of class `cls`."""
+
+    def __init__(self, server, cls: type):
+        self.server, self.cls = server, cls
+
+    def __getattr__(self, name):  # shutdown, connections, ...: the wrapped server's
+        return getattr(self.server, name)
+
+    def __call__(self, *args, **kwargs):
+        handler = self.server(*args, **kwargs)
+        try:
+            handler.__class__ = self.cls
+        except TypeError:  # another aiohttp, whose handler has another layout: its own answers, then
+            pass
+        return handler
+
+
+class QuietRunner(web.AppRunner):
+    """An AppRunner whose request handlers answer what aiohttp's parser refuses (a bad method, a
+    NUL in a header: before any route, middleware or `no_version_banner` runs) with
+    `answer(status)` and `Server: echo`, counted in `rejected` (a Prometheus counter by reason) as
+    `malformed-http`. aiohttp's own answer carried its version and echoed the rejected line back
+    to the sender, and a bad method went uncounted (aiohttp logs it at debug level only)."""
+
+    def __init__(self, app: web.Application, answer: Callable[[int], web.Response] | None = None, rejected=None,
+                 **kwargs):
+        super().__init__(app, **kwargs)
+        attrs = {"__slots__": (), "rejected": rejected, **({"answer": staticmethod(answer)} if answer else {})}
+        self.handler_class = type("QuietParserErrors", (_QuietParserErrors,), attrs)
+
+    async def _make_server(self):
+        return _Handlers(await super()._make_server(), self.handler_class)
 
 
 @web.middleware

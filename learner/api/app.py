@@ -15,18 +15,19 @@ import logging
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
 from pathlib import Path
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from broadcast.links import MBIT, LinkTable
-from broadcast.node import no_version_banner
+from broadcast.node import QuietRunner, no_version_banner
 from echo import protocol as P
 from learner.addresses import address_key, prefix48
 from learner.admission import Waiters
 from learner.api.evals import EvalRoom
-from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json
+from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json, json_error
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.api.status import StatusRoom
@@ -124,31 +125,33 @@ class _Counted(asyncio.Protocol):
 
 
 class MalformedRequests(logging.Filter):
-    """Counts, instead of logging, aiohttp's "Error handling request" for a request it could not
-    parse (a negative Content-Length, a bad header...): each was a 540-byte traceback in the
-    learner's log, so anyone could write 0.4 MB/s to the operator's disk without a credential."""
-
-    def __init__(self, counter):
-        super().__init__()
-        self.counter = counter
+    """Drops aiohttp's "Error handling request" for a request it could not parse (a negative
+    Content-Length, a bad header...), counted instead (`broadcast.node.QuietRunner`): each was a 540-byte
+    traceback in the learner's log, so anyone could write 0.4 MB/s to the operator's disk
+    without a credential."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError) and exc.code == 400:
-            self.counter.labels("malformed-http").inc()
-            return False
-        return True
+        return not (isinstance(exc, HttpProcessingError) and exc.code == 400)
 
 
-class CappedRunner(web.AppRunner):
-    """An AppRunner whose server is wrapped in a `ConnectionCap`."""
+class CappedRunner(QuietRunner):
+    """A `QuietRunner` (what aiohttp's parser refuses answered as JSON) whose server is wrapped in a
+    `ConnectionCap`."""
 
-    def __init__(self, app: web.Application, limit: int, trusted: list, per_48: int = 8, **kwargs):
-        super().__init__(app, **kwargs)
+    def __init__(self, app: web.Application, limit: int, trusted: list, per_48: int = 8, rejected=None, **kwargs):
+        super().__init__(app, answer=_unreadable, rejected=rejected, **kwargs)
         self.cap_limit, self.cap_trusted, self.cap_per_48 = limit, trusted, per_48
 
     async def _make_server(self):
         return ConnectionCap(await super()._make_server(), self.cap_limit, self.cap_trusted, self.cap_per_48)
+
+
+def _unreadable(status: int) -> web.Response:
+    """What aiohttp's parser refused, as the routes refuse: JSON, nothing of the request."""
+    if status == HTTPStatus.BAD_REQUEST:
+        return json_error(status, "malformed-http", "the request could not be read as HTTP")
+    return json_error(status, "server-error", HTTPStatus(status).phrase)
 
 
 class ControlApi:
@@ -225,12 +228,11 @@ class ControlApi:
         No body is inflated by HTTP (`auto_decompress=False`): a gzip body declaring nothing was
         inflated whole, 2.5 GiB from 2.5 MiB, before any handler could refuse it."""
         server_log = logging.getLogger("aiohttp.server")
-        for old in [f for f in server_log.filters if isinstance(f, MalformedRequests)]:
-            server_log.removeFilter(old)  # one per process: this API's counter
-        server_log.addFilter(MalformedRequests(self.metrics.rejected))
+        if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
+            server_log.addFilter(MalformedRequests())
         return CappedRunner(self.app(), CONNECTIONS_PER_WORKER * self.cfg.server.max_workers_per_address,
                             [ipaddress.ip_network(n, strict=False) for n in self.cfg.server.trusted_proxies],
-                            self.cfg.server.max_64s_per_48,
+                            self.cfg.server.max_64s_per_48, rejected=self.metrics.rejected,
                             access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s, auto_decompress=False)
 
     async def start(self, host: str, port: int, reap_every: float) -> str:

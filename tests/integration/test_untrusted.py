@@ -1394,3 +1394,21 @@ def test_a_worker_gets_the_tasks_model_directory_from_the_learner_unless_its_own
             await worker._task_options(other, info)
 
     run_api(tokenizer, test, tmp_path, task_dirs={"opponent_model": (opponent, digest)})
+
+
+def test_what_aiohttps_parser_refuses_is_answered_as_json_without_its_version_or_the_request(tokenizer, tmp_path):
+    """A request line or header aiohttp cannot parse is refused before any route or middleware
+    runs: it answered in plain text, `Server: Python/3.11 aiohttp/3.x`, echoing the rejected line
+    back. Now: JSON like every refusal, `Server: echo`, nothing of the request, and counted."""
+    async def test(api: Api):
+        for head in (b"GE\x01T /v1/status HTTP/1.1\r\nHost: x\r\n",  # a bad method
+                     b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Echo-Me: a\x00b\r\n",  # a NUL in a header
+                     b"GET /v1/status HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n"):
+            status, headers, body = await _raw(api.url, head)
+            assert status == 400 and headers["server"] == "echo", (head, headers)
+            assert json.loads(body)["error"] == "malformed-http" and b"Echo-Me" not in body and b"GE" not in body, body
+        assert api.metric('echo_trajectories_rejected_total{reason="malformed-http"}') == 3
+        status, headers, _ = await _raw(api.url, b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")  # still serving
+        assert status == 401 and headers["server"] == "echo"
+
+    run_api(tokenizer, test, tmp_path)

@@ -187,3 +187,31 @@ def test_a_refused_request_leaves_nothing_for_the_collector():
             await src.stop()
 
     assert asyncio.run(run()) == []
+
+
+def test_what_aiohttps_parser_refuses_is_answered_without_its_version_or_the_request():
+    """A source's or relay's answer to a request aiohttp cannot parse (before any route or
+    middleware runs) carried `Server: Python/3.x aiohttp/3.y` and echoed the rejected line."""
+    from urllib.parse import urlsplit
+
+    async def raw(url: str, head: bytes) -> tuple[bytes, bytes]:
+        u = urlsplit(url)
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        writer.write(head + b"\r\n")
+        answer = await reader.read()  # the connection is closed after it
+        writer.close()
+        return answer.partition(b"\r\n\r\n")[::2]
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        try:
+            return [await raw(src.url, head) for head in (b"GE\x01T /bcast/v1/status HTTP/1.1\r\nHost: x\r\n",
+                                                           b"GET /bcast/v1/status HTTP/1.1\r\nHost: x\r\nX-Me: a\x00b\r\n")]
+        finally:
+            await src.stop()
+
+    for head, body in asyncio.run(run()):
+        assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0], head
+        assert b"\r\nServer: echo" in head and b"aiohttp" not in head, head
+        assert body == b"400 Bad Request", body
