@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         from learner.rundir import latest_checkpoint
 
+        every = cfg.run.checkpoint_every
         kept = (f"keeps the last checkpoint (continue with --resume {run_dir})" if latest_checkpoint(run_dir.path)
-                else "holds no checkpoint yet (the first comes at [run] checkpoint_every; start the run again)")
+                else f"holds no checkpoint yet (the first comes after {every} updates; start the run again)" if every
+                else "holds no checkpoint ([run] checkpoint_every = 0 saves one only at the end; start the run again)")
         print(f"echo-learner: interrupted; the run directory {run_dir} {kept}", file=sys.stderr)
         return 130
     finally:

@@ -558,3 +558,4 @@ def test_echo_learner_serves_on_uvloop_and_a_sigterm_ends_it_like_ctrl_c(learner
     assert lp.proc.wait(30) == 130, lp.output()[-3000:]
     out = lp.output()
     assert f"interrupted; the run directory {lp.run_dir}" in out and "Traceback" not in out, out[-3000:]
+    assert "checkpoint_every = 0 saves one only at the end" in out  # not "the first comes at [run] checkpoint_every"
