@@ -10,6 +10,7 @@ plays differently than the learner's makes every replayed episode a reward misma
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -17,11 +18,11 @@ def _listed(path: Path) -> list[Path]:
     return sorted(p for p in Path(path).iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def digest(path: Path) -> str:
-    """sha256 over a directory's top-level files (name and sha256 of each, sorted), read in
-    chunks: the same as `files_digest` of what `read` returns."""
+def digest(path: Path, only: Callable[[str], bool] = lambda name: True) -> str:
+    """sha256 over a directory's top-level files (name and sha256 of each, sorted; `only` those
+    whose name it picks), read in chunks: the same as `files_digest` of what `read` returns."""
     outer = hashlib.sha256()
-    for p in _listed(path):
+    for p in (p for p in _listed(path) if only(p.name)):
         inner = hashlib.sha256()
         with open(p, "rb") as f:
             while chunk := f.read(1 << 24):

@@ -22,11 +22,12 @@ full snapshots. The blob is signed (chain) or checked by sha256 (star) like any 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from echo import dirfiles
 
 ADAPTER_KIND = "echo-lora-adapter/1"
 PROBE_LEN = 8  # prompt and completion tokens of the probe (the same as the full-snapshot probe)
@@ -60,18 +61,10 @@ def format_probe(values: list[float]) -> str:
 def base_digest(model_dir: Path) -> str:
     """sha256 over the base's weight files (name and sha256 of each, sorted): the same for any
     copy of the same checkpoint. Reads every weight byte once (about a minute for 16 GB)."""
-    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-    if not files:
+    if not any(p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) for p in Path(model_dir).iterdir()):
         raise FileNotFoundError(f"{model_dir} has no weight files ({', '.join(WEIGHT_SUFFIXES)}): LoRA mode needs "
                                 "the base model's weights")
-    outer = hashlib.sha256()
-    for p in files:
-        inner = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                inner.update(chunk)
-        outer.update(p.name.encode() + b"\0" + inner.hexdigest().encode() + b"\n")
-    return outer.hexdigest()
+    return dirfiles.digest(model_dir, only=lambda name: name.endswith(WEIGHT_SUFFIXES))
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,14 @@ class StatusRoom:
             files.update({p.name: p.read_bytes() for p in paths})
         return msgpack.packb(files, use_bin_type=True)
 
+    def _count_download(self, key: str, what: str, advice: str) -> None:
+        """One more download of `key`: past MAX_SNAPSHOT_DOWNLOADS, refused (429 `downloads`)."""
+        count = self.downloads.get(key, 0) + 1
+        if count > MAX_SNAPSHOT_DOWNLOADS:
+            raise Refusal(429, "downloads", f"{what} was already downloaded {MAX_SNAPSHOT_DOWNLOADS} times by this "
+                                            f"worker; {advice}")
+        remember(self.downloads, key, count)
+
     def task_dir_files(self, option: str) -> bytes:
         """A task's model directory, weights and all, up to `MAX_SERVED_WEIGHTS` (a larger one:
         each worker keeps its own copy, which the join reply's digest checks)."""
@@ -140,12 +148,7 @@ class StatusRoom:
             if option not in self.task_dirs:
                 raise Refusal(404, "no-task-dir", f"this run's task serves no directory {option[:64]!r} "
                                                   f"(it serves: {', '.join(self.task_dirs) or 'none'})")
-            key = f"{worker.id} task {option}"
-            count = self.downloads.get(key, 0) + 1
-            if count > MAX_SNAPSHOT_DOWNLOADS:
-                raise Refusal(429, "downloads", f"task.{option} was already downloaded {MAX_SNAPSHOT_DOWNLOADS} times "
-                                                "by this worker; use the copy you have")
-            remember(self.downloads, key, count)
+            self._count_download(f"{worker.id} task {option}", f"task.{option}", "use the copy you have")
             data = await asyncio.get_running_loop().run_in_executor(self.offload, self.task_dir_files, option)
             return web.Response(body=data, content_type="application/msgpack")
 
@@ -163,11 +166,7 @@ class StatusRoom:
             version = request.match_info.get("version")
             if version is None:  # /latest: a few bytes of JSON
                 return
-            key = f"{reader} {version}"
-            count = self.downloads.get(key, 0) + 1
-            if count > MAX_SNAPSHOT_DOWNLOADS:
-                raise Refusal(429, "downloads", f"version {version[:24]} was already downloaded {MAX_SNAPSHOT_DOWNLOADS} "
-                                                "times by this worker; install the copy you have, or the next version")
-            remember(self.downloads, key, count)
+            self._count_download(f"{reader} {version}", f"version {version[:24]}",
+                                 "install the copy you have, or the next version")
 
         add_star_routes(app, self.run.blobs, "/v1/snapshots", snapshot_reader)
