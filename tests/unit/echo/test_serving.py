@@ -99,3 +99,19 @@ def test_a_signal_stops_the_served_coroutine_through_its_finally_without_a_trace
     out, err = p.communicate(timeout=20)
     assert p.returncode == 130 and out == "cleaned up\ninterrupted\n", (out, err)
     assert "Traceback" not in err, err
+
+
+def test_a_second_signal_ends_a_stop_that_hangs():
+    """The first signal's cleanup may hang (a provider that never answers): a second Ctrl-C ends
+    the process anyway."""
+    hanging = STOPPABLE.replace("await asyncio.sleep(0.05)  # a stop's", "await asyncio.sleep(3600)  # a stop's")
+    p = subprocess.Popen([sys.executable, "-c", hanging], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=ROOT)
+    assert p.stdout.readline() == "serving\n"
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert p.poll() is None  # cleaning up, as long as that takes
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 130 and out.endswith("interrupted\n"), (out, err)
