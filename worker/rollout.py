@@ -292,8 +292,9 @@ class Worker:
         learner's would make every replayed episode a reward mismatch, and this worker quarantined."""
         options = dict(info.options)
         for option, want in info.model_dirs.items():
-            local = Path(str(options.get(option) or ""))
-            if local.is_dir() and await asyncio.to_thread(dirfiles.digest, local) == want:
+            named = str(options.get(option) or "")
+            here = bool(named) and Path(named).is_dir()  # (Path("") would be the working directory)
+            if here and await asyncio.to_thread(dirfiles.digest, Path(named)) == want:
                 continue
             files = await client.task_dir(option)
             if dirfiles.files_digest(files) != want:
@@ -304,7 +305,7 @@ class Worker:
             except ValueError as e:
                 raise LearnerError(0, "bad-task-dir", f"task.{option}: {e}") from None
             log.info("%s: task.%s fetched from the learner into %s (%s)", self.name, option, options[option],
-                     "this machine's copy differs" if local.is_dir() else f"no {local} here")
+                     "this machine's copy differs" if here else f"no copy at {named!r} here")
         return options
 
     async def _start_relay(self, worker_id: str) -> None:

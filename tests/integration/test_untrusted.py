@@ -1373,6 +1373,9 @@ def test_a_worker_gets_the_tasks_model_directory_from_the_learner_unless_its_own
         # Another build of it: replaced by the learner's.
         (mine / "model.safetensors").write_bytes(b"\x02" * 100_000)
         assert Path((await worker._task_options(client, info))["opponent_model"]) == fetched
+        # None named (not the working directory, which Path("") is): the learner's.
+        info = joined.task.model_copy(update={"options": {"opponent_model": ""}})
+        assert Path((await worker._task_options(client, info))["opponent_model"]) == fetched
         # The route: a joined worker only, a directory the task declares only, a few times each.
         async def get(path: str, token: str) -> tuple[int, dict]:
             async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {token}"}) as resp:
@@ -1381,8 +1384,7 @@ def test_a_worker_gets_the_tasks_model_directory_from_the_learner_unless_its_own
         assert (await get("/v1/task-dirs/opponent_model", TOKEN))[0] == 401  # the run token is not a worker
         status, body = await get("/v1/task-dirs/..%2F..%2Fetc", client.credential)
         assert status == 404 and body["error"] == "no-task-dir" and "opponent_model" in body["message"]
-        for _ in range(2):  # the third and fourth downloads (MAX_SNAPSHOT_DOWNLOADS)
-            await client.task_dir("opponent_model")
+        await client.task_dir("opponent_model")  # the fourth download (MAX_SNAPSHOT_DOWNLOADS)
         with pytest.raises(LearnerError) as refused:
             await client.task_dir("opponent_model")
         assert refused.value.status == 429 and refused.value.reason == "downloads"
