@@ -46,12 +46,13 @@ def read(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in _listed(path)}
 
 
-def write(files: dict[str, bytes], cache: Path, prefix: str) -> Path:
-    """`files` as `cache/<prefix>-<digest>`; a name that is not a plain file name is refused."""
+def write(files: dict[str, bytes], cache: Path, prefix: str, digest: str | None = None) -> Path:
+    """`files` as `cache/<prefix>-<digest>` (`digest`: their `files_digest`, where the caller has
+    it already); a name that is not a plain file name is refused."""
     for name in files:
         if not name or "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
             raise ValueError(f"refusing file name {name!r}")
-    path = cache / f"{prefix}-{files_digest(files)[:16]}"
+    path = cache / f"{prefix}-{(digest or files_digest(files))[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (path / name).write_bytes(data)

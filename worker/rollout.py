@@ -297,11 +297,11 @@ class Worker:
             if here and await asyncio.to_thread(dirfiles.digest, Path(named)) == want:
                 continue
             files = await client.task_dir(option)
-            if dirfiles.files_digest(files) != want:
+            if await asyncio.to_thread(dirfiles.files_digest, files) != want:  # up to 2 GiB: not on the loop
                 raise LearnerError(0, "bad-task-dir", f"task.{option} as the learner sent it does not digest to "
                                                       "what its join reply said")
             try:
-                options[option] = str(await asyncio.to_thread(dirfiles.write, files, self.cfg.worker.cache_dir, option))
+                options[option] = str(await asyncio.to_thread(dirfiles.write, files, self.cfg.worker.cache_dir, option, want))
             except ValueError as e:
                 raise LearnerError(0, "bad-task-dir", f"task.{option}: {e}") from None
             log.info("%s: task.%s fetched from the learner into %s (%s)", self.name, option, options[option],
