@@ -212,12 +212,13 @@ class Auth:
         if ip is None or not any(ip in net for net in networks):
             self.run_token(request)
 
-    def anyone(self, request: web.Request) -> None:
-        """Model files and snapshots: any worker, or the operator with the run token."""
+    def anyone(self, request: web.Request) -> str:
+        """Model files and snapshots: any worker, or the operator with the run token. Who reads,
+        for counting downloads: the worker's id, else the address."""
         if "." in self.bearer(request):
-            self.worker(request)
-        else:
-            self.run_token(request, machines=True)  # a provider's machine (echo-worker doctor) may read them too
+            return self.worker(request).id
+        self.run_token(request, machines=True)  # a provider's machine (echo-worker doctor) may read them too
+        return self.address(request)
 
 
 def refuse_quarantined(worker) -> None:

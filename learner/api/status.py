@@ -18,7 +18,6 @@ import time
 from concurrent.futures import Executor
 from pathlib import Path
 
-import msgpack
 from aiohttp import web
 
 from broadcast.links import LinkTable
@@ -90,18 +89,18 @@ class StatusRoom:
             built = self._views[full] = (now, json.dumps(view).encode())
         return built[1]
 
-    def model_files(self, weights: bool = False) -> bytes:
+    def model_files(self, weights: bool = False) -> dirfiles.Packed:
         """Config and tokenizer files; with `weights` (LoRA mode only) the base's weight files too,
         up to `MAX_SERVED_WEIGHTS` (a larger base: workers set [engine] base_dir)."""
-        files = {p.name: p.read_bytes() for p in sorted(self.model_dir.iterdir())
-                 if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size < (64 << 20)}
+        listed = dirfiles.listed(self.model_dir)
+        paths = [p for p in listed if not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size < (64 << 20)]
         if weights and self.serve_weights:
-            paths = [p for p in sorted(self.model_dir.iterdir()) if p.is_file() and p.name.endswith((".safetensors", ".bin"))]
-            if sum(p.stat().st_size for p in paths) > MAX_SERVED_WEIGHTS:
-                raise web.HTTPRequestEntityTooLarge(max_size=MAX_SERVED_WEIGHTS, actual_size=sum(p.stat().st_size for p in paths),
-                                                    text="the base is too large to serve: set [engine] base_dir on the worker")
-            files.update({p.name: p.read_bytes() for p in paths})
-        return msgpack.packb(files, use_bin_type=True)
+            base = [p for p in listed if p.name.endswith((".safetensors", ".bin"))]
+            if sum(p.stat().st_size for p in base) > MAX_SERVED_WEIGHTS:
+                raise Refusal(413, "too-large", f"the base is over {MAX_SERVED_WEIGHTS >> 30} GiB, too large to serve: "
+                                                "set [engine] base_dir on the worker")
+            paths += base
+        return dirfiles.Packed(paths)
 
     def _count_download(self, key: str, what: str, advice: str) -> None:
         """One more download of `key`: past MAX_SNAPSHOT_DOWNLOADS, refused (429 `downloads`)."""
@@ -111,14 +110,32 @@ class StatusRoom:
                                             f"worker; {advice}")
         remember(self.downloads, key, count)
 
-    def task_dir_files(self, option: str) -> bytes:
+    def task_dir_files(self, option: str) -> dirfiles.Packed:
         """A task's model directory, weights and all, up to `MAX_SERVED_WEIGHTS` (a larger one:
         each worker keeps its own copy, which the join reply's digest checks)."""
         path = self.task_dirs[option]
         if dirfiles.size(path) > MAX_SERVED_WEIGHTS:
             raise Refusal(413, "too-large", f"task.{option} is over {MAX_SERVED_WEIGHTS >> 30} GiB, too large to serve: "
                                             f"copy it to the worker and set task.{option} there (its digest is checked)")
-        return msgpack.packb(dirfiles.read(path), use_bin_type=True)
+        return dirfiles.Packed(dirfiles.listed(path))
+
+    async def send(self, request: web.Request, packed: dirfiles.Packed) -> web.StreamResponse:
+        """`packed` read on the offload threads a chunk at a time, each written before the next is
+        read: what a reader that stops reading holds is one chunk, not the directory."""
+        loop = asyncio.get_running_loop()
+        resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})
+        resp.content_length = packed.size
+        await resp.prepare(request)
+        pieces = packed.chunks()
+        try:
+            while (piece := await loop.run_in_executor(self.offload, next, pieces, None)) is not None:
+                await resp.write(piece)
+            await resp.write_eof()
+        except ConnectionResetError:  # the reader went away: nothing more to send, nothing to log
+            pass
+        finally:
+            pieces.close()  # the open file with it
+        return resp
 
     def add_routes(self, app: web.Application, auth: Auth) -> None:
         async def status(request: web.Request) -> web.Response:
@@ -136,10 +153,13 @@ class StatusRoom:
             return web.Response(body=self.metrics.exposition(), content_type="text/plain")
 
         async def model_files(request: web.Request) -> web.Response:
-            auth.anyone(request)
-            weights = request.query.get("weights") == "1"
-            data = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files, weights)
-            return web.Response(body=data, content_type="application/msgpack")
+            weights = request.query.get("weights") == "1" and self.serve_weights
+            reader = auth.anyone(request)
+            if weights:  # a base of up to 2 GiB: a few times per reader, as a snapshot
+                self._count_download(f"{reader} base", "the base model", "use the copy you have, or set "
+                                                                         "[engine] base_dir")
+            packed = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files, weights)
+            return await self.send(request, packed)
 
         async def task_dir(request: web.Request) -> web.Response:
             """A joined worker's copy of a task directory, each at most MAX_SNAPSHOT_DOWNLOADS times."""
@@ -149,8 +169,8 @@ class StatusRoom:
                 raise Refusal(404, "no-task-dir", f"this run's task serves no directory {option[:64]!r} "
                                                   f"(it serves: {', '.join(self.task_dirs) or 'none'})")
             self._count_download(f"{worker.id} task {option}", f"task.{option}", "use the copy you have")
-            data = await asyncio.get_running_loop().run_in_executor(self.offload, self.task_dir_files, option)
-            return web.Response(body=data, content_type="application/msgpack")
+            packed = await asyncio.get_running_loop().run_in_executor(self.offload, self.task_dir_files, option)
+            return await self.send(request, packed)
 
         app.router.add_get("/v1/model", model_files)
         app.router.add_get("/v1/task-dirs/{option}", task_dir)
@@ -158,11 +178,7 @@ class StatusRoom:
         app.router.add_get("/metrics", metrics)
         def snapshot_reader(request: web.Request) -> None:
             """Anyone `auth.anyone` admits, each version at most MAX_SNAPSHOT_DOWNLOADS times."""
-            if "." in auth.bearer(request):
-                reader = auth.worker(request).id
-            else:
-                auth.run_token(request, machines=True)
-                reader = auth.address(request)
+            reader = auth.anyone(request)
             version = request.match_info.get("version")
             if version is None:  # /latest: a few bytes of JSON
                 return

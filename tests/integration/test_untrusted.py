@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -77,10 +78,11 @@ class Api:
         return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
 
 
-def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, **overrides):
+def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, lora=None, **overrides):
     """Serve the control API with `overrides` ({"section.key": value}) and run `test(api)`;
     `evals`: an `EvalBook` the workers answer, each finished round appended to `api.state.results`;
-    `encode`: a prompt's token ids (default: the tokenizer's); `task_dirs`: the task's model directories."""
+    `encode`: a prompt's token ids (default: the tokenizer's); `task_dirs`: the task's model
+    directories; `lora`: LoRA mode (`P.LoraInfo`), where /v1/model serves the base's weights."""
     args = [a for k, v in overrides.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
     cfg = load_config(LearnerConfig, None, ["--server.token", TOKEN, "--rollout.group_size", "4",
                                             "--rollout.max_new_tokens", "8", *args])
@@ -97,7 +99,8 @@ def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, 
         control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases,
                              encode=encode or (lambda prompt: tokenizer(prompt.text)["input_ids"]), vocab_size=len(tokenizer),
                              model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
-                             evals=evals, on_eval=results.append, machine_key=MACHINE_KEY, task_dirs=task_dirs)
+                             evals=evals, on_eval=results.append, machine_key=MACHINE_KEY, task_dirs=task_dirs,
+                             lora=lora)
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
@@ -1414,3 +1417,60 @@ def test_what_aiohttps_parser_refuses_is_answered_as_json_without_its_version_or
         assert status == 401 and headers["server"] == "echo"
 
     run_api(tokenizer, test, tmp_path)
+
+
+def _rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_readers_that_stop_reading_a_model_directory_hold_a_chunk_of_the_learner_each_not_the_directory(tokenizer, tmp_path):
+    """The learner built each task directory and LoRA base whole (the files, then their msgpack:
+    twice the directory, up to 4 GiB) for every reader at once, and a reader that stopped reading
+    held it: eight stalled readers of a 32 MiB directory held ~0.5 GiB of the learner. Now each is
+    read from disk a chunk at a time, each chunk written before the next is read. The base of
+    /v1/model?weights=1 is also counted, as every other download: a few times per reader."""
+    from echo import dirfiles
+    from worker.client import LearnerClient, LearnerError
+
+    opponent = tmp_path / "opponent"
+    opponent.mkdir()
+    (opponent / "model.safetensors").write_bytes(os.urandom(32 << 20))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(os.urandom(1 << 20))
+
+    async def test(api: Api):
+        readers = [LearnerClient(api.session, api.url, TOKEN) for _ in range(2)]
+        for n, client in enumerate(readers):
+            await client.join(P.Report(name=f"r{n}"))
+        before = _rss_mb()
+        stalled = []
+        for client in readers:
+            for _ in range(4):  # MAX_SNAPSHOT_DOWNLOADS each
+                resp = await api.session.get(api.url + "/v1/task-dirs/opponent_model",
+                                             headers={"Authorization": f"Bearer {client.credential}"})
+                assert resp.status == 200 and resp.content_length == dirfiles.Packed(dirfiles.listed(opponent)).size
+                await resp.content.readexactly(1 << 16)  # then no more
+                stalled.append(resp)
+        await asyncio.sleep(1.0)  # what the learner would send without a reader, it has sent
+        held = _rss_mb() - before
+        assert held < 64, f"eight stalled readers of a 32 MiB directory hold {held:.0f} MiB of the learner"
+        for resp in stalled:
+            resp.close()
+        # Read to the end, it is the directory, byte for byte.
+        fresh = LearnerClient(api.session, api.url, TOKEN)
+        await fresh.join(P.Report(name="whole"))
+        assert dirfiles.files_digest(await fresh.task_dir("opponent_model")) == dirfiles.digest(opponent)
+        # The base's weights in LoRA mode: served, and counted.
+        files = await fresh.model_files(weights=True)
+        assert set(files) == {"config.json", "model.safetensors"} and len(files["model.safetensors"]) == 1 << 20
+        assert set(await fresh.model_files()) == {"config.json"}  # without: config and tokenizer, uncounted
+        for _ in range(3):
+            await fresh.model_files(weights=True)
+        with pytest.raises(LearnerError) as refused:
+            await fresh.model_files(weights=True)
+        assert refused.value.status == 429 and refused.value.reason == "downloads"
+
+    lora = P.LoraInfo(rank=4, alpha=8.0, target_modules=["q_proj"], base_sha256="0" * 64)
+    run_api(tokenizer, test, model, task_dirs={"opponent_model": (opponent, dirfiles.digest(opponent))}, lora=lora)
