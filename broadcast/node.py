@@ -55,6 +55,7 @@ log = logging.getLogger("echo.broadcast")
 MIB = float(1 << 20)
 HEADER_TIMEOUT_S = 30.0  # a connection without a whole request in this long is closed (slow headers)
 SERVER_SCHEME = "http"  # a node's own server: status, health, the route feed (and HTTP streams)
+REFUSAL_DELAY = web.AppKey("refusal_delay_s", float)  # the node's `refusal_delay_s`, for its middleware
 
 
 def key_version(key: str) -> int | None:
@@ -79,6 +80,11 @@ class Node:
     run's key): the weights reach no one without one. The holder renews it (`read_token` is read
     at each request).
     """
+
+    # A request without a valid read ticket is answered this many seconds late, as a login
+    # refused (PAM's faildelay): a reader that waits for its answers, one connection at a time,
+    # costs this node one request a second instead of as many as it can send.
+    refusal_delay_s = 1.0
 
     def __init__(
         self,
@@ -128,6 +134,7 @@ class Node:
         self._store_added = asyncio.Condition()
         own = [self._make(cls) for cls in dict.fromkeys((transport_class(SERVER_SCHEME), self._advertised))]
         app = web.Application(middlewares=[refusals_returned])
+        app[REFUSAL_DELAY] = self.refusal_delay_s
         app.on_response_prepare.append(no_version_banner)
         app.add_routes(self._routes() + [r for t in own for r in t.routes()])
         # A connection that sends no whole request in this long (slow headers, idle) is closed.
@@ -425,6 +432,8 @@ async def refusals_returned(request: web.Request, handler) -> web.StreamResponse
     try:
         return await handler(request)
     except Refused as e:
+        if e.status == 401:  # no valid read ticket: answered late (`Node.refusal_delay_s`)
+            await asyncio.sleep(request.app[REFUSAL_DELAY])
         return web.Response(status=e.status, text=e.text)
     except web.HTTPException as e:
         if e.status < 400:

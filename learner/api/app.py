@@ -204,7 +204,8 @@ class ControlApi:
         app.on_response_prepare.append(no_version_banner)
         app[BODY_TIMEOUT] = cfg.server.body_timeout_s
         auth = Auth(self.token, self.registry.workers, self.metrics.auth_refused, self.registry.addresses,
-                    [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies], self.machine_key)
+                    [ipaddress.ip_network(n, strict=False) for n in cfg.server.trusted_proxies], self.machine_key,
+                    cfg.server.auth_failure_delay_s)
         app.add_routes(self.registry.routes(auth, welcome(cfg.server, cfg.task, self.rollout, self.run, self.broadcast,
                                                            self.lora, {k: h for k, (_, h) in self.task_dirs.items()})))
         app.add_routes(self.leases.routes(auth))

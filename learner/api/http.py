@@ -36,9 +36,10 @@ BODY_TIMEOUT = web.AppKey("body_timeout_s", float)  # [server] body_timeout_s, s
 class Refusal(Exception):
     """A route refuses the request: answered as `json_error(status, reason, message, headers)`."""
 
-    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None):
+    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None, delay_s: float = 0.0):
         super().__init__(message)
         self.status, self.reason, self.message, self.headers = status, reason, message, headers
+        self.delay_s = delay_s  # answered this late (`Auth.failure_delay_s`)
 
     def response(self) -> web.Response:
         return json_error(self.status, self.reason, self.message, self.headers)
@@ -130,8 +131,9 @@ class Auth:
     `quarantined` and `requests` (a `learner.admission.TokenBucket` of its requests, or None)."""
 
     def __init__(self, token: str, workers: Mapping, refused, addresses: AddressBook | None = None,
-                 trusted_proxies: list | None = None, machine_key: str = ""):
+                 trusted_proxies: list | None = None, machine_key: str = "", failure_delay_s: float = 0.0):
         self.token, self.workers, self.refused = token, workers, refused  # refused: a Counter by credential kind
+        self.failure_delay_s = failure_delay_s  # [server] auth_failure_delay_s: how late a wrong one is answered
         self.machine_key = machine_key  # machine tokens' key ("": none is valid)
         self.addresses = addresses or AddressBook()
         self.trusted_proxies = trusted_proxies or []
@@ -150,7 +152,8 @@ class Auth:
         if wait > 0:
             self.refused.labels("throttled").inc()
             raise Refusal(429, "throttled", f"too many wrong tokens or credentials from {address}; retry after the "
-                                            "given seconds", {"Retry-After": str(max(1, round(wait)))})
+                                            "given seconds", {"Retry-After": str(max(1, round(wait)))},
+                          self.failure_delay_s)
         return address
 
     def run_token(self, request: web.Request, machines: bool = False) -> str | None:
@@ -166,7 +169,8 @@ class Auth:
         self.addresses.failed(address, time.monotonic())
         self.refused.labels("run-token").inc()
         raise Refusal(401, "unauthorized", f"{'missing' if not given else 'wrong'} run token: pass the token the "
-                                           "learner printed at start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)")
+                                           "learner printed at start-up (echo-worker join URL --token TOKEN, or $ECHO_TOKEN)",
+                      delay_s=self.failure_delay_s)
 
     def worker(self, request: web.Request):
         """The calling worker (its `last_seen` renewed, unless it is quarantined), or 401.
@@ -182,7 +186,8 @@ class Auth:
             self.addresses.failed(address, time.monotonic())
             self.refused.labels("credential").inc()
             raise Refusal(401, "unknown-credential", "unknown or wrong worker credential (the learner restarted or "
-                                                     "forgot this worker): join again with the run token")
+                                                     "forgot this worker): join again with the run token",
+                          delay_s=self.failure_delay_s)
         self._rate(worker)
         if not worker.quarantined:  # whatever it calls, a quarantined worker is forgotten after forget_after_s
             worker.last_seen = time.monotonic()
@@ -242,4 +247,6 @@ async def errors_as_json(request: web.Request, handler):
         retry = {"Retry-After": e.headers["Retry-After"]} if "Retry-After" in e.headers else None
         return json_error(e.status, reason, message, retry)
     except Refusal as e:
+        if e.delay_s:
+            await asyncio.sleep(e.delay_s)
         return e.response()

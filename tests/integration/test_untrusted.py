@@ -83,6 +83,9 @@ def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, 
     `evals`: an `EvalBook` the workers answer, each finished round appended to `api.state.results`;
     `encode`: a prompt's token ids (default: the tokenizer's); `task_dirs`: the task's model
     directories; `lora`: LoRA mode (`P.LoraInfo`), where /v1/model serves the base's weights."""
+    # Wrong tokens answered at once, unless a test asks otherwise: what is refused is asserted
+    # here, how late in `test_a_wrong_credential_is_answered_late_and_holds_up_nobody_else`.
+    overrides.setdefault("server.auth_failure_delay_s", 0.0)
     args = [a for k, v in overrides.items() for a in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
     cfg = load_config(LearnerConfig, None, ["--server.token", TOKEN, "--rollout.group_size", "4",
                                             "--rollout.max_new_tokens", "8", *args])
@@ -632,6 +635,37 @@ def test_wrong_credentials_from_an_address_do_not_lock_out_its_honest_workers(to
         assert status == 429  # the run token, which may be guessable, stays throttled
 
     run_api(tokenizer, test, tmp_path, **{"server.auth_failure_burst": 4, "server.long_poll_s": 0})
+
+
+def test_a_wrong_credential_is_answered_late_and_holds_up_nobody_else(tokenizer, tmp_path):
+    """A guesser that waits for its answers guessed as fast as the learner could refuse: ~3,000
+    wrong tokens a second from one client, each a whole request of the learner's loop. Each is
+    now answered `auth_failure_delay_s` late, without holding up anyone: an honest worker's
+    heartbeats, sent meanwhile from the same address, are answered at once."""
+    async def test(api: Api):
+        _, honest = await api.join("honest")
+
+        async def guess(token: str) -> tuple[int, float]:
+            start = time.monotonic()
+            status, _, _ = await api.call("/v1/heartbeat", {}, token=token)
+            return status, time.monotonic() - start
+
+        async def beats() -> list[float]:
+            took = []
+            for _ in range(5):
+                status, took_s = await guess(honest)
+                assert status == 200
+                took.append(took_s)
+            return took
+
+        guesses = [await guess(t) for t in ("w1.guess", TOKEN, "")]  # a wrong secret, the run token, none
+        assert [status for status, _ in guesses] == [401] * 3 and min(took for _, took in guesses) >= 0.5
+        status, took = await guess("w1.guess")  # the throttle's 429 is late too
+        assert status == 429 and took >= 0.5
+        late, honest_beats = await asyncio.gather(guess("w2.guess"), beats())
+        assert late[1] >= 0.5 and max(honest_beats) < 0.25, honest_beats
+
+    run_api(tokenizer, test, tmp_path, **{"server.auth_failure_delay_s": 0.5, "server.auth_failure_burst": 3})
 
 
 def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):

@@ -6,6 +6,7 @@ them at join and in heartbeat replies, `broadcast.tickets`)."""
 
 import asyncio
 import os
+import time
 
 import aiohttp
 import pytest
@@ -35,9 +36,10 @@ def test_nothing_is_served_without_the_read_capability():
                 for path in paths:
                     for name, headers in (("none", {}), ("wrong", {"Authorization": "Bearer guess"}),
                                           ("right", {"Authorization": f"Bearer {TOKEN}"})):
+                        start = time.monotonic()
                         async with session.get(src.url + path, headers=headers) as resp:
                             body = await resp.read()
-                            out[path, name] = (resp.status, len(body))
+                            out[path, name] = (resp.status, len(body), time.monotonic() - start)
                 async with session.post(src.url + f"{PREFIX}/push", data=b"x" * 64) as resp:
                     out["push", "none"] = (resp.status, 0)
                 async with session.get(src.url + f"{PREFIX}/health") as resp:
@@ -50,6 +52,8 @@ def test_nothing_is_served_without_the_read_capability():
     for path in (f"{PREFIX}/manifest/v1", f"{PREFIX}/chunks/v1?from=0", f"{PREFIX}/status", f"{PREFIX}/routes?wait=0"):
         assert out[path, "none"][0] == 401 and out[path, "wrong"][0] == 401, (path, out)
         assert out[path, "right"][0] == 200, (path, out)
+        # A refusal is answered `Node.refusal_delay_s` (1 s) late: a guesser that waits reads one a second.
+        assert min(out[path, "none"][2], out[path, "wrong"][2]) >= 0.9, (path, out)
     assert out[f"{PREFIX}/chunks/v1?from=0", "right"][1] >= 1 << 20  # the weights, to the holder only
     assert out["push", "none"][0] == 401
     assert out["health", "none"][0] == 200  # reachability probes carry no weights
@@ -122,6 +126,7 @@ def test_the_source_refuses_a_revoked_worker_at_once_and_relays_when_its_ticket_
 
     async def run():
         src = Source(KEY, read_token=issue(KEY, "learner"))
+        src.refusal_delay_s = 0.0  # answered at once: the tickets here live a second
         await src.start()
         await src.publish(blob, 1, chunk_size=64 << 10)
         office = TicketOffice(KEY, src.readers, lifetime=1.0)
