@@ -33,13 +33,14 @@ def test_nothing_is_served_without_the_read_capability():
         out = {}
         try:
             async with aiohttp.ClientSession() as session:
-                for path in paths:
-                    for name, headers in (("none", {}), ("wrong", {"Authorization": "Bearer guess"}),
-                                          ("right", {"Authorization": f"Bearer {TOKEN}"})):
-                        start = time.monotonic()
-                        async with session.get(src.url + path, headers=headers) as resp:
-                            body = await resp.read()
-                            out[path, name] = (resp.status, len(body), time.monotonic() - start)
+                async def get(path: str, name: str, headers: dict) -> None:
+                    start = time.monotonic()
+                    async with session.get(src.url + path, headers=headers) as resp:
+                        body = await resp.read()
+                        out[path, name] = (resp.status, len(body), time.monotonic() - start)
+
+                await asyncio.gather(*(get(path, name, headers) for path in paths for name, headers in (
+                    ("none", {}), ("wrong", {"Authorization": "Bearer guess"}), ("right", {"Authorization": f"Bearer {TOKEN}"}))))
                 async with session.post(src.url + f"{PREFIX}/push", data=b"x" * 64) as resp:
                     out["push", "none"] = (resp.status, 0)
                 async with session.get(src.url + f"{PREFIX}/health") as resp:
@@ -177,11 +178,13 @@ def test_a_refused_request_leaves_nothing_for_the_collector():
                 gc.collect()
                 gc.disable()
                 gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds stays in gc.garbage
-                try:
-                    for path in paths:
-                        for headers in ({}, {"Authorization": "Bearer guess"}, {"Authorization": "Bearer eyJ4IjoxfQ.AAAA"}):
-                            async with session.get(src.url + path, headers=headers) as resp:
-                                assert resp.status == 401, (path, headers, resp.status)
+                async def refused(path: str, headers: dict) -> None:
+                    async with session.get(src.url + path, headers=headers) as resp:
+                        assert resp.status == 401, (path, headers, resp.status)
+
+                try:  # at once: each is answered `refusal_delay_s` late
+                    await asyncio.gather(*(refused(path, headers) for path in paths for headers in (
+                        {}, {"Authorization": "Bearer guess"}, {"Authorization": "Bearer eyJ4IjoxfQ.AAAA"})))
                     gc.collect()
                     return [type(o).__name__ for o in gc.garbage if isinstance(o, (web.BaseRequest, BaseException))]
                 finally:
