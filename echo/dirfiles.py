@@ -1,10 +1,11 @@
 """A model directory as it travels from the learner to a worker: its top-level files, by name.
 
-The learner sends `{name: bytes}` (msgpack), read from disk as it goes (`Packed`); the worker writes them under its cache in a
-directory named by their digest, so a second copy of the same files is the same directory. A
-task's own model directories (poker's frozen LLM opponent) are named in the join reply by
-`digest`: a worker uses its own copy only where it digests the same, since an opponent that
-plays differently than the learner's makes every replayed episode a reward mismatch.
+The learner sends `{name: bytes}` (msgpack), read from disk as it goes (`Packed`); the worker
+writes them under its cache in a directory named by their digest, so a second copy of the same
+files is the same directory. A task's own model directories (poker's frozen LLM opponent) are
+named in the join reply by `digest`: a worker uses its own copy only where it digests the same,
+since an opponent that plays differently than the learner's makes every replayed episode a
+reward mismatch.
 """
 
 from __future__ import annotations
