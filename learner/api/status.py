@@ -1,5 +1,6 @@
 """The status room: what the learner shows and serves to read.
 
+    GET  /v1/health          that the learner answers (no credential)
     GET  /v1/status          JSON status (run token)
     GET  /metrics            Prometheus
     GET  /v1/model           the model directory minus weights (config, tokenizer)
@@ -172,6 +173,11 @@ class StatusRoom:
             packed = await asyncio.get_running_loop().run_in_executor(self.offload, self.task_dir_files, option)
             return await self.send(request, packed)
 
+        async def health(request: web.Request) -> web.Response:
+            """That the learner answers, for `echo-worker doctor`'s round trip and clock: nothing else."""
+            return web.Response(body=b'{"ok": true}', content_type="application/json")
+
+        app.router.add_get("/v1/health", health)
         app.router.add_get("/v1/model", model_files)
         app.router.add_get("/v1/task-dirs/{option}", task_dir)
         app.router.add_get("/v1/status", status)

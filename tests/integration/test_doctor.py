@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 
 from conftest import ROOT, WATCHED
 
@@ -31,6 +32,11 @@ def test_doctor_passes_on_a_cpu_machine_says_there_is_no_gpu_and_fails_plainly_o
             assert status["gpu"] == "SKIP"
         assert all(status[n] == "PASS" for n in ("engine", "disk", "learner", "download", "clock", "generate")), lines
         assert "round trip" in lines[3] and "Mbit/s" in lines[4] and "skew" in lines[5]
+    # Neither token was refused anywhere: a machine token is not the operator's, and its round trips
+    # to /v1/status were five refusals a run, a fifth of its address's budget and 5 s late each.
+    with urllib.request.urlopen(f"{lp.url}/metrics", timeout=10) as resp:  # loopback: no token needed
+        metrics = resp.read().decode()
+    assert not [line for line in metrics.splitlines() if line.startswith("echo_auth_refused_total{")], metrics
     # ...and fails plainly on a wrong token or no learner.
     out = doctor(lp.url, "--token", "wrong")
     assert out.returncode == 1 and "FAIL download" in out.stdout and "check --token" in out.stdout
