@@ -21,12 +21,14 @@ Blocking torch code: the learner runs it on its trainer thread, never on the eve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -455,7 +457,8 @@ class Trainer:
 
         path = Path(directory) / f"step-{self.version:06d}"
         model_state, optim_state = get_state_dict(self.policy, self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path / "state")
+        with _single_process_quiet():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path / "state")
         if self.world.is_main:
             self._copy_model_files(path)
             torch.save({"scheduler": self.scheduler.state_dict(),
@@ -480,7 +483,8 @@ class Trainer:
             raise FileNotFoundError(f"{path} is not an echo checkpoint (no state/ directory)")
         model_state, optim_state = get_state_dict(self.policy, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=path / "state")
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path / "state")
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         saved = torch.load(path / "schedule.pt", weights_only=True)
         self.scheduler.load_state_dict(saved["scheduler"])
@@ -596,3 +600,12 @@ class Trainer:
                                top_p=r.top_p, max_turns=e.max_turns, max_tokens=e.max_tokens, stop_ids=list(e.stop_ids),
                                chat_template="on" if e.chat.templated else "off",
                                chat_template_kwargs=self.cfg.task.chat_template_kwargs)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """torch.distributed.checkpoint on one rank without a process group (the CPU demo) warns at
+    every save and load that it assumes a single process, even when told so (`no_dist=True`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)", category=UserWarning)
+        yield

@@ -352,3 +352,21 @@ def test_preflight_sizes_a_small_adapter_and_warns_of_a_rank_past_the_layers_wid
     assert not warnings
     wide, warnings = weights_line("--trainer.lora", "{rank = 4096, alpha = 8}")
     assert "× less" in wide and warnings and "use a rank below" in warnings[0]
+
+
+def test_one_rank_saves_and_resumes_a_checkpoint_without_a_process_group_or_a_warning(tiny_model, tmp_path):
+    """The CPU demo's learner is one rank with no process group: torch warned at every checkpoint
+    that it was "assuming the intent is to save in a single process". Now it says so itself."""
+    import warnings
+
+    assert not torch.distributed.is_initialized()
+    trainer = _trainer(tiny_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = trainer.save_checkpoint(tmp_path, {})
+        trained = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+        with torch.no_grad():
+            for p in trainer.policy.parameters():
+                p.add_(1.0)
+        trainer.load_checkpoint(path)
+    assert all(torch.equal(v, trained[k]) for k, v in trainer.policy.state_dict().items())
