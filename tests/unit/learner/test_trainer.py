@@ -356,17 +356,26 @@ def test_preflight_sizes_a_small_adapter_and_warns_of_a_rank_past_the_layers_wid
 
 def test_one_rank_saves_and_resumes_a_checkpoint_without_a_process_group_or_a_warning(tiny_model, tmp_path):
     """The CPU demo's learner is one rank with no process group: torch warned at every checkpoint
-    that it was "assuming the intent is to save in a single process". Now it says so itself."""
-    import warnings
+    that it was "assuming the intent is to save in a single process". Now it says so itself. In a
+    process of its own: another test here may have started a process group."""
+    import subprocess
+    import sys
 
-    assert not torch.distributed.is_initialized()
-    trainer = _trainer(tiny_model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        path = trainer.save_checkpoint(tmp_path, {})
-        trained = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-        with torch.no_grad():
-            for p in trainer.policy.parameters():
-                p.add_(1.0)
-        trainer.load_checkpoint(path)
-    assert all(torch.equal(v, trained[k]) for k, v in trainer.policy.state_dict().items())
+    script = f"""
+import warnings, torch
+warnings.simplefilter("error")
+from learner.config import load_learner_config
+from learner.train.trainer import Trainer
+assert not torch.distributed.is_initialized()
+trainer = Trainer(load_learner_config(None, ["--model.path", {str(tiny_model)!r}, "--rollout.group_size", "4",
+                                             "--trainer.batch_prompts", "4"]))
+path = trainer.save_checkpoint({str(tmp_path)!r}, {{}})
+saved = {{k: v.clone() for k, v in trainer.policy.state_dict().items()}}
+with torch.no_grad():
+    for p in trainer.policy.parameters():
+        p.add_(1.0)
+trainer.load_checkpoint(path)
+assert all(torch.equal(v, saved[k]) for k, v in trainer.policy.state_dict().items())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
