@@ -22,7 +22,7 @@ import msgpack
 from aiohttp import web
 
 from broadcast.manifest import BroadcastError
-from broadcast.transport import PREFIX, Refused, Transport, bearer, check_pull_header, read_header
+from broadcast.transport import PREFIX, Refused, Transport, bearer, check_pull_header, http_url, read_header
 
 if TYPE_CHECKING:
     from broadcast.node import Node
@@ -55,7 +55,7 @@ class HttpTransport(Transport):
 
     @property
     def url(self) -> str:
-        return f"http://{self.node.host}:{self.node.port}"
+        return http_url(self.node.host, self.node.port)  # bound to 0.0.0.0: the address others reach
 
     async def stop(self) -> None:
         await self._session.close()
@@ -94,8 +94,10 @@ class HttpTransport(Transport):
     # -- server half (routes of the node's aiohttp app) -------------------------------------------
     def routes(self) -> list[web.RouteDef]:
         return [web.post(PREFIX + "/push", self._handle_push),
-                web.get(PREFIX + "/chunks/{key}", self._handle_chunks),
-                web.get(PREFIX + "/manifest/{key}", self._handle_manifest)]
+                # No HEAD: aiohttp answers one with the GET handler, and the chunk stream wrote its
+                # whole body after the headers, which the client then read as its next response.
+                web.get(PREFIX + "/chunks/{key}", self._handle_chunks, allow_head=False),
+                web.get(PREFIX + "/manifest/{key}", self._handle_manifest, allow_head=False)]
 
     async def _handle_push(self, request: web.Request) -> web.StreamResponse:
         # Plain HTTP authenticates nobody: the sender named in the stream is not checked here.

@@ -46,6 +46,7 @@ from broadcast.transport import (
     Transport,
     bearer,
     frame_header,
+    http_url,
     pieces,
     scheme_of,
     transport_class,
@@ -127,7 +128,8 @@ class Node:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _routes(self) -> list[web.RouteDef]:
-        return [web.get(PREFIX + "/status", self._handle_status), web.get(PREFIX + "/health", self._handle_health)]
+        return [web.get(PREFIX + "/status", self._handle_status, allow_head=False),
+                web.get(PREFIX + "/health", self._handle_health, allow_head=False)]
 
     async def start(self) -> str:
         """Start serving (the HTTP server, and the advertised transport); returns the node's URL."""
@@ -180,8 +182,7 @@ class Node:
     @property
     def url(self) -> str:
         advertised = self._transports.get(self._advertised)
-        return self._public_url or (advertised.url if advertised is not None else None) or \
-            f"{SERVER_SCHEME}://{self.host}:{self.port}"
+        return self._public_url or (advertised.url if advertised is not None else None) or http_url(self.host, self.port)
 
     @property
     def hop(self) -> Hop:

@@ -55,7 +55,7 @@ class Source(Node):
         await super().stop()
 
     def _routes(self) -> list[web.RouteDef]:
-        return super()._routes() + [web.get(PREFIX + "/routes", self._handle_routes)]
+        return super()._routes() + [web.get(PREFIX + "/routes", self._handle_routes, allow_head=False)]
 
     async def add(self, signed: SignedManifest, wire: Buffer) -> VersionStore:
         """Hold an already signed version (wire buffer laid out by its manifest) for serving."""
@@ -168,9 +168,12 @@ class Source(Node):
         self.require_read(bearer(request))
         try:
             after = int(request.query.get("after", "0"))
-            wait = min(float(request.query.get("wait", FEED_WAIT_S)), 60.0)
+            wait = float(request.query.get("wait", FEED_WAIT_S))
+            if not wait >= 0.0:  # NaN too: asyncio's timer made it a 500 and a traceback, each request
+                raise ValueError
+            wait = min(wait, 60.0)
         except ValueError:
-            raise web.HTTPBadRequest(text="`after` is a sequence number, `wait` seconds") from None
+            raise web.HTTPBadRequest(text="`after` is a sequence number, `wait` seconds (at least 0)") from None
         node = request.query.get("id", "")
         if self._feed_changed is None:
             self._feed_changed = asyncio.Condition()

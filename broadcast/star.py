@@ -83,8 +83,8 @@ def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
         return web.Response(body=data, content_type="application/octet-stream",
                             headers={"X-Sha256": info.sha256, "X-Version": str(version)})
 
-    app.router.add_get(f"{prefix}/latest", latest)
-    app.router.add_get(f"{prefix}/{{version}}", blob)
+    app.router.add_get(f"{prefix}/latest", latest, allow_head=False)  # no HEAD: no client sends one
+    app.router.add_get(f"{prefix}/{{version}}", blob, allow_head=False)
 
 
 async def fetch_blob(session: aiohttp.ClientSession, url: str, expect: BlobInfo,

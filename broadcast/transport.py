@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import ipaddress
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Iterator, Protocol, TypeVar
@@ -300,3 +302,30 @@ def check_pull_header(head: dict, key: str, start: int) -> None:
         raise Refused(status, text[4:] if text[:3].isdigit() else text)
     if head.get("start") != start:
         raise ProtocolError(f"asked for {key} chunks from {start}, stream starts at {head.get('start')}")
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL another machine reaches a server bound to `host` at (the learner's join URL, its
+    broadcast source's): an IPv6 address in brackets, and for a wildcard bind (0.0.0.0, ::) the
+    address this machine reaches the internet from (a URL naming the wildcard reaches nothing
+    from another machine)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"http://{host}:{port}"  # a name
+    if ip.is_unspecified:
+        ip = ipaddress.ip_address(_outbound_address(ip.version))
+    return f"http://[{ip}]:{port}" if ip.version == 6 else f"http://{ip}:{port}"
+
+
+def _outbound_address(version: int) -> str:
+    """The source address of this machine's route to the internet (a UDP connect sends
+    nothing); loopback where there is no route."""
+    family, probe, loopback = ((socket.AF_INET6, "2001:db8::1", "::1") if version == 6 else
+                               (socket.AF_INET, "192.0.2.1", "127.0.0.1"))
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return loopback

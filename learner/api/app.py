@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
@@ -23,6 +22,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from broadcast.links import MBIT, LinkTable
 from broadcast.node import QuietRunner, no_version_banner
+from broadcast.transport import http_url
 from echo import protocol as P
 from learner.addresses import address_key, prefix48
 from learner.admission import Waiters
@@ -243,7 +243,7 @@ class ControlApi:
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.reaping = asyncio.create_task(self.reaper(reap_every))
-        return join_url(host, site._server.sockets[0].getsockname()[1])
+        return http_url(host, site._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         self.reaping.cancel()
@@ -264,29 +264,3 @@ class ControlApi:
     def close(self) -> None:
         self.offload.shutdown()
         self.leases.close()
-
-
-def join_url(host: str, port: int) -> str:
-    """The URL a worker joins at for a server bound to `host`: an IPv6 address in brackets, and
-    for a wildcard bind (0.0.0.0, ::) the address this machine reaches the internet from (a URL
-    naming the wildcard reaches nothing from another machine)."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return f"http://{host}:{port}"  # a name
-    if ip.is_unspecified:
-        ip = ipaddress.ip_address(_outbound_address(ip.version))
-    return f"http://[{ip}]:{port}" if ip.version == 6 else f"http://{ip}:{port}"
-
-
-def _outbound_address(version: int) -> str:
-    """The source address of this machine's route to the internet (a UDP connect sends
-    nothing); loopback where there is no route."""
-    family, probe, loopback = ((socket.AF_INET6, "2001:db8::1", "::1") if version == 6 else
-                               (socket.AF_INET, "192.0.2.1", "127.0.0.1"))
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((probe, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return loopback

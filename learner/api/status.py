@@ -177,11 +177,13 @@ class StatusRoom:
             """That the learner answers, for `echo-worker doctor`'s round trip and clock: nothing else."""
             return web.Response(body=b'{"ok": true}', content_type="application/json")
 
-        app.router.add_get("/v1/health", health)
-        app.router.add_get("/v1/model", model_files)
-        app.router.add_get("/v1/task-dirs/{option}", task_dir)
-        app.router.add_get("/v1/status", status)
-        app.router.add_get("/metrics", metrics)
+        # No HEAD: aiohttp answers one with the GET handler, and a streamed reply (`send`) wrote its
+        # whole body after the headers, which the client then read as its next response.
+        app.router.add_get("/v1/health", health, allow_head=False)
+        app.router.add_get("/v1/model", model_files, allow_head=False)
+        app.router.add_get("/v1/task-dirs/{option}", task_dir, allow_head=False)
+        app.router.add_get("/v1/status", status, allow_head=False)
+        app.router.add_get("/metrics", metrics, allow_head=False)
         def snapshot_reader(request: web.Request) -> None:
             """Anyone `auth.anyone` admits, each version at most MAX_SNAPSHOT_DOWNLOADS times."""
             reader = auth.anyone(request)

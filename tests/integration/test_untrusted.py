@@ -1490,6 +1490,10 @@ def test_readers_that_stop_reading_a_model_directory_hold_a_chunk_of_the_learner
         await asyncio.sleep(1.0)  # what the learner would send without a reader, it has sent
         held = _rss_mb() - before
         assert held < 64, f"eight stalled readers of a 32 MiB directory hold {held:.0f} MiB of the learner"
+        # No HEAD: aiohttp answered one with the GET handler, which streamed the body after the headers.
+        for path in ("/v1/task-dirs/opponent_model", "/v1/model?weights=1", "/v1/snapshots/0"):
+            async with api.session.head(api.url + path, headers={"Authorization": f"Bearer {readers[0].credential}"}) as resp:
+                assert resp.status == 405, path
         for resp in stalled:
             resp.close()
         # Read to the end, it is the directory, byte for byte.

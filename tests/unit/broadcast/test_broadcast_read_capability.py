@@ -43,6 +43,13 @@ def test_nothing_is_served_without_the_read_capability():
                     ("none", {}), ("wrong", {"Authorization": "Bearer guess"}), ("right", {"Authorization": f"Bearer {TOKEN}"}))))
                 async with session.post(src.url + f"{PREFIX}/push", data=b"x" * 64) as resp:
                     out["push", "none"] = (resp.status, 0)
+                right = {"Authorization": f"Bearer {TOKEN}"}
+                # HEAD was answered by the GET handler, and the chunk stream wrote its body after the
+                # headers; a NaN wait was a 500 with a traceback in the log, every request.
+                async with session.head(src.url + f"{PREFIX}/chunks/v1?from=0", headers=right) as resp:
+                    out["head", "right"] = (resp.status, 0)
+                async with session.get(src.url + f"{PREFIX}/routes?wait=nan", headers=right) as resp:
+                    out["nan", "right"] = (resp.status, 0)
                 async with session.get(src.url + f"{PREFIX}/health") as resp:
                     out["health", "none"] = (resp.status, 0)
         finally:
@@ -57,6 +64,7 @@ def test_nothing_is_served_without_the_read_capability():
         assert min(out[path, "none"][2], out[path, "wrong"][2]) >= 0.9, (path, out)
     assert out[f"{PREFIX}/chunks/v1?from=0", "right"][1] >= 1 << 20  # the weights, to the holder only
     assert out["push", "none"][0] == 401
+    assert out["head", "right"][0] == 405 and out["nan", "right"][0] == 400
     assert out["health", "none"][0] == 200  # reachability probes carry no weights
 
 

@@ -1,0 +1,54 @@
+"""The URLs a server bound here is reached at (the learner's join URL, its broadcast source's):
+reachable as given, for a specific bind and a wildcard one."""
+
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+
+from broadcast.transport import http_url as join_url
+
+
+def test_an_ipv6_address_is_bracketed_and_a_name_kept():
+    assert join_url("::1", 8000) == "http://[::1]:8000"
+    assert join_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert join_url("learner.example", 8000) == "http://learner.example:8000"
+
+
+@pytest.mark.parametrize("wildcard,family", [("0.0.0.0", socket.AF_INET), ("::", socket.AF_INET6)])
+def test_a_wildcard_bind_prints_an_address_a_worker_can_connect_to(wildcard, family):
+    try:
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.bind((wildcard, 0))
+    except OSError:
+        pytest.skip(f"no {wildcard} here")
+    with server:
+        server.listen()
+        url = urlsplit(join_url(wildcard, server.getsockname()[1]))
+        assert url.hostname not in ("0.0.0.0", "::")  # names nothing another machine can reach
+        with socket.create_connection((url.hostname, url.port), timeout=5):
+            pass
+
+
+def test_a_broadcast_source_bound_to_every_address_advertises_one_a_worker_can_reach():
+    """With `--server.host 0.0.0.0` (how a learner serves workers on the internet) the join reply
+    named the source `http://0.0.0.0:PORT`: every remote worker would pull from itself."""
+    import asyncio
+
+    import aiohttp
+
+    from broadcast.signing import SigningKey
+    from broadcast.source import Source
+
+    async def run() -> tuple[str, int]:
+        src = Source(SigningKey.generate(), host="0.0.0.0")
+        await src.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(src.url + "/bcast/v1/health") as resp:
+                    return src.url, resp.status
+        finally:
+            await src.stop()
+
+    url, status = asyncio.run(run())
+    assert urlsplit(url).hostname != "0.0.0.0" and status == 200, url
