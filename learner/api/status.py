@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import math
 import time
 from concurrent.futures import Executor
 from pathlib import Path
@@ -24,7 +25,8 @@ from aiohttp import web
 from broadcast.links import LinkTable
 from broadcast.star import add_star_routes
 from echo import dirfiles
-from learner.addresses import remember
+from learner.addresses import address_key, remember
+from learner.admission import TokenBucket
 from learner.api.http import Auth, Refusal
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
@@ -38,6 +40,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 # snapshots, and with an 8B model's 16 GB it fills the learner's uplink every other worker needs.
 MAX_SNAPSHOT_DOWNLOADS = 4
 STATUS_EVERY_S = 1.0  # /v1/status is rebuilt at most this often
+VIEWS_PER_S, VIEW_BURST = 1.0, 10  # /v1/status and /metrics from outside metrics_from, per address (`_paced`)
 MAX_SERVED_WEIGHTS = 2 << 30  # LoRA mode: the largest base /v1/model?weights=1 sends (a worker sets base_dir beyond)
 
 
@@ -52,6 +55,7 @@ class StatusRoom:
         self.serve_weights = serve_weights  # LoRA mode: workers without [engine] base_dir fetch the base here
         self._views: dict[bool, tuple[float, bytes]] = {}  # full view? -> (built at, JSON)
         self.downloads: dict[str, int] = {}  # "reader version" -> snapshot downloads (most recent kept)
+        self.views: dict[str, TokenBucket] = {}  # address -> its /v1/status and /metrics calls (`_paced`)
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -138,18 +142,43 @@ class StatusRoom:
             pieces.close()  # the open file with it
         return resp
 
+    def _local(self, address: str) -> bool:
+        """Whether `address` is among the operator's machines ([server] metrics_from)."""
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.metrics_from)
+
+    def _paced(self, address: str) -> None:
+        """/v1/status and /metrics from outside `metrics_from`: every worker holds the run token
+        that opens them, and one looping over /metrics on 4 connections took a whole learner core
+        (872/s; on 50, honest heartbeats' p99 went from 5 to 115 ms). At most `VIEWS_PER_S` a
+        second per address after `VIEW_BURST`, then 429 `rate-limited`."""
+        now, key = time.monotonic(), address_key(address)
+        bucket = self.views.pop(key, None) or TokenBucket(VIEWS_PER_S, VIEW_BURST, now)
+        wait = bucket.take(now)
+        remember(self.views, key, bucket)
+        if wait > 0:
+            raise Refusal(429, "rate-limited", f"/v1/status and /metrics answer an address outside [server] "
+                                               f"metrics_from {VIEWS_PER_S:g} times a second (after {VIEW_BURST}); "
+                                               "retry after the given seconds",
+                          {"Retry-After": str(max(1, math.ceil(wait)))})
+
     def add_routes(self, app: web.Application, auth: Auth) -> None:
         async def status(request: web.Request) -> web.Response:
             auth.run_token(request)
-            try:
-                ip = ipaddress.ip_address(auth.address(request))
-            except ValueError:
-                ip = None
-            full = ip is not None and any(ip in net for net in self.metrics_from)
+            address = auth.address(request)
+            full = self._local(address)
+            if not full:
+                self._paced(address)
             return web.Response(body=self.status_json(full), content_type="application/json")
 
         async def metrics(request: web.Request) -> web.Response:
             auth.operator(request, self.metrics_from)
+            address = auth.address(request)
+            if not self._local(address):
+                self._paced(address)
             self.metrics.links(self.links.to_dict())
             return web.Response(body=self.metrics.exposition(), content_type="text/plain")
 

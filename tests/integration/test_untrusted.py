@@ -949,6 +949,15 @@ def test_the_run_token_does_not_show_a_worker_the_others_addresses(tokenizer, tm
         assert len((await status())[0]["workers"]) == 1  # the same second: the same bytes
         await asyncio.sleep(1.05)
         assert len((await status())[0]["workers"]) == 2
+        # Nor may it loop over /v1/status and /metrics: one looping over /metrics on 4 connections
+        # took a whole learner core. Ten at once, then one a second, per address.
+        answered = []
+        for path in ["/v1/status", "/metrics"] * 7:
+            async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                answered.append(resp.status)
+                body = await resp.json() if resp.status == 429 else None
+        assert answered[:7] == [200] * 7 and answered[-1] == 429, answered  # three came before
+        assert body["error"] == "rate-limited" and "metrics_from" in body["message"]
 
     run_api(tokenizer, test, tmp_path, **{"server.metrics_from": ["10.0.0.0/8"]})
 
