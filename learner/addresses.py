@@ -51,6 +51,22 @@ def prefix48(address: str) -> str | None:
     return str(ipaddress.ip_network(f"{ip}/48", strict=False))
 
 
+def connection_limits(limit: int, trusted: list, per_48: int = 8):
+    """Connection limits (`broadcast.node.ConnectionCap`: the control API's, the broadcast
+    source's): `limit` per address (an IPv6 /64), `per_48` times that per IPv6 /48 (its 65,536
+    /64s would hold 65,536 times as many); a trusted proxy, which speaks for many workers, is not
+    counted."""
+    def limits(host: str) -> tuple[tuple[str, int], ...]:
+        try:
+            if any(ipaddress.ip_address(host) in net for net in trusted):
+                return ()
+        except ValueError:
+            pass
+        wide = prefix48(host)
+        return ((address_key(host), limit),) if wide is None else ((address_key(host), limit), (wide, limit * per_48))
+    return limits
+
+
 def forwarded_ip(entry: str) -> str | None:
     """One X-Forwarded-For entry as an IP address ('198.51.100.7', '2001:db8::1', also with a
     port: '198.51.100.7:4711', '[2001:db8::1]:4711'), written the canonical way; None if it is

@@ -49,14 +49,16 @@ HEADROOM = 0.95
 
 
 def make_publisher(section: ChainBroadcast | StarBroadcast, blobs: BlobStore, links: LinkTable, *,
-                   key_file: Path, host: str) -> "StarPublisher":
+                   key_file: Path, host: str, connection_limits=None) -> "StarPublisher":
     """The publisher of the `[broadcast]` design (`learner.config.BroadcastSection`): `key_file`
-    is the signing key used when the section names none, `host` where the learner's relay binds."""
+    is the signing key used when the section names none, `host` where the learner's relay binds,
+    `connection_limits` what one address may hold open there (`broadcast.node.ConnectionCap`)."""
     if section.mode == "star":
         return StarPublisher(blobs)
     return ChainPublisher(blobs, chunk_bytes=int(section.chunk_mib * (1 << 20)), deltas=section.deltas,
                           links=links, key_file=section.key_file or key_file, host=host,
-                          fallback_s=section.fallback_s, ticket_s=section.ticket_s)
+                          fallback_s=section.fallback_s, ticket_s=section.ticket_s,
+                          connection_limits=connection_limits)
 
 
 class StarPublisher:
@@ -91,8 +93,9 @@ class ChainPublisher(StarPublisher):
     mode = "chain"
 
     def __init__(self, blobs: BlobStore, *, chunk_bytes: int, deltas: bool, links: LinkTable, key_file: Path,
-                 host: str, fallback_s: float = 10.0, ticket_s: float = TICKET_S):
+                 host: str, fallback_s: float = 10.0, ticket_s: float = TICKET_S, connection_limits=None):
         super().__init__(blobs)
+        self.connection_limits = connection_limits
         self.chunk_bytes, self.deltas, self.links = chunk_bytes, deltas, links
         self.key_file, self.host, self.fallback_s, self.ticket_s = key_file, host, fallback_s, ticket_s
         self.source: Source | None = None
@@ -106,7 +109,7 @@ class ChainPublisher(StarPublisher):
         # The source guards the versions with read tickets: each worker gets its own at join and
         # in heartbeat replies (the registry's `tickets`), the source presents the learner's.
         self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate,
-                             read_token=issue_ticket(key, "learner"))
+                             read_token=issue_ticket(key, "learner"), connection_limits=self.connection_limits)
         assert self.source.readers is not None
         self.source.readers.skew = 0.0  # the source's clock is the one that issued them
         self.tickets = TicketOffice(key, self.source.readers, lifetime=self.ticket_s)

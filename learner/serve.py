@@ -16,7 +16,7 @@ from broadcast.star import BlobStore
 from echo import dirfiles
 from learner.accounting import Accounting
 from learner.admission import Waiters
-from learner.api import ControlApi, Run, link_table
+from learner.api import ControlApi, Run, link_table, worker_connections
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
 from learner.driver import TrainerDriver
@@ -75,7 +75,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     metrics, waiters, cost = LearnerMetrics(), Waiters(), CostMeter(cfg.scheduler.learner_price_per_hour)
     display, log = StatusDisplay(cfg.run.steps, enabled=not as_json), RunLog(run_dir / "metrics.jsonl")
 
-    publisher = make_publisher(b, run.blobs, links, key_file=run_dir / "learner.key", host=cfg.server.host)
+    publisher = make_publisher(b, run.blobs, links, key_file=run_dir / "learner.key", host=cfg.server.host,
+                               connection_limits=worker_connections(cfg.server))  # 21,000 on one address filled its fds
     await publisher.start()
     eval_prompts = task.eval_prompts()[: cfg.eval.limit or None]
     evaluation = make_evaluation(cfg.eval, EvalParts(

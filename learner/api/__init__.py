@@ -16,7 +16,7 @@ measurements support them, and a worker caught lying is quarantined. Nothing hea
 event loop: decoding uploads and rescoring run on the `offload` threads.
 """
 
-from learner.api.app import ControlApi, link_table
+from learner.api.app import ControlApi, link_table, worker_connections
 from learner.api.run import Run
 
-__all__ = ["ControlApi", "Run", "link_table"]
+__all__ = ["ControlApi", "Run", "link_table", "worker_connections"]

@@ -24,7 +24,7 @@ from broadcast.links import MBIT, LinkTable
 from broadcast.node import QuietRunner, no_version_banner
 from broadcast.transport import http_url
 from echo import protocol as P
-from learner.addresses import address_key, prefix48
+from learner.addresses import connection_limits
 from learner.admission import Waiters
 from learner.api.evals import EvalRoom
 from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json, json_error
@@ -34,7 +34,7 @@ from learner.api.status import StatusRoom
 from learner.api.uploads import UploadRoom
 from learner.api.workers import WorkerRegistry, welcome
 from learner.buffer import AsyncBuffer
-from learner.config import BroadcastSection, LearnerConfig
+from learner.config import BroadcastSection, LearnerConfig, ServerSection
 from learner.evals import EvalBook
 from learner.leases import LeaseBook
 from learner.metrics import LearnerMetrics
@@ -51,77 +51,13 @@ def link_table(broadcast: BroadcastSection) -> LinkTable:
 CONNECTIONS_PER_WORKER = 8  # a worker's heartbeat, long-polled lease, uploads, downloads, with room
 
 
-class ConnectionCap:
-    """aiohttp's protocol factory, with at most `limit` open connections per address: 24,000 idle
-    connections from three addresses, each closed by the header timer only after 20 s, took the
-    learner to its file-descriptor limit (accept() failing, an honest heartbeat waiting 7 s, the
-    learner's own file opens failing). A connection past the limit is closed as it opens. An IPv6
-    /48 holds `per_48` times `limit` (its 65,536 /64s would hold 65,536 times as many)."""
-
-    def __init__(self, server, limit: int, trusted: list, per_48: int = 8):
-        self.server, self.limit, self.trusted, self.per_48 = server, limit, trusted, per_48
-        self.open: dict[str, int] = {}
-        self.refused = 0
-
-    def __getattr__(self, name):  # shutdown, connections, ...: the wrapped server's
-        return getattr(self.server, name)
-
-    def __call__(self, *args, **kwargs):
-        return _Counted(self, self.server(*args, **kwargs))
-
-    def opened(self, transport) -> tuple[str, ...] | None:
-        """Count a new connection; close it if its address (or its /48) holds too many. Its keys, or None."""
-        peer = transport.get_extra_info("peername")
-        host = peer[0] if peer else ""
-        try:
-            if any(ipaddress.ip_address(host) in net for net in self.trusted):
-                return None  # a reverse proxy speaks for many workers
-        except ValueError:
-            pass
-        wide = prefix48(host)
-        keys = (address_key(host),) if wide is None else (address_key(host), wide)
-        for key in keys:
-            self.open[key] = self.open.get(key, 0) + 1
-        if self.open[keys[0]] > self.limit or (wide is not None and self.open[wide] > self.limit * self.per_48):
-            self.refused += 1
-            transport.abort()
-        return keys
-
-    def closed(self, keys: tuple[str, ...] | None) -> None:
-        for key in keys or ():
-            left = self.open.get(key, 0) - 1
-            if left > 0:
-                self.open[key] = left
-            else:
-                self.open.pop(key, None)
-
-
-class _Counted(asyncio.Protocol):
-    """aiohttp's request handler (slotted, so not patched) behind a counting protocol."""
-
-    def __init__(self, cap: ConnectionCap, handler):
-        self.cap, self.handler, self.key = cap, handler, None
-
-    def connection_made(self, transport) -> None:
-        self.handler.connection_made(transport)
-        self.key = self.cap.opened(transport)
-
-    def connection_lost(self, exc) -> None:
-        self.cap.closed(self.key)
-        self.key = None
-        self.handler.connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        self.handler.data_received(data)
-
-    def eof_received(self):
-        return self.handler.eof_received()
-
-    def pause_writing(self) -> None:
-        self.handler.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.handler.resume_writing()
+def worker_connections(server: ServerSection):
+    """The connections one address may hold open, on the control API and on the broadcast
+    source alike (`learner.addresses.connection_limits`): `CONNECTIONS_PER_WORKER` per worker it
+    may join; trusted proxies any number."""
+    return connection_limits(CONNECTIONS_PER_WORKER * server.max_workers_per_address,
+                             [ipaddress.ip_network(n, strict=False) for n in server.trusted_proxies],
+                             server.max_64s_per_48)
 
 
 class MalformedRequests(logging.Filter):
@@ -133,18 +69,6 @@ class MalformedRequests(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         return not (isinstance(exc, HttpProcessingError) and exc.code == 400)
-
-
-class CappedRunner(QuietRunner):
-    """A `QuietRunner` (what aiohttp's parser refuses answered as JSON) whose server is wrapped in a
-    `ConnectionCap`."""
-
-    def __init__(self, app: web.Application, limit: int, trusted: list, per_48: int = 8, rejected=None, **kwargs):
-        super().__init__(app, answer=_unreadable, rejected=rejected, **kwargs)
-        self.cap_limit, self.cap_trusted, self.cap_per_48 = limit, trusted, per_48
-
-    async def _make_server(self):
-        return ConnectionCap(await super()._make_server(), self.cap_limit, self.cap_trusted, self.cap_per_48)
 
 
 def _unreadable(status: int) -> web.Response:
@@ -231,10 +155,9 @@ class ControlApi:
         server_log = logging.getLogger("aiohttp.server")
         if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
             server_log.addFilter(MalformedRequests())
-        return CappedRunner(self.app(), CONNECTIONS_PER_WORKER * self.cfg.server.max_workers_per_address,
-                            [ipaddress.ip_network(n, strict=False) for n in self.cfg.server.trusted_proxies],
-                            self.cfg.server.max_64s_per_48, rejected=self.metrics.rejected,
-                            access_log=None, keepalive_timeout=self.cfg.server.header_timeout_s, auto_decompress=False)
+        return QuietRunner(self.app(), answer=_unreadable, rejected=self.metrics.rejected,
+                           limits=worker_connections(self.cfg.server), access_log=None,
+                           keepalive_timeout=self.cfg.server.header_timeout_s, auto_decompress=False)
 
     async def start(self, host: str, port: int, reap_every: float) -> str:
         """Serve on `host:port` (0: a free port) and start the reaper; returns the URL workers join."""

@@ -52,3 +52,34 @@ def test_a_broadcast_source_bound_to_every_address_advertises_one_a_worker_can_r
 
     url, status = asyncio.run(run())
     assert urlsplit(url).hostname != "0.0.0.0" and status == 200, url
+
+
+def test_one_address_holds_only_so_many_connections_to_a_broadcast_source():
+    """The control API closed connections past 8 per worker an address may join, the broadcast
+    source none: 21,000 idle ones from one address took the learner to its file limit, and every
+    new connection to the control API was reset. The learner gives its source the same limits."""
+    import asyncio
+
+    from broadcast.signing import SigningKey
+    from broadcast.source import Source
+
+    async def run() -> int:
+        src = Source(SigningKey.generate(), connection_limits=lambda host: ((host, 4),))
+        await src.start()
+        try:
+            url = urlsplit(src.url)
+            held = [await asyncio.open_connection(url.hostname, url.port) for _ in range(10)]
+            await asyncio.sleep(0.3)
+            closed = 0
+            for reader, _ in held:
+                try:
+                    closed += await asyncio.wait_for(reader.read(1), 0.05) == b""
+                except asyncio.TimeoutError:
+                    pass
+            for _, writer in held:
+                writer.close()
+            return closed
+        finally:
+            await src.stop()
+
+    assert asyncio.run(run()) == 10 - 4

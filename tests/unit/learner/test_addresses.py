@@ -44,7 +44,8 @@ def test_one_ipv6_48_holds_at_most_a_few_64s_worth_of_workers():
 
 
 def test_one_ipv6_48_holds_at_most_a_few_64s_worth_of_connections():
-    from learner.api.app import ConnectionCap
+    from broadcast.node import ConnectionCap
+    from learner.addresses import connection_limits
 
     class Transport:  # what ConnectionCap reads of an accepted connection
         def __init__(self, host: str):
@@ -60,7 +61,7 @@ def test_one_ipv6_48_holds_at_most_a_few_64s_worth_of_connections():
         transport = Transport(host)
         return transport, cap.opened(transport)
 
-    cap = ConnectionCap(server=None, limit=2, trusted=[], per_48=3)
+    cap = ConnectionCap(server=None, limits=connection_limits(limit=2, trusted=[], per_48=3))
     opened = [connect(f"2001:db8:1:{i // 2:x}::1") for i in range(8)]  # 2 from each of 4 /64s of one /48
     assert [t.aborted for t, _ in opened] == [False] * 6 + [True] * 2
     assert not connect("2001:db8:2::1")[0].aborted  # another /48
