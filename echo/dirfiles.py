@@ -44,10 +44,6 @@ def files_digest(files: dict[str, bytes]) -> str:
     return outer.hexdigest()
 
 
-def size(path: Path) -> int:
-    return sum(p.stat().st_size for p in listed(path))
-
-
 def read(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in listed(path)}
 
@@ -59,9 +55,11 @@ class Packed:
     stopped reading held it. `size` is known before the first byte, for Content-Length."""
 
     def __init__(self, paths: list[Path]):
-        self.parts = [(msgpack.packb(p.name) + _bin_header(p.stat().st_size), p, p.stat().st_size) for p in paths]
+        sizes = [p.stat().st_size for p in paths]
+        self.parts = [(msgpack.packb(p.name) + _bin_header(n), p, n) for p, n in zip(paths, sizes)]
         self.head = _map_header(len(paths))
-        self.size = len(self.head) + sum(len(header) + size for header, _, size in self.parts)
+        self.files_size = sum(sizes)  # the files' own bytes, without msgpack's headers
+        self.size = len(self.head) + sum(len(header) for header, _, _ in self.parts) + self.files_size
 
     def chunks(self) -> Iterator[bytes]:
         """The packing, a piece at a time; a file that changed size since `Packed` was made raises."""

@@ -51,17 +51,23 @@ def prefix48(address: str) -> str | None:
     return str(ipaddress.ip_network(f"{ip}/48", strict=False))
 
 
+def in_networks(address: str, networks: list) -> bool:
+    """Whether `address` lies in one of `networks` (`ipaddress` networks); not an address: no."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in net for net in networks)
+
+
 def connection_limits(limit: int, trusted: list, per_48: int = 8):
     """Connection limits (`broadcast.node.ConnectionCap`: the control API's, the broadcast
     source's): `limit` per address (an IPv6 /64), `per_48` times that per IPv6 /48 (its 65,536
     /64s would hold 65,536 times as many); a trusted proxy, which speaks for many workers, is not
     counted."""
     def limits(host: str) -> tuple[tuple[str, int], ...]:
-        try:
-            if any(ipaddress.ip_address(host) in net for net in trusted):
-                return ()
-        except ValueError:
-            pass
+        if in_networks(host, trusted):
+            return ()
         wide = prefix48(host)
         return ((address_key(host), limit),) if wide is None else ((address_key(host), limit), (wide, limit * per_48))
     return limits
@@ -88,11 +94,7 @@ def client_address(remote: str, forwarded_for: str, trusted_proxies: list) -> st
     is not an IP address ends the search at the proxy's own address: it is never a key (a
     string shown in status and logs), and the entries left of it are what a client wrote."""
     def trusted(addr: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(addr)
-        except ValueError:
-            return False
-        return any(ip in net for net in trusted_proxies)
+        return in_networks(addr, trusted_proxies)
 
     if not trusted_proxies or not trusted(remote):
         return remote

@@ -13,6 +13,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from learner.addresses import in_networks
+
 WAKE_BATCH = 8  # waiters woken per turn of the event loop: a lease handler takes ~1-2 ms (its prompts tokenized)
 
 
@@ -147,13 +149,7 @@ class JoinGate:
         self.networks = [ipaddress.ip_network(n, strict=False) for n in networks]
 
     def allowed_from(self, address: str) -> bool:
-        if not self.networks:
-            return True
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return any(ip in net for net in self.networks)
+        return not self.networks or in_networks(address, self.networks)
 
     def take(self, now: float) -> float:
         """0 if a join may pass now, else the seconds until one may."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import math
 import time
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ except ImportError:  # 3.10: aiohttp's own dependency there
 
 from broadcast.transport import bearer
 from echo import protocol as P
-from learner.addresses import AddressBook, client_address
+from learner.addresses import AddressBook, client_address, in_networks
 from scheduler.providers import machine_of
 
 
@@ -207,15 +206,13 @@ class Auth:
                                                "worker_requests_per_s); retry after the given seconds",
                           {"Retry-After": str(max(1, math.ceil(wait)))})
 
-    def operator(self, request: web.Request, networks: list) -> None:
-        """Requests from `networks` (this machine, by default), or anyone with the run token. Behind a
-        trusted proxy the address judged is the one it forwarded, not the proxy's own."""
-        try:
-            ip = ipaddress.ip_address(self.address(request))
-        except ValueError:
-            ip = None
-        if ip is None or not any(ip in net for net in networks):
-            self.run_token(request)
+    def operator(self, request: web.Request, networks: list) -> bool:
+        """Requests from `networks` (this machine, by default: True), or anyone with the run token
+        (False). Behind a trusted proxy the address judged is the one it forwarded, not the proxy's own."""
+        if in_networks(self.address(request), networks):
+            return True
+        self.run_token(request)
+        return False
 
     def anyone(self, request: web.Request) -> str:
         """Model files and snapshots: any worker, or the operator with the run token. Who reads,

@@ -13,7 +13,6 @@ Reading is free of side effects; files are read on the `offload` threads.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import math
 import time
@@ -25,7 +24,7 @@ from aiohttp import web
 from broadcast.links import LinkTable
 from broadcast.star import add_star_routes
 from echo import dirfiles
-from learner.addresses import address_key, remember
+from learner.addresses import address_key, in_networks, remember
 from learner.admission import TokenBucket
 from learner.api.http import Auth, Refusal
 from learner.api.leases import LeaseRoom
@@ -118,11 +117,11 @@ class StatusRoom:
     def task_dir_files(self, option: str) -> dirfiles.Packed:
         """A task's model directory, weights and all, up to `MAX_SERVED_WEIGHTS` (a larger one:
         each worker keeps its own copy, which the join reply's digest checks)."""
-        path = self.task_dirs[option]
-        if dirfiles.size(path) > MAX_SERVED_WEIGHTS:
+        packed = dirfiles.Packed(dirfiles.listed(self.task_dirs[option]))
+        if packed.files_size > MAX_SERVED_WEIGHTS:
             raise Refusal(413, "too-large", f"task.{option} is over {MAX_SERVED_WEIGHTS >> 30} GiB, too large to serve: "
                                             f"copy it to the worker and set task.{option} there (its digest is checked)")
-        return dirfiles.Packed(dirfiles.listed(path))
+        return packed
 
     async def send(self, request: web.Request, packed: dirfiles.Packed) -> web.StreamResponse:
         """`packed` read on the offload threads a chunk at a time, each written before the next is
@@ -141,14 +140,6 @@ class StatusRoom:
         finally:
             pieces.close()  # the open file with it
         return resp
-
-    def _local(self, address: str) -> bool:
-        """Whether `address` is among the operator's machines ([server] metrics_from)."""
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return any(ip in net for net in self.metrics_from)
 
     def _paced(self, address: str) -> None:
         """/v1/status and /metrics from outside `metrics_from`: every worker holds the run token
@@ -169,16 +160,14 @@ class StatusRoom:
         async def status(request: web.Request) -> web.Response:
             auth.run_token(request)
             address = auth.address(request)
-            full = self._local(address)
+            full = in_networks(address, self.metrics_from)
             if not full:
                 self._paced(address)
             return web.Response(body=self.status_json(full), content_type="application/json")
 
         async def metrics(request: web.Request) -> web.Response:
-            auth.operator(request, self.metrics_from)
-            address = auth.address(request)
-            if not self._local(address):
-                self._paced(address)
+            if not auth.operator(request, self.metrics_from):
+                self._paced(auth.address(request))
             self.metrics.links(self.links.to_dict())
             return web.Response(body=self.metrics.exposition(), content_type="text/plain")
 
