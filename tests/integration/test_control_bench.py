@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~25 s, a benchmark (`make test-slow` runs it)
 def test_control_plane_bench_smoke_run_balances_its_ledger(tmp_path):
     out = subprocess.run([sys.executable, "-m", "learner.bench.control_plane", "--workers", "30", "--seconds", "8",
                           "--churn", "0.3", "--churn-every", "3", "--ramp-s", "1", "--step-rate", "2", "--batch-prompts", "8",

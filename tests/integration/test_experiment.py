@@ -101,6 +101,7 @@ def test_arms_follow_the_publication_rule_and_refuse_what_cannot_work():
         parse_arms([2], [1], 3, 0.0)
 
 
+@pytest.mark.slow  # ~35 s, a benchmark (`make test-slow` runs it); its analysis is tested above without runs
 def test_smoke_runs_the_real_learner_and_workers_synchronously_and_with_replay(tmp_path, capsys):
     """`make test`: the harness end to end in seconds. S = 0 trains only groups of the current
     version (the synchronous baseline, no deadlock); S = 2 with reuse 2 replays groups. The model

@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from learner.bench.attacks import CLASSES, REFUSED
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~45 s, a benchmark; every attack class has its own test in `make test` (test_untrusted)
 def test_a_hostile_share_of_the_fleet_is_refused_and_contained():
     out = subprocess.run([sys.executable, "-m", "learner.bench.control_plane", "--workers", "40", "--hostile", "0.2",
                           "--seconds", "10", "--ramp-s", "1", "--step-rate", "2", "--batch-prompts", "64", "--gen-s", "0.5",

@@ -164,12 +164,12 @@ def test_stale_groups_give_every_prompt_back_and_duplicates_queue_nothing(learne
     assert lp.status()["buffer"]["accepted"] >= accepted + 1
 
 
-@pytest.mark.parametrize("seconds", [pytest.param(20, id="short"),
+@pytest.mark.parametrize("seconds", [pytest.param(10, id="short"),
                                      pytest.param(600, marks=[pytest.mark.slow, pytest.mark.timeout(900)], id="10-minutes")])
 def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, seconds):
     """S = 1 with workers 50× apart in speed: the slow ones' groups arrive stale, are refused
     with their prompts given back, and the workers hand their leases back; leases never pile up
-    and the learner never waits long for a batch. `make test` runs 20 s, `make test-slow` 10 min."""
+    and the learner never waits long for a batch. `make test` runs 10 s, `make test-slow` 10 min."""
     import time
 
     lp = learner_factory(run={"steps": 1_000_000}, buffer={"max_staleness": 1})
@@ -194,6 +194,7 @@ def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, 
     assert all(0 <= x <= 1 for r in records for x in r["staleness"])
 
 
+@pytest.mark.slow  # ~50 s; a resumed run in `make test`: test_untrusted (killed mid-run, resumed, "already finished")
 def test_resume_continues_from_the_last_checkpoint(learner_factory):
     lp = learner_factory(run={"steps": 4, "checkpoint_every": 2}, broadcast={"mode": "star"})  # the star path too
     lp.worker("w")
@@ -324,6 +325,7 @@ def test_command_provider_launches_machines_with_the_users_command(learner_facto
     assert [w["name"] for w in summary["workers"]] == ["box"] and summary["steps"] == 5
 
 
+@pytest.mark.slow  # ~20 s; the libp2p transport in `make test`: tests/unit/broadcast/test_broadcast_libp2p.py
 def test_workers_relay_over_libp2p(learner_factory, tmp_path):
     """The same loop with the workers' relays on py-libp2p (`[worker] relay_transport`): the
     learner pushes each signed version to a `p2p:` address and the workers forward it there."""
@@ -349,6 +351,7 @@ def test_workers_relay_over_libp2p(learner_factory, tmp_path):
         assert "relay listening at p2p:" in log and log.count("from the learner") <= 1, log[-2000:]
 
 
+@pytest.mark.slow  # ~30 s; `[run] nproc = 2` in `make test`: the multi-turn bf16 LoRA run below; top-p π = μ: test_engines
 def test_a_two_rank_learner_trains_on_policy_with_top_p(learner_factory):
     """`[run] nproc = 2`: the learner relaunches itself under torchrun (FSDP2 on two gloo ranks,
     rank 0 serving), a transformers worker samples with top-p 0.9, and with S = 0 every trained

@@ -78,7 +78,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     assert not differ, differ[:5]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])  # one rank: ~11 s more, the same code
 def test_a_sharded_load_holds_exactly_what_from_pretrained_loads(models, tmp_path, ranks):
     from safetensors.torch import load_file
 

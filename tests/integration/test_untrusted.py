@@ -501,6 +501,19 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert summary["steps"] == 24
 
+    # `--resume` of a finished run evaluated again, re-saved its last checkpoint and replaced its
+    # summary with one of zero groups trained: it says the run is finished and how to train on,
+    # and touches nothing.
+    latest = (lp.run_dir / "checkpoints" / "latest").resolve()
+    saved = {p: p.stat().st_mtime_ns for p in latest.rglob("*")}
+    summary_bytes = (lp.run_dir / "summary.json").read_bytes()
+    done = subprocess.run([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=WATCHED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "already finished: 24 of 24 updates" in done.stderr and "--run.steps" in done.stderr
+    assert (lp.run_dir / "summary.json").read_bytes() == summary_bytes
+    assert {p: p.stat().st_mtime_ns for p in latest.rglob("*")} == saved
+
 
 def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_factory, tiny_model):
     """A worker whose behaviour log-probs are made up (claimed near-certain for random tokens)

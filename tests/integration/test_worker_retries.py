@@ -108,12 +108,15 @@ def test_a_worker_the_learner_refuses_as_quarantined_exits_with_code_3(learner_f
     """docs/workers.md: a quarantined worker exits with code 3 (so a supervisor does not restart
     it). Heard on a lease or a join (banned: its address or machine was quarantined), it exited 1."""
     lp = learner_factory(run={"steps": 1000})
-    for path, reason in (("/v1/lease", "quarantined"), ("/v1/join", "banned")):
-        proxy = RefusingProxy(lp.url, {path: (403, reason, 1000)})
-        url = proxy.start()
-        try:
-            worker = start_worker(url, lp.token, f"q-{reason}", tmp_path / f"{reason}.log")
+    proxies = {reason: RefusingProxy(lp.url, {path: (403, reason, 1000)})
+               for path, reason in (("/v1/lease", "quarantined"), ("/v1/join", "banned"))}
+    try:  # both at once: each is a worker process's start-up (~10 s)
+        workers = {reason: start_worker(proxy.start(), lp.token, f"q-{reason}", tmp_path / f"{reason}.log")
+                   for reason, proxy in proxies.items()}
+        lp.workers += workers.values()  # killed at the end if one hangs
+        for reason, worker in workers.items():
             assert worker.wait(120) == 3, (tmp_path / f"{reason}.log").read_text()[-2000:]
-        finally:
+            assert "the learner refused" in (tmp_path / f"{reason}.log").read_text()
+    finally:
+        for proxy in proxies.values():
             proxy.stop()
-        assert "the learner refused" in (tmp_path / f"{reason}.log").read_text()
