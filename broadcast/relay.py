@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import inspect
+import ipaddress
 import json
 import logging
 import signal
@@ -42,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
+from broadcast.addresses import connection_limits
 from broadcast.manifest import BroadcastError
 from broadcast.node import MIB, Node
 from broadcast.route import Place, RouteError, SignedRoute
@@ -66,6 +68,12 @@ from broadcast.transport import (
 log = logging.getLogger("echo.broadcast")
 #: Chunks below this size are hashed on the event loop (~30 us per 64 KiB), bigger ones in a thread.
 INLINE_VERIFY_BYTES = 1 << 20
+#: Open connections one address (an IPv6 /64) may hold at a relay. A relay's readers are the few
+#: children its routes give it and the learner's probe, a connection or two each; with no limit,
+#: one address holding thousands idle would take the worker's file descriptors, and its relay
+#: would refuse its own children. The worker's own machine (loopback) is not counted.
+CONNECTIONS_PER_ADDRESS = 64
+LOOPBACK = [ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")]
 #: Errors of a stream to or from one peer: the peer is bad or gone, the relay carries on.
 PEER_ERRORS = (ProtocolError, Stalled, Refused, PeerError, aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
@@ -93,6 +101,7 @@ class Relay(Node):
         source_url: str | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("connection_limits", connection_limits(CONNECTIONS_PER_ADDRESS, LOOPBACK))
         super().__init__(node_id, **kwargs)
         self.verify_key = verify_key
         if self.read_token:  # a relay of a guarded run serves the run's ticket holders only

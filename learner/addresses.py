@@ -1,10 +1,8 @@
 """What the learner holds against a network address: how many workers joined from it, how many
 wrong tokens and credentials it sent, and whether it is banned, and for how long.
 
-A rented worker can open as many identities as it likes, but not as many addresses: an IPv4
-address, or an IPv6 /64 (what one customer line gets), is the unit every limit counts in. An
-IPv6 /48 (one site; a tunnel broker gives one away) holds 65,536 /64s, so the workers joined
-from one /48 are bounded too, at `max_64s_per_48` /64s' worth.
+Every limit counts in `broadcast.addresses.address_key` (an IPv4 address, an IPv6 /64); the
+workers joined from one IPv6 /48 are bounded too, at `max_64s_per_48` /64s' worth.
 Behind a reverse proxy every request arrives from the proxy; `client_address` takes the
 forwarded address only from proxies the operator named, so a worker cannot choose whose
 address it is counted as, and a ban of one worker does not ban the proxy's whole fleet.
@@ -18,59 +16,12 @@ refused credential.
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 from dataclasses import dataclass, field
 
-UNKNOWN = "unknown"  # a request whose address cannot be parsed counts under one shared key
+from broadcast.addresses import address_key, in_networks, prefix48
+
 TRACKED = 65536  # addresses remembered for failures, and for bans: the least recently seen go first
-
-
-@functools.lru_cache(maxsize=4096)  # parsed twice per refused credential, a burst of them from one address
-def address_key(address: str) -> str:
-    """The unit limits count in: the IPv4 address itself, or the /64 an IPv6 address lies in."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return UNKNOWN
-    if ip.version == 6:
-        if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is the IPv4 address a.b.c.d
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
-
-
-def prefix48(address: str) -> str | None:
-    """The /48 an IPv6 address lies in, or None (IPv4, IPv4-mapped, not an address)."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return None
-    if ip.version != 6 or ip.ipv4_mapped is not None:
-        return None
-    return str(ipaddress.ip_network(f"{ip}/48", strict=False))
-
-
-def in_networks(address: str, networks: list) -> bool:
-    """Whether `address` lies in one of `networks` (`ipaddress` networks); not an address: no."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip in net for net in networks)
-
-
-def connection_limits(limit: int, trusted: list, per_48: int = 8):
-    """Connection limits (`broadcast.node.ConnectionCap`: the control API's, the broadcast
-    source's): `limit` per address (an IPv6 /64), `per_48` times that per IPv6 /48 (its 65,536
-    /64s would hold 65,536 times as many); a trusted proxy, which speaks for many workers, is not
-    counted."""
-    def limits(host: str) -> tuple[tuple[str, int], ...]:
-        if in_networks(host, trusted):
-            return ()
-        wide = prefix48(host)
-        return ((address_key(host), limit),) if wide is None else ((address_key(host), limit), (wide, limit * per_48))
-    return limits
 
 
 def forwarded_ip(entry: str) -> str | None:

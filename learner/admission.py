@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from learner.addresses import in_networks
+from broadcast.addresses import in_networks
 
 WAKE_BATCH = 8  # waiters woken per turn of the event loop: a lease handler takes ~1-2 ms (its prompts tokenized)
 

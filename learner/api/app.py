@@ -24,7 +24,7 @@ from broadcast.links import MBIT, LinkTable
 from broadcast.node import QuietRunner, no_version_banner
 from broadcast.transport import http_url
 from echo import protocol as P
-from learner.addresses import connection_limits
+from broadcast.addresses import connection_limits
 from learner.admission import Waiters
 from learner.api.evals import EvalRoom
 from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json, json_error
@@ -53,7 +53,7 @@ CONNECTIONS_PER_WORKER = 8  # a worker's heartbeat, long-polled lease, uploads, 
 
 def worker_connections(server: ServerSection):
     """The connections one address may hold open, on the control API and on the broadcast
-    source alike (`learner.addresses.connection_limits`): `CONNECTIONS_PER_WORKER` per worker it
+    source alike (`broadcast.addresses.connection_limits`): `CONNECTIONS_PER_WORKER` per worker it
     may join; trusted proxies any number."""
     return connection_limits(CONNECTIONS_PER_WORKER * server.max_workers_per_address,
                              [ipaddress.ip_network(n, strict=False) for n in server.trusted_proxies],

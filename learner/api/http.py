@@ -25,7 +25,8 @@ except ImportError:  # 3.10: aiohttp's own dependency there
 
 from broadcast.transport import bearer
 from echo import protocol as P
-from learner.addresses import AddressBook, client_address, in_networks
+from broadcast.addresses import in_networks
+from learner.addresses import AddressBook, client_address
 from scheduler.providers import machine_of
 
 

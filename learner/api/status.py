@@ -24,7 +24,8 @@ from aiohttp import web
 from broadcast.links import LinkTable
 from broadcast.star import add_star_routes
 from echo import dirfiles
-from learner.addresses import address_key, in_networks, remember
+from broadcast.addresses import address_key, in_networks
+from learner.addresses import remember
 from learner.admission import TokenBucket
 from learner.api.http import Auth, Refusal
 from learner.api.leases import LeaseRoom

@@ -26,7 +26,8 @@ from aiohttp import web
 
 from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
-from learner.addresses import AddressBook, address_key, remember
+from broadcast.addresses import address_key
+from learner.addresses import AddressBook, remember
 from learner.admission import JoinGate, TokenBucket
 from learner.api.http import Auth, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom

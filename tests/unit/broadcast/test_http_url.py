@@ -83,3 +83,43 @@ def test_one_address_holds_only_so_many_connections_to_a_broadcast_source():
             await src.stop()
 
     assert asyncio.run(run()) == 10 - 4
+
+
+def test_a_relay_holds_only_so_many_connections_per_address_but_its_own_machine_any():
+    """A worker's relay took any number of connections: one address holding thousands idle
+    would take the worker's file descriptors, and the relay would refuse its own children. It
+    counts like the learner: per IPv4 address, per IPv6 /64 and /48; loopback is not counted."""
+    import asyncio
+
+    from broadcast.relay import CONNECTIONS_PER_ADDRESS, Relay
+    from broadcast.signing import SigningKey
+
+    relay = Relay("w", SigningKey.generate().public_key())
+    limits = relay.connection_limits
+    assert limits("203.0.113.7") == (("203.0.113.7", CONNECTIONS_PER_ADDRESS),)
+    assert limits("2001:db8:1:2::9") == (("2001:db8:1:2::/64", CONNECTIONS_PER_ADDRESS),
+                                         ("2001:db8:1::/48", 8 * CONNECTIONS_PER_ADDRESS))
+    assert limits("127.0.0.1") == limits("::1") == ()
+
+    async def held_open(relay: Relay, n: int) -> int:  # how many of n connections the relay keeps
+        await relay.start()
+        try:
+            url = urlsplit(relay.url)
+            held = [await asyncio.open_connection(url.hostname, url.port) for _ in range(n)]
+            await asyncio.sleep(0.3)
+            kept = 0
+            for reader, _ in held:
+                try:
+                    kept += await asyncio.wait_for(reader.read(1), 0.05) != b""
+                except asyncio.TimeoutError:
+                    kept += 1
+            for _, writer in held:
+                writer.close()
+            return kept
+        finally:
+            await relay.stop()
+
+    key = SigningKey.generate().public_key()
+    assert asyncio.run(held_open(Relay("w", key), 80)) == 80  # loopback: the worker's own machine
+    capped = Relay("w", key, connection_limits=lambda host: ((host, 4),))  # as a remote address is
+    assert asyncio.run(held_open(capped, 10)) == 4

@@ -3,7 +3,8 @@ expire and grow, and the client address behind a trusted proxy only."""
 
 import ipaddress
 
-from learner.addresses import AddressBook, address_key, client_address, prefix48
+from broadcast.addresses import address_key, prefix48
+from learner.addresses import AddressBook, client_address
 
 
 def test_ipv6_counts_per_64_and_ipv4_per_address():
@@ -45,7 +46,7 @@ def test_one_ipv6_48_holds_at_most_a_few_64s_worth_of_workers():
 
 def test_one_ipv6_48_holds_at_most_a_few_64s_worth_of_connections():
     from broadcast.node import ConnectionCap
-    from learner.addresses import connection_limits
+    from broadcast.addresses import connection_limits
 
     class Transport:  # what ConnectionCap reads of an accepted connection
         def __init__(self, host: str):
