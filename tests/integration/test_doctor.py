@@ -9,9 +9,18 @@ import urllib.request
 from conftest import ROOT, WATCHED
 
 
-def doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.main", "doctor", *args, "--min-disk-gb", "0.1"], cwd=ROOT,
-                          capture_output=True, text=True, env=WATCHED, timeout=120)
+def doctors(*runs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """`echo-worker doctor` with each of `runs`' arguments, all at once (each start-up is seconds)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "worker.main", "doctor", *args, "--min-disk-gb", "0.1"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=WATCHED) for args in runs]
+    done = []
+    for proc, args in zip(procs, runs):
+        try:
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 def test_doctor_passes_on_a_cpu_machine_says_there_is_no_gpu_and_fails_plainly_on_a_wrong_token_or_no_learner(learner_factory):
@@ -19,8 +28,8 @@ def test_doctor_passes_on_a_cpu_machine_says_there_is_no_gpu_and_fails_plainly_o
     from scheduler.providers import machine_token
 
     key = (lp.run_dir / "machine.key").read_text().strip()
-    for token in (lp.token, machine_token(key, "vast-1")):  # the run token, or a provider's machine token
-        out = doctor(lp.url, "--token", token)
+    for out in doctors((lp.url, "--token", lp.token), (lp.url, "--token", machine_token(key, "vast-1"))):
+        # the run token, or a provider's machine token
         lines = out.stdout.splitlines()
         assert out.returncode == 0, out.stdout + out.stderr
         names = [line.split()[1] for line in lines[:-1]]
@@ -38,8 +47,8 @@ def test_doctor_passes_on_a_cpu_machine_says_there_is_no_gpu_and_fails_plainly_o
         metrics = resp.read().decode()
     assert not [line for line in metrics.splitlines() if line.startswith("echo_auth_refused_total{")], metrics
     # ...and fails plainly on a wrong token or no learner.
-    out = doctor(lp.url, "--token", "wrong")
+    out, nobody = doctors((lp.url, "--token", "wrong"), ("http://127.0.0.1:9", "--token", "x"))  # nothing listens on 9
     assert out.returncode == 1 and "FAIL download" in out.stdout and "check --token" in out.stdout
     assert out.stdout.splitlines()[-1] == "echo-worker doctor: FAIL (download)"
-    out = doctor("http://127.0.0.1:9", "--token", "x")  # nothing listens on port 9
+    out = nobody
     assert out.returncode == 1 and "FAIL learner   cannot reach" in out.stdout
