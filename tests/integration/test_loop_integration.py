@@ -208,7 +208,7 @@ def test_resume_continues_from_the_last_checkpoint(learner_factory):
     import subprocess
     import sys
 
-    from conftest import ROOT, WATCHED, start_worker
+    from conftest import ROOT, start_worker
 
     resumed = subprocess.Popen([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--run.steps", "7",
                                 "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
