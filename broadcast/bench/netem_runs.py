@@ -585,7 +585,7 @@ def _run_links(bench: Bench, topo, settings: Settings, U: float, peers: list[Pee
 
     from broadcast.links import LinkTable, link_sample, uplink_sample
 
-    M, h = settings.size, settings.headroom
+    M = settings.size
     declared = _plan(settings, M, U, peers, ("chains",))
     slow = [chain[0] for chain in declared.chains if len(chain) > 1][:2]  # relays in the declared plan
     if not slow:

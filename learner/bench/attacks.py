@@ -386,7 +386,6 @@ def safety(attacks: dict, learner: dict) -> dict[str, dict]:
     forgers = attacks["forgers"]
     caught = [f for f in forgers if f["caught"]]
     first = learner["lease_first_prompts"]
-    hoard = attacks["hoard"]
     # The learner's count: a hoarder never learns that its leases expired (they die after a few of
     # the fleet's turnarounds), so what it received over the run is more than it ever held at once.
     held_most = learner["max_leased_by_kind"].get("hostile", 0)

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 import venv
 
 import pytest

@@ -480,8 +480,6 @@ def _descendants(pid: int) -> set[int]:
 
 
 def _alive(pids: set[int]) -> set[int]:
-    import os
-
     alive = set()
     for pid in pids:
         try:

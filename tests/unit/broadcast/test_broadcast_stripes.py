@@ -19,7 +19,6 @@ from broadcast.planner import PeerLink, plan_broadcast
 from broadcast.reach import probe_relay
 from broadcast.relay import Relay, Source
 from broadcast.signing import SigningKey
-from broadcast.transport import Hop
 
 KIB = 1 << 10
 MIB = 1 << 20

@@ -80,7 +80,7 @@ def test_a_checked_round_reports_the_checked_accuracy_everywhere():
     quarantined, and the accuracy the log, the checkpoint and the Prometheus gauge show is over
     the two kept answers (0.5), not the round's raw 2/3."""
     p = parts(5)
-    held, quarantined = [], []
+    quarantined = []
 
     async def hold() -> int:
         return 3
