@@ -50,9 +50,9 @@ def in_networks(address: str, networks: list) -> bool:
 
 def connection_limits(limit: int, trusted: list, per_48: int = 8):
     """Connection limits (`broadcast.node.ConnectionCap`: the control API's, the broadcast
-    source's, a relay's): `limit` per address (an IPv6 /64), `per_48` times that per IPv6 /48 (its 65,536
-    /64s would hold 65,536 times as many); a trusted proxy, which speaks for many workers, is not
-    counted."""
+    source's, a relay's): `limit` per address (an IPv6 /64), `per_48` times that per IPv6 /48
+    (its 65,536 /64s would hold 65,536 times as many); a trusted proxy, which speaks for many
+    workers, is not counted."""
     def limits(host: str) -> tuple[tuple[str, int], ...]:
         if in_networks(host, trusted):
             return ()
