@@ -73,6 +73,7 @@ class Evidence:
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
     # the learner's own version, where a sampled token never lies outside π's nucleus)
     token_checks: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
+    tokens_unjudged: int = 0  # in stale groups the token check had no stale reference for (`Drift.referenced`)
 
     @property
     def token_z(self) -> float:
@@ -138,8 +139,12 @@ class Drift:
     sampled tokens read as greedy). Until then (the start of a run, a staleness no worker with
     standing was heard at), every worker not judged dishonest votes, so a fleet earns standing at
     any staleness, from stale work alone too. A staleness nobody else was heard at takes the
-    nearest lower one's drift, scaled by the updates in between (held to the fresh bound, a slow
-    new worker's groups 5 versions old were quarantined on the demo).
+    nearest lower stale one's drift (else the nearest higher one's), scaled by the updates in
+    between (held to the fresh bound, a slow new worker's groups 5 versions old were quarantined
+    on the demo). A fresh level says nothing of a stale one's: a staleness with no stale
+    reference at all is not `referenced`, and the token check does not judge groups there (a
+    lone honest worker, alone in the fleet or the only one whose groups are stale, read as +8.2
+    standard deviations off after 2,414 tokens at staleness 2-5 and was quarantined, 2026-11-28).
 
     Still open: forgers outnumbering the honest workers with standing at a staleness set its
     drift, each identity having earned standing with checked work that passed (`min_gap_tokens`
@@ -166,12 +171,32 @@ class Drift:
     def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
         of `standing` is among those with a recent group there (the judged one included), only
-        the workers of `standing` vote; where nobody else was heard, the nearest lower staleness's,
-        scaled by the updates in between."""
-        for k in range(staleness, self._first - 1, -1):
+        the workers of `standing` vote; where nobody else was heard, the nearest lower stale
+        staleness's, else the nearest higher one's, scaled by the updates in between; 0 where
+        there is none."""
+        reference = self._reference(staleness, excluding, standing)
+        if reference is None:
+            return 0.0
+        k, level = reference
+        return level * staleness / k if k > 0 else level
+
+    def referenced(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> bool:
+        """Whether `at` has a measured drift of the same kind for `staleness`: fresh groups always
+        (they are held to the same weights' numerics), a stale one only where another worker's
+        stale groups were heard."""
+        return staleness == 0 or self._reference(staleness, excluding, standing) is not None
+
+    def _reference(self, staleness: int, excluding, standing) -> tuple[int, float] | None:
+        """The staleness whose votes stand in for `staleness`'s, and their level: itself, else the
+        nearest lower stale one, else the nearest higher one; a fresh group's only its own."""
+        if staleness == 0:
+            order = [0] if self._first == 0 else []
+        else:
+            order = [*range(staleness, 0, -1), *range(staleness + 1, max(self._recent, default=0) + 1)]
+        for k in order:
             if (level := self._level(self._votes(k, excluding, standing))) is not None:
-                return level * staleness / k if k > 0 else level
-        return 0.0
+                return k, level
+        return None
 
     def spread(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
         """How much more the groups at `staleness` vary than their model variance says (at least 1;
@@ -234,6 +259,9 @@ class _Check:
     enough: Callable[[Evidence], bool]  # enough of a worker's work checked to judge it (and, passing, to vote)
     verdict: Callable[[str, Evidence], Verdict | None]  # on enough evidence: dishonest?
     variance: Callable[[tuple], float]  # a group's model variance (0: none; the drift's spread is not measured)
+    # Stale groups judged only against another worker's stale groups: a test whose z grows with the
+    # evidence reads any drift as dishonesty (the token check); a tolerance per token does not (log-probs).
+    needs_reference: bool = False
 
 
 def _median(values: list[float]) -> float:
@@ -251,7 +279,8 @@ class Verifier:
         self._gaps = _Check(self.drift, tokens=lambda g: g[3], add=self._add_gap, verdict=self._gap_verdict,
                             enough=lambda ev: ev.gap_tokens >= self.cfg.min_gap_tokens, variance=lambda g: 0.0)
         self._tokens = _Check(self.token_drift, tokens=lambda g: int(g[4]), add=self._add_tokens, variance=lambda g: g[3],
-                              verdict=self._token_verdict, enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks)
+                              verdict=self._token_verdict, enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks,
+                              needs_reference=True)
         self._rng = random.Random(seed)
 
     def _of(self, worker_id: str) -> Evidence:
@@ -266,7 +295,8 @@ class Verifier:
         return {"rewards_checked": len(ev.rewards), "reward_mismatch_share": round(ev.mismatch_share, 4),
                 "logprob_gap": round(ev.mean_gap, 4), "gap_tokens": ev.gap_tokens,
                 "lease_rate": round(ev.lease_rate, 3), "claims_clamped": ev.claims_clamped,
-                "token_z": round(ev.token_z, 2), "outside_nucleus_share": round(ev.outside_share, 4)}
+                "token_z": round(ev.token_z, 2), "outside_nucleus_share": round(ev.outside_share, 4),
+                "tokens_unjudged": ev.tokens_unjudged}
 
     def pick(self, groups: list[Group]) -> list[bool]:
         """Which groups to rescore (on the event loop: cheap and deterministic per seed)."""
@@ -330,6 +360,9 @@ class Verifier:
             if worker_id not in evidence:
                 evidence[worker_id] = self._of(worker_id) if record else self._of(worker_id).copy()
             others = unheard | {worker_id}
+            if check.needs_reference and not check.drift.referenced(staleness, others, voting):
+                evidence[worker_id].tokens_unjudged += int(group[4] + group[5])  # the token check's: inside, outside
+                continue
             check.add(evidence[worker_id], group, check.drift.at(staleness, others, voting),
                       check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0)
         return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]

@@ -99,10 +99,11 @@ def test_sybils_without_standing_have_no_vote_on_the_drift():
 def test_sybils_without_standing_cannot_move_the_token_drift():
     """The same at the token check: three new identities whose tokens lie 3 nats/token above the
     entropy at staleness 1 set the drift, passed, and read the one honest worker with standing as
-    greedy (it was quarantined)."""
+    greedy (it was quarantined). The honest worker earned its standing on fresh groups (a stale
+    group nobody else's stale groups are heard beside is not judged, so earns none)."""
     v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=64))
     for _ in range(2):
-        assert v.tokens_checked([("honest", 1, 0.0, 40.0, 40.0, 0.0)] * 2) == []
+        assert v.tokens_checked([("honest", 0, 0.0, 40.0, 40.0, 0.0)] * 2) == []
     verdicts = []
     for _ in range(4):
         groups = [("honest", 1, 0.0, 40.0, 40.0, 0.0)] * 2
@@ -230,3 +231,51 @@ def test_tokens_outside_the_nucleus_count_only_at_the_learners_own_version():
     assert v.tokens_checked(stale) == [] and v.evidence["honest"].outside_share == 0.0
     assert v.tokens_checked([("writer", 0, 0.0, 90 / 12, 90, 10) for _ in range(8)])[0].message.startswith(
         "10.0% of its last 800 checked tokens of the learner's own version lie outside")
+
+
+def test_a_lone_honest_worker_whose_groups_are_stale_is_not_read_as_choosing_its_tokens():
+    """One worker, alone in the fleet or the only one whose groups are stale: its stale tokens
+    come from an older snapshot, so their ranks under π drift (here +0.05 per token at staleness
+    2-5). With no other worker's stale groups to measure that drift on, it was held to the fresh
+    bound: +8.2 standard deviations after 2,414 tokens on a demo run, quarantined, and training
+    stopped (2026-11-28). Its stale groups are now not judged (counted as `tokens_unjudged`); its
+    fresh ones are, against sampling itself, so a lone writer is still caught there."""
+    import random
+
+    rng = random.Random(3)
+    for fleet in ([], ["fast"]):  # alone; beside a worker whose groups are all fresh
+        v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256))
+        verdicts = []
+        for step in range(200):
+            groups = [("lone", step % 4 + 2, 0.05 * 40 + rng.gauss(0.0, 2.0), 1.0, 40.0, 0.0)]  # stale: drift
+            if step % 4 == 0:
+                groups.append(("lone", 0, rng.gauss(0.0, 1.0), 1.0, 40.0, 0.0))  # fresh: sampling's own
+            groups += [(w, 0, rng.gauss(0.0, 1.0), 1.0, 40.0, 0.0) for w in fleet]
+            verdicts += v.tokens_checked(groups)
+        assert verdicts == [], [(w, round(e.token_z, 1)) for w, e in v.evidence.items()]
+        assert v.summary("lone")["tokens_unjudged"] == 200 * 40 and v.evidence["lone"].checked_tokens > 256
+    writer = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256))
+    caught = []
+    for step in range(40):  # greedy tokens: ranks well below sampling's, on its fresh groups too
+        caught += writer.tokens_checked([("writer", step % 2 * 3, -0.2 * 40, 1.0, 40.0, 0.0)])
+    assert {d.worker_id for d in caught} == {"writer"}
+
+
+def test_a_worker_alone_at_a_lower_staleness_takes_the_drift_above_it_scaled_down():
+    """Nobody else at staleness 2 or 1, the fleet at 4: the drift at 4, halved, is 2's (not the
+    fresh bound, and not unjudged): an honest worker there passes, a writer of greedy tokens
+    there is caught."""
+    import random
+
+    rng = random.Random(5)
+    verdicts = {}
+    for name, shift in (("honest", 0.05), ("writer", -0.2)):
+        v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256))
+        found = []
+        for _ in range(100):
+            groups = [(f"fleet{i}", 4, 0.1 * 40 + rng.gauss(0.0, 2.0), 1.0, 40.0, 0.0) for i in range(3)]
+            groups.append((name, 2, shift * 40 + rng.gauss(0.0, 2.0), 1.0, 40.0, 0.0))
+            found += v.tokens_checked(groups)
+        verdicts[name] = {d.worker_id for d in found}
+        assert v.summary(name)["tokens_unjudged"] == 0
+    assert verdicts == {"honest": set(), "writer": {"writer"}}
