@@ -150,7 +150,8 @@ class Drift:
     drift, each identity having earned standing with checked work that passed (`min_gap_tokens`
     of its log-probs, `min_token_checks` of its tokens); and where no worker with standing is
     heard, identities without it outnumbering the others still set it, as before: a staleness the
-    honest fleet does not send, or whose recent groups were all the forgers'."""
+    honest fleet does not send, or whose recent groups were all the forgers'; and a writer whose
+    groups are the only stale ones escapes the token check there (not `referenced`)."""
 
     def __init__(self, fresh: bool = False) -> None:
         self._recent: dict[int, deque] = {}
