@@ -133,6 +133,14 @@ def _max_raw(max_tokens: int, group_size: int, groups: int) -> int:
     return min(MAX_DECOMPRESSED, groups * (group_size * per_sample + MAX_ID_BYTES + 64) + 2 * MAX_ID_BYTES + 64)
 
 
+def max_body(max_tokens: int, group_size: int, groups: int) -> int:
+    """The largest compressed body an honest upload of `groups` groups can be: zstd's worst case
+    (incompressible input: a few bytes per 255 more, and a frame header) over `_max_raw`. What a
+    request declares beyond it is refused before a byte of it is read."""
+    raw = _max_raw(max_tokens, group_size, max(1, min(groups, MAX_GROUPS)))
+    return raw + raw // 255 + 1024
+
+
 def _decompress(body: bytes, cap: int) -> bytes:
     try:
         declared = zstandard.frame_content_size(body)

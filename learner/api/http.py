@@ -102,22 +102,25 @@ async def read_in_time(request: web.Request, read, rejected) -> bytes:
         raise aborted(rejected) from None
 
 
+async def body_at_most(request: web.Request, most: int) -> bytes:
+    """The request's body; past `most` bytes, 413 (`HTTPRequestEntityTooLarge`) however it is
+    framed: a chunked body has no length to check first."""
+    chunks, size = [], 0
+    while chunk := await request.content.read(1 << 16):
+        size += len(chunk)
+        if size > most:
+            raise web.HTTPRequestEntityTooLarge(max_size=most, actual_size=size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def read_body(request: web.Request, model: type[P.Message], rejected) -> P.Message:
     """The request's JSON body as `model`, at most `P.MAX_JSON_BYTES`; a bad one counts in `rejected`."""
     refuse_encoding(request, rejected)
     if (request.content_length or 0) > P.MAX_JSON_BYTES:
         raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=request.content_length)
 
-    async def whole() -> bytes:
-        chunks, size = [], 0
-        while chunk := await request.content.read(1 << 16):  # a chunked body has no length to check first
-            size += len(chunk)
-            if size > P.MAX_JSON_BYTES:
-                raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=size)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    body = await read_in_time(request, whole, rejected)
+    body = await read_in_time(request, lambda: body_at_most(request, P.MAX_JSON_BYTES), rejected)
     try:
         return P.parse_json(model, body)  # bounded nesting: a deep array is a 400, not a 500
     except P.ProtocolError as e:

@@ -10,7 +10,11 @@ worker whose claims differ is quarantined. Groups that pass go into the buffer.
 Bodies are bounded in time and in total: an upload must arrive within `[server] body_timeout_s`
 (a worker trickling bytes holds nothing for long), and the bytes of uploads being read at once
 stay under `[server] max_inflight_upload_mb` (past it: 503 with Retry-After), so a fleet of slow
-uploaders cannot hold the learner's memory. A body with a `Content-Encoding` is refused (415): aiohttp
+uploaders cannot hold the learner's memory. An upload is counted at the size it declares, which
+may not exceed what an honest upload of the prompts its sender holds can be (`echo.wire.max_body`:
+413 before a byte is read), and workers that never delivered may hold half the budget together:
+32 stalled uploads declaring 8 MiB each, from 16 new identities on each of two addresses, took
+all of it, and training stopped for a minute (2026-11-28). A body with a `Content-Encoding` is refused (415): aiohttp
 would inflate it, and the bytes held would not be the bytes counted. An upload whose sender hung up
 mid-body is counted (`rejected{reason="aborted"}`), not logged.
 """
@@ -24,8 +28,17 @@ from concurrent.futures import Executor
 from aiohttp import web
 
 from echo import protocol as P
-from echo.wire import CONTENT_TYPE, Rejected, decode_submission
-from learner.api.http import Auth, Refusal, json_error, read_in_time, refuse_encoding, refuse_quarantined, reply
+from echo.wire import CONTENT_TYPE, Rejected, decode_submission, max_body
+from learner.api.http import (
+    Auth,
+    Refusal,
+    body_at_most,
+    json_error,
+    read_in_time,
+    refuse_encoding,
+    refuse_quarantined,
+    reply,
+)
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.api.workers import WorkerInfo, WorkerRegistry
@@ -49,11 +62,13 @@ class UploadRoom:
         self.inflight_cap = int(cfg.server.max_inflight_upload_mb * (1 << 20))
         self.inflight = 0  # bytes of the uploads being read now (declared lengths, or the cap per chunked body)
         # ... and by whom: one worker (one address) may hold only its share of them, else a worker
-        # holding one lease opened 32 stalled 8 MiB uploads and every other worker's got 503.
+        # holding one lease opened 32 stalled 8 MiB uploads and every other worker's got 503. A worker
+        # holds two uploads of what it holds at once.
         self.by_worker: dict[str, int] = {}
         self.by_address: dict[str, int] = {}
-        self.worker_cap = 2 * int(self.max_body_mb * (1 << 20))  # two whole uploads at once
         self.address_cap = self.inflight_cap // 2
+        self.unproven = 0  # ... of workers with no group accepted yet: new identities cost nothing to make
+        self.unproven_cap = self.inflight_cap // 2
 
     def routes(self, auth: Auth) -> list[web.RouteDef]:
         async def trajectories(request: web.Request) -> web.Response:
@@ -80,27 +95,37 @@ class UploadRoom:
         if not held:  # nothing it could upload into: read and decode nothing
             raise Rejected(409, "unknown-lease", "this worker holds no outstanding lease (expired, already "
                                                  "answered, or never leased): lease prompts first")
-        claim = min(request.content_length or int(self.max_body_mb * (1 << 20)), int(self.max_body_mb * (1 << 20)))
-        if self.inflight + claim > self.inflight_cap:
+        most = min(max_body(self.max_tokens, self.rollout.group_size, held), int(self.max_body_mb * (1 << 20)))
+        if (request.content_length or 0) > most:
+            raise Rejected(413, "oversized", f"the upload declares {request.content_length} bytes; at most {most} fit "
+                                             f"this run's group_size and episode token budget for the {held} prompts "
+                                             "this worker holds")
+        claim = min(request.content_length or most, most)
+        proven = worker.groups_accepted > 0
+        if self.inflight + claim > self.inflight_cap or (not proven and self.unproven + claim > self.unproven_cap):
             self.metrics.rejected.labels("busy").inc()
             return json_error(503, "busy", "the learner is reading as many uploads as it holds at once "
                                            "([server] max_inflight_upload_mb); retry shortly", {"Retry-After": "2"})
         mine, here = self.by_worker.get(worker.id, 0), self.by_address.get(worker.address, 0)
-        if mine + claim > self.worker_cap or here + claim > self.address_cap:
+        if mine + claim > 2 * most or here + claim > self.address_cap:
             self.metrics.rejected.labels("uploads-in-flight").inc()
             return json_error(429, "uploads-in-flight", "this worker (or its address) is already sending as many "
                                                         "upload bytes as one may at once; send the next when those "
                                                         "are answered", {"Retry-After": "2"})
         self.inflight += claim
+        self.unproven += 0 if proven else claim
         self.by_worker[worker.id] = mine + claim
         self.by_address[worker.address] = here + claim
         try:
-            raw = await read_in_time(request, request.read, self.metrics.rejected)
+            raw = await read_in_time(request, lambda: body_at_most(request, most), self.metrics.rejected)
         except web.HTTPRequestEntityTooLarge:
-            raise Rejected(413, "oversized", f"upload larger than [server] max_body_mb = {self.max_body_mb} MiB; "
-                                             "submit fewer groups per request") from None
+            raise Rejected(413, "oversized", f"upload larger than {most} bytes, what this run's group_size and "
+                                             f"episode token budget allow for the {held} prompts this worker holds "
+                                             f"(and [server] max_body_mb = {self.max_body_mb} MiB); submit fewer "
+                                             "groups per request") from None
         finally:
             self.inflight -= claim
+            self.unproven -= 0 if proven else claim
             _release(self.by_worker, worker.id, claim)
             _release(self.by_address, worker.address, claim)
         loop = asyncio.get_running_loop()

@@ -836,35 +836,68 @@ def test_a_compressed_body_is_refused_not_inflated(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path)
 
 
-def test_one_worker_cannot_hold_every_upload_byte_the_learner_reads_at_once(tokenizer, tmp_path):
-    """One lease, then stalled uploads declaring [server] max_body_mb each: the learner's whole
-    max_inflight_upload_mb was one worker's, and every other worker's upload got 503 (echo-worker
-    drops a refused batch). A worker holds two uploads' worth at once; another's still goes in."""
+def test_stalled_uploads_hold_no_more_than_what_their_senders_hold_and_new_identities_half(tokenizer, tmp_path):
+    """Stalled uploads declaring [server] max_body_mb each held the learner's whole
+    max_inflight_upload_mb, and every other worker's upload got 503: first from one worker holding
+    one lease, then (capped per worker and address) from 16 new identities on each of two
+    addresses, and training stopped for a minute (2026-11-28). An upload may declare no more than
+    an honest one of the prompts its sender holds can be (413 before a byte of it is read), a
+    worker reads two of those at once, and workers that never delivered hold half the budget
+    together: a worker that has delivered still uploads."""
+    from echo.wire import max_body
+
+    most = max_body(8, 4, 1)  # this run's max_new_tokens and group_size, one prompt held
+
     async def test(api: Api):
-        hog, cred = await api.join("hog")
-        await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
         host, port = api.url.removeprefix("http://").split(":")
-        stalled = []
-        for _ in range(2):
+
+        async def joined(name: str, address: str) -> tuple[str, str]:
+            status, body, _ = await api.call("/v1/join", {"name": name}, headers={"X-Forwarded-For": address})
+            assert status == 200, body
+            status, _, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=body["credential"],
+                                          headers={"X-Forwarded-For": address})
+            return body["worker_id"], body["credential"]
+
+        async def stalled(cred: str, address: str, length: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write((f"POST /v1/trajectories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
-                          f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {1 << 20}\r\n\r\n").encode() + b"\0" * 1000)
+                          f"X-Forwarded-For: {address}\r\nContent-Type: {CONTENT_TYPE}\r\n"
+                          f"Content-Length: {length}\r\n\r\n").encode() + b"\0" * 100)
             await writer.drain()
-            stalled.append(writer)
-        await asyncio.sleep(0.2)
-        status, body, headers = await api.call("/v1/trajectories", token=cred, raw=b"\0" * (1 << 20),
-                                               content_type=CONTENT_TYPE)
-        assert (status, body["error"]) == (429, "uploads-in-flight") and headers["Retry-After"]
-        wid, honest = await api.join("honest")
+            return reader, writer
+
+        wid, honest = await joined("honest", "203.0.113.3")
         status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=honest)
+        sub = Submission(wid, lease["lease_id"], [group(tokenizer, lease["prompts"][0]["id"], ["9"] * 4, 0.0)])
+        assert (await api.upload(honest, sub))[1]["accepted"] == 1  # it has delivered
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=honest)
+
+        _, hog = await joined("hog", "203.0.113.1")
+        reader, writer = await stalled(hog, "203.0.113.1", 1 << 20)  # the headers alone are answered
+        answer = await asyncio.wait_for(reader.read(4096), 5)
+        assert answer.startswith(b"HTTP/1.1 413") and f"at most {most} fit".encode() in answer, answer
+        writer.close()
+        held = [await stalled(hog, "203.0.113.1", most) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        status, body, headers = await api.call("/v1/trajectories", token=hog, raw=b"\0" * 100,
+                                               content_type=CONTENT_TYPE, headers={"X-Forwarded-For": "203.0.113.1"})
+        assert (status, body["error"]) == (429, "uploads-in-flight") and headers["Retry-After"]  # two at once
+
+        _, sybil = await joined("sybil", "203.0.113.2")
+        held += [await stalled(sybil, "203.0.113.2", most) for _ in range(2)]  # new identities: half the budget
+        _, late = await joined("late", "203.0.113.4")
+        await asyncio.sleep(0.2)
+        status, body, _ = await api.call("/v1/trajectories", token=late, raw=b"\0" * 100, content_type=CONTENT_TYPE,
+                                         headers={"X-Forwarded-For": "203.0.113.4"})
+        assert (status, body["error"]) == (503, "busy")
         sub = Submission(wid, lease["lease_id"], [group(tokenizer, lease["prompts"][0]["id"], ["9"] * 4, 0.0)])
         status, body = await api.upload(honest, sub)
         assert (status, body["accepted"]) == (200, 1)
-        for writer in stalled:
+        for _, writer in held:
             writer.close()
 
-    run_api(tokenizer, test, tmp_path, **{"server.max_body_mb": 1.0, "server.max_inflight_upload_mb": 2.5,
-                                          "server.long_poll_s": 0})
+    run_api(tokenizer, test, tmp_path, **{"server.max_inflight_upload_mb": 8 * most / (1 << 20),
+                                          "server.trusted_proxies": ["127.0.0.1/32"], "server.long_poll_s": 0})
 
 
 def test_a_lease_that_expires_while_its_upload_is_read_is_named_as_such(tokenizer, tmp_path):
@@ -1005,7 +1038,7 @@ def test_a_body_cut_off_by_its_sender_is_counted_not_logged(tokenizer, tmp_path,
         for path, kind in (("/v1/trajectories", CONTENT_TYPE), ("/v1/heartbeat", "application/json")):
             _, writer = await asyncio.open_connection(host, int(port))
             writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
-                         f"Content-Type: {kind}\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 1000)
+                         f"Content-Type: {kind}\r\nContent-Length: 3000\r\n\r\n".encode() + b"x" * 1000)
             await writer.drain()
             await asyncio.sleep(0.3)  # the handler is reading the body
             writer.close()
