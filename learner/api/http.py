@@ -220,9 +220,12 @@ class Auth:
 
     def anyone(self, request: web.Request) -> str:
         """Model files and snapshots: any worker, or the operator with the run token. Who reads,
-        for counting downloads: the worker's id, else the address."""
+        for counting downloads: the worker's id, else the address. A quarantined worker reads
+        nothing (it downloaded each new snapshot until it was forgotten)."""
         if "." in self.bearer(request):
-            return self.worker(request).id
+            worker = self.worker(request)
+            refuse_quarantined(worker)
+            return worker.id
         self.run_token(request, machines=True)  # a provider's machine (echo-worker doctor) may read them too
         return self.address(request)
 

@@ -27,7 +27,7 @@ from echo import dirfiles
 from broadcast.addresses import address_key, in_networks
 from learner.addresses import remember
 from learner.admission import TokenBucket
-from learner.api.http import Auth, Refusal
+from learner.api.http import Auth, Refusal, refuse_quarantined
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.api.workers import WorkerRegistry
@@ -184,6 +184,7 @@ class StatusRoom:
         async def task_dir(request: web.Request) -> web.Response:
             """A joined worker's copy of a task directory, each at most MAX_SNAPSHOT_DOWNLOADS times."""
             worker = auth.worker(request)
+            refuse_quarantined(worker)
             option = request.match_info["option"]
             if option not in self.task_dirs:
                 raise Refusal(404, "no-task-dir", f"this run's task serves no directory {option[:64]!r} "

@@ -952,6 +952,26 @@ def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_quarantined_worker_downloads_nothing(tokenizer, tmp_path):
+    """Its heartbeats and leases were refused, but its credential still downloaded every new
+    snapshot (and the model files) until it was forgotten (the API-only tester, 2026-11-28)."""
+    async def test(api: Api):
+        bad, cred = await api.join("bad")
+
+        async def get(path: str) -> tuple[int, dict | bytes]:
+            async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {cred}"}) as resp:
+                body = await resp.read()
+                return resp.status, json.loads(body) if resp.content_type == "application/json" else body
+
+        assert await get("/v1/snapshots/0") == (200, b"weights")
+        api.state.registry.quarantine(api.state.workers[bad], Verdict(bad, "rewards", "rewards differ"))
+        for path in ("/v1/snapshots/0", "/v1/model"):
+            status, body = await get(path)
+            assert (status, body["error"]) == (403, "quarantined"), (path, status, body)
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_one_address_cannot_hold_every_connection_the_learner_may_open(tokenizer, tmp_path):
     """Idle connections, no credential: 24,000 from three addresses took the learner to its file
     limit (each closed by the header timer only after 20 s). An address holds 8 per worker it may
