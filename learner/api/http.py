@@ -115,12 +115,12 @@ async def body_at_most(request: web.Request, most: int) -> bytes:
 
 
 async def read_body(request: web.Request, model: type[P.Message], rejected) -> P.Message:
-    """The request's JSON body as `model`, at most `P.MAX_JSON_BYTES`; a bad one counts in `rejected`."""
+    """The request's JSON body as `model`, at most `model.max_bytes`; a bad one counts in `rejected`."""
     refuse_encoding(request, rejected)
-    if (request.content_length or 0) > P.MAX_JSON_BYTES:
-        raise web.HTTPRequestEntityTooLarge(max_size=P.MAX_JSON_BYTES, actual_size=request.content_length)
+    if (request.content_length or 0) > model.max_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=model.max_bytes, actual_size=request.content_length)
 
-    body = await read_in_time(request, lambda: body_at_most(request, P.MAX_JSON_BYTES), rejected)
+    body = await read_in_time(request, lambda: body_at_most(request, model.max_bytes), rejected)
     try:
         return P.parse_json(model, body)  # bounded nesting: a deep array is a 400, not a 500
     except P.ProtocolError as e:
