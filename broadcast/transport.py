@@ -196,13 +196,14 @@ NOT_A_TOKEN = "\x00"  # what a bearer value outside printable ASCII reads as: wr
 
 
 def bearer(request: Any) -> str | None:
-    """The `Authorization: Bearer` value of an HTTP request, or None. A value with a character
-    outside printable ASCII (no token has one) is `NOT_A_TOKEN`: comparing or encoding it raised
-    (a 500 with a traceback, unthrottled), where it is only a wrong token."""
-    header = request.headers.get("Authorization", "")
-    if not header.startswith("Bearer "):
+    """The `Authorization: Bearer` value of an HTTP request, or None. The scheme is any case
+    (RFC 7235: `bearer x` was counted as a wrong credential against the sender's address). A value
+    with a character outside printable ASCII (no token has one) is `NOT_A_TOKEN`: comparing or
+    encoding it raised (a 500 with a traceback, unthrottled), where it is only a wrong token."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
         return None
-    value = header[7:]
+    value = value.lstrip(" ")
     return value if value.isascii() and value.isprintable() else NOT_A_TOKEN
 
 

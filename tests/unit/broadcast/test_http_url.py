@@ -123,3 +123,18 @@ def test_a_relay_holds_only_so_many_connections_per_address_but_its_own_machine_
     assert asyncio.run(held_open(Relay("w", key), 80)) == 80  # loopback: the worker's own machine
     capped = Relay("w", key, connection_limits=lambda host: ((host, 4),))  # as a remote address is
     assert asyncio.run(held_open(capped, 10)) == 4
+
+
+def test_a_bearer_token_is_read_whatever_the_schemes_case():
+    """`authorization: bearer x` (RFC 7235: the scheme is case-insensitive) was read as no token,
+    answered 401 and counted as a wrong credential against the sender's address."""
+    from types import SimpleNamespace
+
+    from broadcast.transport import NOT_A_TOKEN, bearer
+
+    def read(header: str | None):
+        return bearer(SimpleNamespace(headers={} if header is None else {"Authorization": header}))
+
+    assert read("Bearer abc.def") == read("bearer abc.def") == read("BEARER  abc.def") == "abc.def"
+    assert read(None) is None and read("Basic abc") is None and read("Bearerabc") is None
+    assert read("Bearer caf\u00e9") == NOT_A_TOKEN
