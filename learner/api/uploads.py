@@ -14,9 +14,9 @@ uploaders cannot hold the learner's memory. An upload is counted at the size it 
 may not exceed what an honest upload of the prompts its sender holds can be (`echo.wire.max_body`:
 413 before a byte is read), and workers that never delivered may hold half the budget together:
 32 stalled uploads declaring 8 MiB each, from 16 new identities on each of two addresses, took
-all of it, and training stopped for a minute (2026-11-28). A body with a `Content-Encoding` is refused (415): aiohttp
-would inflate it, and the bytes held would not be the bytes counted. An upload whose sender hung up
-mid-body is counted (`rejected{reason="aborted"}`), not logged.
+all of it, and training stopped for a minute (2026-11-28). A body with a `Content-Encoding` is
+refused (415): aiohttp would inflate it, and the bytes held would not be the bytes counted. An
+upload whose sender hung up mid-body is counted (`rejected{reason="aborted"}`), not logged.
 """
 
 from __future__ import annotations
