@@ -99,7 +99,8 @@ class UploadRoom:
         if (request.content_length or 0) > most:
             raise Rejected(413, "oversized", f"the upload declares {request.content_length} bytes; at most {most} fit "
                                              f"this run's group_size and episode token budget for the {held} prompts "
-                                             "this worker holds")
+                                             f"this worker holds (and [server] max_body_mb = {self.max_body_mb} MiB); "
+                                             "submit fewer groups per request")
         claim = min(request.content_length or most, most)
         proven = worker.groups_accepted > 0
         if self.inflight + claim > self.inflight_cap or (not proven and self.unproven + claim > self.unproven_cap):
