@@ -55,6 +55,24 @@ def chat_model(tmp_path_factory) -> Path:
     return out
 
 
+async def closed_of(host: str, port: int, n: int) -> int:
+    """Open `n` idle connections to a server and count those it closed as they opened (its
+    per-address connection limit); the rest are closed here afterwards."""
+    import asyncio
+
+    held = [await asyncio.open_connection(host, port) for _ in range(n)]
+    await asyncio.sleep(0.3)
+    closed = 0
+    for reader, _ in held:
+        try:
+            closed += await asyncio.wait_for(reader.read(1), 0.05) == b""
+        except asyncio.TimeoutError:
+            pass
+    for _, writer in held:
+        writer.close()
+    return closed
+
+
 def toml_value(v) -> str:
     """A TOML value: JSON's spelling for scalars and lists, an inline table for a dict."""
     if isinstance(v, dict):

@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from conftest import closed_of
 from echo import protocol as P
 from echo.config import load_config
 from echo.tasks import load_task
@@ -984,17 +985,7 @@ def test_one_address_cannot_hold_every_connection_the_learner_may_open(tokenizer
     join; the rest are closed as they open, and the learner serves on."""
     async def test(api: Api):
         host, port = api.url.removeprefix("http://").split(":")
-        held = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
-        await asyncio.sleep(0.3)
-        closed = 0
-        for reader, _ in held:
-            try:
-                closed += await asyncio.wait_for(reader.read(1), 0.05) == b""
-            except asyncio.TimeoutError:
-                pass
-        assert closed == 20 - 8
-        for _, writer in held:
-            writer.close()
+        assert await closed_of(host, int(port), 20) == 20 - 8
         await asyncio.sleep(0.1)
         await api.join("honest")  # the address's connections are its own again
 

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from broadcast.transport import http_url as join_url
+from conftest import closed_of
 
 
 def test_an_ipv6_address_is_bracketed_and_a_name_kept():
@@ -68,17 +69,7 @@ def test_one_address_holds_only_so_many_connections_to_a_broadcast_source():
         await src.start()
         try:
             url = urlsplit(src.url)
-            held = [await asyncio.open_connection(url.hostname, url.port) for _ in range(10)]
-            await asyncio.sleep(0.3)
-            closed = 0
-            for reader, _ in held:
-                try:
-                    closed += await asyncio.wait_for(reader.read(1), 0.05) == b""
-                except asyncio.TimeoutError:
-                    pass
-            for _, writer in held:
-                writer.close()
-            return closed
+            return await closed_of(url.hostname, url.port, 10)
         finally:
             await src.stop()
 
@@ -105,17 +96,7 @@ def test_a_relay_holds_only_so_many_connections_per_address_but_its_own_machine_
         await relay.start()
         try:
             url = urlsplit(relay.url)
-            held = [await asyncio.open_connection(url.hostname, url.port) for _ in range(n)]
-            await asyncio.sleep(0.3)
-            kept = 0
-            for reader, _ in held:
-                try:
-                    kept += await asyncio.wait_for(reader.read(1), 0.05) != b""
-                except asyncio.TimeoutError:
-                    kept += 1
-            for _, writer in held:
-                writer.close()
-            return kept
+            return n - await closed_of(url.hostname, url.port, n)
         finally:
             await relay.stop()
 
