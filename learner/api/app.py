@@ -20,11 +20,11 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from broadcast.addresses import connection_limits
 from broadcast.links import MBIT, LinkTable
 from broadcast.node import QuietRunner, no_version_banner
 from broadcast.transport import http_url
 from echo import protocol as P
-from broadcast.addresses import connection_limits
 from learner.admission import Waiters
 from learner.api.evals import EvalRoom
 from learner.api.http import BODY_TIMEOUT, Auth, errors_as_json, json_error

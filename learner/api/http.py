@@ -23,9 +23,9 @@ try:  # a deadline on the awaiting task itself; wait_for wraps the read in a tas
 except ImportError:  # 3.10: aiohttp's own dependency there
     from async_timeout import timeout as deadline
 
+from broadcast.addresses import in_networks
 from broadcast.transport import bearer
 from echo import protocol as P
-from broadcast.addresses import in_networks
 from learner.addresses import AddressBook, client_address
 from scheduler.providers import machine_of
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from broadcast.addresses import address_key, in_networks
 from broadcast.links import LinkTable
 from broadcast.star import add_star_routes
 from echo import dirfiles
-from broadcast.addresses import address_key, in_networks
 from learner.addresses import remember
 from learner.admission import TokenBucket
 from learner.api.http import Auth, Refusal, refuse_quarantined

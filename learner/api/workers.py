@@ -24,9 +24,9 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from broadcast.addresses import address_key
 from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
-from broadcast.addresses import address_key
 from learner.addresses import AddressBook, remember
 from learner.admission import JoinGate, TokenBucket
 from learner.api.http import Auth, json_error, read_body, reply, secret_hash
