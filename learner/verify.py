@@ -73,7 +73,7 @@ class Evidence:
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
     # the learner's own version, where a sampled token never lies outside π's nucleus)
     token_checks: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
-    tokens_unjudged: int = 0  # in stale groups the token check had no stale reference for (`Drift.referenced`)
+    tokens_unjudged: int = 0  # in stale groups the token check had no stale reference for (`Drift.at` None)
 
     @property
     def token_z(self) -> float:
@@ -142,7 +142,7 @@ class Drift:
     nearest lower stale one's drift (else the nearest higher one's), scaled by the updates in
     between (held to the fresh bound, a slow new worker's groups 5 versions old were quarantined
     on the demo). A fresh level says nothing of a stale one's: a staleness with no stale
-    reference at all is not `referenced`, and the token check does not judge groups there (a
+    reference at all has no drift (`at` is None), and the token check does not judge groups there (a
     lone honest worker, alone in the fleet or the only one whose groups are stale, read as +8.2
     standard deviations off after 2,414 tokens at staleness 2-5 and was quarantined, 2026-11-28).
 
@@ -151,7 +151,7 @@ class Drift:
     of its log-probs, `min_token_checks` of its tokens); and where no worker with standing is
     heard, identities without it outnumbering the others still set it, as before: a staleness the
     honest fleet does not send, or whose recent groups were all the forgers'; and a writer whose
-    groups are the only stale ones escapes the token check there (not `referenced`)."""
+    groups are the only stale ones escapes the token check there (`at` is None)."""
 
     def __init__(self, fresh: bool = False) -> None:
         self._recent: dict[int, deque] = {}
@@ -169,23 +169,18 @@ class Drift:
         """The workers with a recent group at any of `stalenesses`."""
         return {g[0] for k in stalenesses for g in self._heard(k)}
 
-    def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
+    def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float | None:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
         of `standing` is among those with a recent group there (the judged one included), only
         the workers of `standing` vote; where nobody else was heard, the nearest lower stale
-        staleness's, else the nearest higher one's, scaled by the updates in between; 0 where
-        there is none."""
-        reference = self._reference(staleness, excluding, standing)
-        if reference is None:
-            return 0.0
-        k, level = reference
+        staleness's, else the nearest higher one's, scaled by the updates in between. None for a
+        stale staleness with no other worker's stale groups heard; a fresh one is 0 then (held to
+        the same weights' numerics)."""
+        found = self._reference(staleness, excluding, standing)
+        if found is None:
+            return 0.0 if staleness == 0 else None
+        k, level = found
         return level * staleness / k if k > 0 else level
-
-    def referenced(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> bool:
-        """Whether `at` has a measured drift of the same kind for `staleness`: fresh groups always
-        (they are held to the same weights' numerics), a stale one only where another worker's
-        stale groups were heard."""
-        return staleness == 0 or self._reference(staleness, excluding, standing) is not None
 
     def _reference(self, staleness: int, excluding, standing) -> tuple[int, float] | None:
         """The staleness whose votes stand in for `staleness`'s, and their level: itself, else the
@@ -361,10 +356,11 @@ class Verifier:
             if worker_id not in evidence:
                 evidence[worker_id] = self._of(worker_id) if record else self._of(worker_id).copy()
             others = unheard | {worker_id}
-            if check.needs_reference and not check.drift.referenced(staleness, others, voting):
+            drift = check.drift.at(staleness, others, voting)
+            if drift is None and check.needs_reference:
                 evidence[worker_id].tokens_unjudged += int(group[4] + group[5])  # the token check's: inside, outside
                 continue
-            check.add(evidence[worker_id], group, check.drift.at(staleness, others, voting),
+            check.add(evidence[worker_id], group, drift or 0.0,
                       check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0)
         return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]
 
