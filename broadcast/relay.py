@@ -350,7 +350,7 @@ class Relay(Node):
     async def _receive(self, store: VersionStore, reader: Any, s: int, parent: Hop) -> bool:
         """Read chunk frames of span `s` (from its first missing chunk) until it is whole; False on
         any failure. Failures are reported (events, stats) and never raised: the caller repairs."""
-        guard = StallGuard(self.stall_timeout)
+        guard = StallGuard(self.stall_timeout, pace=store.span_rates[s])  # a trickling parent is a stalled one
         if s == store.main_span:
             store.stats.parent = parent.id
         try:

@@ -15,6 +15,7 @@ seconds cancels the transfer, so a silent peer is detected without per-chunk rou
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import importlib
 import ipaddress
@@ -105,7 +106,7 @@ async def read_into(reader: Reader, view: memoryview, guard: "StallGuard | None"
         view[pos:pos + len(data)] = data
         pos += len(data)
         if guard is not None:
-            guard.touch()
+            guard.touch(len(data))
         if bucket is not None:
             await bucket.take(len(data))
 
@@ -141,20 +142,35 @@ class TokenBucket:
                 await asyncio.sleep(-self._tokens / self.rate)
 
 
-class StallGuard:
-    """Cancels a transfer that makes no progress for `timeout` seconds.
+#: A stream planned at a rate (its tree's pace) must move at least this share of it.
+FLOOR_SHARE = 1 / 8
 
-    The transfer calls `touch()` whenever bytes move, and wraps waits that are not the peer's
-    fault (our own upstream is slower) in `paused()`.
+
+class StallGuard:
+    """Cancels a transfer that makes no progress for `timeout` seconds, or, given the `pace` it
+    was planned at (bytes/s), one that moves less than `FLOOR_SHARE` of it over any
+    `2 × timeout` window.
+
+    The floor is what stops a *trickling* peer: one byte every few seconds is progress, so a
+    parent that forwards nothing but a trickle would hold its child (and everyone below it)
+    on the old version for as long as it liked. Twice the timeout lets a parent that stalled
+    and repaired itself catch up before its child gives up on it.
+
+    The transfer calls `touch(nbytes)` whenever bytes move, and wraps waits that are not the
+    peer's fault (our own upstream is slower) in `paused()`.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, pace: float | None = None) -> None:
         self.timeout = timeout
+        self.min_rate = FLOOR_SHARE * pace if pace else None
         self._last = time.monotonic()
         self._paused = 0
+        self._moved = 0
+        self._marks: collections.deque[tuple[float, int]] = collections.deque()  # (when, bytes moved by then)
 
-    def touch(self) -> None:
+    def touch(self, nbytes: int = 0) -> None:
         self._last = time.monotonic()
+        self._moved += nbytes
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -164,20 +180,42 @@ class StallGuard:
         finally:
             self._paused -= 1
             self.touch()
+            self._marks.clear()  # a window that held a pause says nothing of the peer's rate
+
+    def _too_slow(self, now: float) -> float | None:
+        """The rate over the last window, if it fell below `min_rate`; None otherwise."""
+        if self.min_rate is None or self._paused:
+            return None
+        window = 2 * self.timeout
+        self._marks.append((now, self._moved))
+        while len(self._marks) > 1 and self._marks[1][0] <= now - window:
+            self._marks.popleft()  # keep one mark at least a window old
+        t0, moved0 = self._marks[0]
+        if now - t0 < window:
+            return None
+        rate = (self._moved - moved0) / (now - t0)
+        return rate if rate < self.min_rate else None
 
     async def run(self, aw: Awaitable[T]) -> T:
         """Await `aw`; raise `Stalled` (after cancelling it) if it stops making progress."""
         task = asyncio.ensure_future(aw)
+        self._marks.clear()
+        self._marks.append((time.monotonic(), self._moved))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.timeout / 4)
                 if done:
                     return task.result()
-                if not self._paused and time.monotonic() - self._last > self.timeout:
+                now = time.monotonic()
+                stalled = not self._paused and now - self._last > self.timeout
+                slow = None if stalled else self._too_slow(now)
+                if stalled or slow is not None:
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
-                    raise Stalled(f"no progress for {self.timeout:.1f} s")
+                    raise Stalled(f"no progress for {self.timeout:.1f} s" if stalled else
+                                  f"{slow / 1e3:.1f} kB/s over {2 * self.timeout:.0f} s, below the floor of "
+                                  f"{self.min_rate / 1e3:.1f} kB/s ({FLOOR_SHARE:.3g} of its planned rate)")
         finally:
             if not task.done():
                 task.cancel()

@@ -205,10 +205,12 @@ def signed_route(key, manifest, chain, source, rate=None):
 
 
 async def evil_push(url: str, signed, blob: bytes, route, *, sender: str, corrupt: int | None = None,
-                    stall_after: int | None = None, route_wire: bytes | None = None) -> int:
+                    stall_after: int | None = None, trickle_after: int | None = None,
+                    route_wire: bytes | None = None) -> int:
     """A misbehaving upstream: pushes a (validly signed) version along a signed route, flipping a
-    byte of chunk `corrupt` (posing as `sender`, a node of the route), going silent after `stall_after` chunks, or sending `route_wire`
-    (a tampered route) instead of the route."""
+    byte of chunk `corrupt` (posing as `sender`, a node of the route), going silent after
+    `stall_after` chunks, sending a byte every 50 ms after `trickle_after` chunks, or sending
+    `route_wire` (a tampered route) instead of the route."""
     m = signed.manifest
 
     async def body():
@@ -216,6 +218,11 @@ async def evil_push(url: str, signed, blob: bytes, route, *, sender: str, corrup
         for c in m.chunks:
             if stall_after is not None and c.index == stall_after:
                 await asyncio.sleep(30)
+            if trickle_after is not None and c.index == trickle_after:
+                yield frame_header({"i": c.index, "n": c.wire_length})
+                for b in blob[c.offset:c.offset + c.length]:
+                    await asyncio.sleep(0.05)
+                    yield bytes([b])
             data = bytearray(blob[c.offset:c.offset + c.length])
             if c.index == corrupt:
                 data[len(data) // 2] ^= 0x01
@@ -317,6 +324,37 @@ def test_stalled_parent_detected_and_resumed_from_source():
     assert data == blob and dt < 5
     assert stats.repairs[0]["from"] == 3 and "no progress" in stats.repairs[0]["reason"]
     assert stats.bytes_in == len(blob)
+
+
+def test_trickling_parent_is_given_up_on_and_the_rest_pulled_from_above():
+    """A byte every 50 ms is progress, so a stall timeout alone never fires: a parent that forwards
+    a trickle held its child on the old version for as long as it liked. Below an eighth of its
+    tree's planned rate over two stall timeouts, it is a stalled parent."""
+    key = SigningKey.generate()
+    blob = random_blob(2 * MIB, seed=4)
+
+    async def run():
+        src = Source(key)
+        await src.start()
+        a = Relay("a", key.public_key(), stall_timeout=0.5)
+        await a.start()
+        try:
+            full, _ = await src.publish(blob, 1, chunk_size=256 * KIB)
+            t0 = time.monotonic()
+            route = signed_route(key, full.manifest, [Hop("slow", "http://127.0.0.1:9"), a.hop], src.hop, rate=8 * MIB)
+            pusher = asyncio.create_task(evil_push(a.url, full, blob, route, sender="slow", trickle_after=3))
+            ra = await a.wait("v1", 10)
+            dt = time.monotonic() - t0
+            pusher.cancel()
+            return bytes(ra.data), ra.stats, dt
+        finally:
+            await a.stop()
+            await src.stop()
+
+    data, stats, dt = asyncio.run(run())
+    assert data == blob and dt < 5
+    assert stats.repairs[0]["from"] == 3 and "below the floor" in stats.repairs[0]["reason"]
+    assert stats.repairs[0]["via"] == "source"
 
 
 def test_delta_down_a_chain_and_full_version_for_a_late_joiner():
