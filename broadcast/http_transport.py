@@ -123,8 +123,9 @@ class HttpTransport(Transport):
 
     async def _handle_chunks(self, request: web.Request) -> web.StreamResponse:
         q = request.query
-        self.node.require_read(bearer(request))
+        holder = self.node.require_read(bearer(request))
         store, start, end = await self.node.open_pull(request.match_info["key"], q.get("from", "0"), q.get("to"))
+        self.node.pulled(store, holder)
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         await resp.prepare(request)
         try:

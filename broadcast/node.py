@@ -113,6 +113,7 @@ class Node:
         self.read_token = read_token or None
         self.connection_limits = connection_limits  # open connections per address (`ConnectionCap`); None: any
         self.readers: Readers | None = None  # set with the run's key by Source and Relay
+        self.on_pull: Callable[[str, str], None] | None = None  # (version key, ticket holder) of each pull served
         self.transport = transport
         self.host, self.port = host, port
         self._public_url = public_url
@@ -348,13 +349,21 @@ class Node:
     async def accept_push(self, reader: Any, peer: str | None, identity: Any) -> tuple[int, str]:
         return 404, f"{self.id} does not accept pushes"
 
-    def require_read(self, presented: str | None) -> None:
-        """Refuse (401) a request for this node's versions without a valid read ticket of the run."""
+    def require_read(self, presented: str | None) -> str | None:
+        """Refuse (401) a request for this node's versions without a valid read ticket of the run;
+        the ticket's holder (None where this node checks no tickets)."""
         if self.readers is not None:
             try:
-                self.readers.holder(presented)
+                return self.readers.holder(presented)
             except Refused as e:
                 raise Refused(401, f"{self.id}: {e.text}") from None
+        return None
+
+    def pulled(self, store: VersionStore, holder: str | None) -> None:
+        """A pull of `store` by a ticket's holder began: the source tells `on_pull` (the learner
+        blames the relay that should have forwarded it, `broadcast.forwarding`)."""
+        if self.on_pull is not None and holder is not None:
+            self.on_pull(store.key, holder)
 
     async def _handle_status(self, request: web.Request) -> web.Response:
         self.require_read(bearer(request))  # a `Refused` is answered by `refusals_returned`

@@ -11,8 +11,11 @@ worker verifies each chunk, forwards it downstream at once and installs when the
 complete. Workers the learner could not connect to at join (`WorkerInfo.reachable` False,
 `broadcast.reach.probe_relay`; None, not probed yet, counts as reachable) are leaves of every
 plan: they pull their share from a reachable parent over their own outbound connection (their
-relays follow the learner's route feed), and their upload is not counted. Links are what workers declared at join until their transfers measure them: each
-worker reports its goodput per version and its heartbeat round trip, and each push measures
+relays follow the learner's route feed), and their upload is not counted. Workers not trusted
+with children (`broadcast.forwarding`: one whose work the learner never accepted, one whose
+children pulled from the learner what it should have forwarded) are pushed to and forward to
+nobody, for 2, 4, 8, ... versions. Links are what workers declared at join until their transfers measure them:
+each worker reports its goodput per version and its heartbeat round trip, and each push measures
 the learner's own uplink (`broadcast.links.LinkTable`). Workers that miss a push (late
 joiners, a version they lack the base for) pull the full version from the source.
 
@@ -30,6 +33,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+from broadcast.forwarding import Forwarding
 from broadcast.links import MBIT, LinkTable, uplink_sample
 from broadcast.manifest import MIN_CHUNK_SIZE, Manifest
 from broadcast.planner import PeerLink, plan_broadcast
@@ -102,6 +106,7 @@ class ChainPublisher(StarPublisher):
         self.public_key = ""
         self._previous: tuple[int, bytes, Manifest] | None = None
         self.pushes: set[asyncio.Task] = set()
+        self.forwarding = Forwarding()
 
     async def start(self) -> str | None:
         key = SigningKey.load_or_generate(self.key_file)
@@ -113,6 +118,7 @@ class ChainPublisher(StarPublisher):
         assert self.source.readers is not None
         self.source.readers.skew = 0.0  # the source's clock is the one that issued them
         self.tickets = TicketOffice(key, self.source.readers, lifetime=self.ticket_s)
+        self.source.on_pull = self.forwarding.pulled
         url = await self.source.start()
         self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s)
         return url
@@ -122,7 +128,10 @@ class ChainPublisher(StarPublisher):
         star = await super().publish(version, blob, workers)
         assert self.source is not None and self.tickets is not None, "start() the publisher first"
         self.source.read_token = self.tickets.issue("learner")  # fresh for this version's pushes
-        chunk = self.chunk_for(len(blob), [w for w in workers if w.relay_url])
+        for worker, until in self.forwarding.settle(version):
+            log.warning("%s: children it was to forward to pulled from the learner instead; it is a leaf "
+                        "(forwards to nobody) until v%d", worker, until)
+        chunk = self.chunk_for(len(blob), [w for w in workers if w.relay_url], version)
         # A delta needs its base's chunk layout: when the plan's chunk size changed, this version
         # goes out full once and the next ones are deltas on it again.
         same_layout = (self._previous is not None and len(self._previous[1]) == len(blob)
@@ -139,8 +148,9 @@ class ChainPublisher(StarPublisher):
             (delta.manifest.key if delta else None, on_base, delta.manifest if delta else None),
             (full.manifest.key, rest, full.manifest)) if key is not None and group]
         for key, group, manifest in groups:
-            peers = self.peers(group)
+            peers = self.peers(group, version)
             plan = plan_broadcast(manifest.wire_size, self.links.uplink.rate, peers, chunk, headroom=HEADROOM)
+            self.forwarding.planned(key, plan)  # before the push: its pulls are blamed on this plan
             hops = {w.id: Hop(w.id, w.relay_url) for w in group}
             # Two groups share the uplink, each planned as if it had it all: only a lone push measures it.
             task = asyncio.create_task(self._push(key, plan, hops, measure_uplink=len(groups) == 1))
@@ -152,23 +162,32 @@ class ChainPublisher(StarPublisher):
                           "links_mbit": {p.id: [round(p.down / MBIT, 1), round(p.up / MBIT, 1)] for p in peers},
                           "uplink_mbit": round(self.links.uplink.rate / MBIT, 1)}
         self.wire_bytes[version] = {"raw": len(blob), "chunk": chunk, "full": full.manifest.wire_size,
-                                    "delta": delta.manifest.wire_size if delta else None, "plans": plans}
+                                    "delta": delta.manifest.wire_size if delta else None, "plans": plans,
+                                    "demoted": self.forwarding.leaves(version)}
         return PushAnnouncement(
             **star.model_dump(), key=full.manifest.key, delta_key=delta.manifest.key if delta else None,
             source=self.source.url,
             plan={k: PlanBrief(kind=v["kind"], chains=len(v["chains"]), predicted_s=v["predicted_s"])
                   for k, v in plans.items()})
 
-    def peers(self, workers: list) -> list[PeerLink]:
-        """The planner's view of `workers`: measured links, and whether they accept connections."""
-        return [replace(self.links.link(w.id), reachable=getattr(w, "reachable", None) is not False) for w in workers]
+    def peers(self, workers: list, version: int) -> list[PeerLink]:
+        """The planner's view of `workers` for `version`: measured links and whether they accept
+        connections. A worker not trusted with children (its work never accepted, or a leaf for
+        failing to forward: `broadcast.forwarding`) is planned with no upload: pushed to, as a
+        chain's tail or a stripe's receiver, and forwarding to nobody."""
+        out = []
+        for w in workers:
+            link = self.links.link(w.id)
+            trusted = w.groups_accepted > 0 and self.forwarding.may_forward(w.id, version)
+            out.append(replace(link, up=link.up if trusted else 0.0, reachable=w.reachable is not False))
+        return out
 
-    def chunk_for(self, size: int, workers: list) -> int:
+    def chunk_for(self, size: int, workers: list, version: int) -> int:
         """This version's chunk size: what the fastest plan for all workers wants, at most the
         configured `chunk_bytes` (the planner's pick is bounded by `broadcast.planner.choose_chunk`)."""
         if not workers:
             return self.chunk_bytes
-        plan = plan_broadcast(size, self.links.uplink.rate, self.peers(workers), None, headroom=HEADROOM)
+        plan = plan_broadcast(size, self.links.uplink.rate, self.peers(workers, version), None, headroom=HEADROOM)
         return max(MIN_CHUNK_SIZE, min(plan.chunk_bytes, self.chunk_bytes))
 
     async def _push(self, key: str, plan, hops: dict, measure_uplink: bool) -> None:

@@ -258,7 +258,8 @@ def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
         for w, r in relays.items():
             await r.start()
             links.declare(w, down=40 * MBIT, up=10 * MBIT)
-        workers = [SimpleNamespace(id=w, relay_url=r.url, version=-1, reachable={"w1": True, "w2": None}.get(w, False))
+        workers = [SimpleNamespace(id=w, relay_url=r.url, version=-1, reachable={"w1": True, "w2": None}.get(w, False),
+                                   groups_accepted=1)
                    for w, r in relays.items()]
         try:
             announced = await pub.publish(1, blob, workers)
@@ -301,7 +302,7 @@ def test_publisher_keeps_deltas_working_when_the_chunk_size_changes(tmp_path):
         pub = ChainPublisher(BlobStore(), chunk_bytes=1 * MIB, deltas=True, links=links,
                              key_file=tmp_path / "learner.key", host="127.0.0.1")
         await pub.start()
-        workers = [SimpleNamespace(id=f"w{i}", relay_url=closed_port_url(), version=-1, reachable=None)
+        workers = [SimpleNamespace(id=f"w{i}", relay_url=closed_port_url(), version=-1, reachable=None, groups_accepted=1)
                    for i in range(8)]
         for w in workers:
             links.declare(w.id, down=40 * MBIT, up=10 * MBIT)

@@ -1,0 +1,131 @@
+"""Which relays may forward (`broadcast.forwarding`): blame from the pulls a plan did not ask for,
+demotion to a leaf, and the learner's publisher acting on both with a relay that forwards nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+from aiohttp import web
+
+from broadcast.forwarding import FIRST_LEAF_VERSIONS, Forwarding, blamed
+from broadcast.planner import Plan
+from broadcast.relay import PREFIX, Relay
+
+MIB = 1 << 20
+
+
+def plan_of(chains, parents=(), pull=()) -> Plan:
+    return Plan(kind="chains", chains=tuple(tuple(c) for c in chains), rates=(1.0,) * len(chains), predicted_s=1.0,
+                lower_bound_s=1.0, fraction=1.0, snapshot_bytes=1, chunk_bytes=1,
+                parents=tuple(tuple(p) for p in parents), pull=tuple(pull))
+
+
+def test_the_nearest_relay_above_the_pulls_that_did_not_pull_is_blamed():
+    chain = plan_of([["a", "hole", "c", "d"], ["e", "f"]])
+    assert blamed(chain, {"c", "d"}) == {"hole"}  # everyone below it pulled; it did not
+    assert blamed(chain, {"hole", "c", "d"}) == {"a"}  # it pulled too: the relay above it
+    assert blamed(chain, {"a"}) == set() and blamed(chain, {"e", "f"}) == set()  # the source fed them
+    assert blamed(chain, set()) == set()
+    # Stripes: each owner roots one tree and is a child in the others; an owner that forwards
+    # nothing makes every other member pull, and is the only one of them that did not.
+    stripes = plan_of([["o1", "o2", "x"], ["o2", "o1", "x"]], parents=[[-1, 0, 0], [-1, 0, 0]])
+    assert blamed(stripes, {"o1", "x"}) == {"o2"}
+    # A pulling leaf's parent is the chain tail it pulls from: the tail is blamed if it pulled from the source.
+    leaves = plan_of([["a", "b", "leaf"]], parents=[[-1, 0, 1]], pull=["leaf"])
+    assert blamed(leaves, {"leaf"}) == {"b"}
+
+
+def test_each_blame_doubles_the_versions_a_worker_is_a_leaf_and_a_leaf_cannot_be_blamed():
+    f = Forwarding()
+    f.planned("v1", plan_of([["a", "hole", "c"]]))
+    f.pulled("v1", "c")
+    f.pulled("v0", "c")  # a version with no remembered plan: nothing to blame
+    assert f.settle(1) == [("hole", 1 + FIRST_LEAF_VERSIONS)]
+    assert f.settle(2) == []  # one blame per worker per version, however often it is settled
+    assert not f.may_forward("hole", 2) and f.may_forward("hole", 3) and f.may_forward("a", 2)
+    f.planned("v2", plan_of([["a", "c", "hole"]], pull=["hole"]))  # a leaf has no children to fail
+    f.pulled("v2", "hole")
+    assert f.settle(2) == [("c", 2 + FIRST_LEAF_VERSIONS)]  # it pulled from the source, not from its tail
+    f.planned("v3-d2", plan_of([["hole", "a"]]))  # the delta's plan; the full version's has the others
+    f.planned("v3", plan_of([["b"]]))
+    f.pulled("v3", "a")  # missed by the delta's push, it pulls the full version
+    assert f.settle(3) == [("hole", 3 + 2 * FIRST_LEAF_VERSIONS)]  # the second blame: twice as long
+    assert f.leaves(3) == {"c": 4, "hole": 7} and f.leaves(4) == {"hole": 7} and f.leaves(7) == {}
+
+
+async def black_hole_relay() -> tuple[web.AppRunner, str]:
+    """A relay that takes every push whole, answers 200, and forwards nothing (nor serves pulls)."""
+    async def push(request: web.Request) -> web.Response:
+        async for _ in request.content.iter_chunked(1 << 16):
+            pass
+        return web.json_response({"have": 1 << 30})
+
+    app = web.Application()
+    app.router.add_post(PREFIX + "/push", push)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
+    """The learner's publisher with a relay that swallows its pushes: its children pull v1 from
+    the learner, the learner blames it, and v2's plan gives it no children, so v2 reaches the
+    others by push. A worker whose work was never accepted has none from the start."""
+    from broadcast.links import MBIT, LinkTable
+    from broadcast.signing import SigningKey
+    from broadcast.star import BlobStore
+    from learner.publisher import ChainPublisher
+
+    rng = np.random.default_rng(5)
+    blobs = [rng.integers(0, 256, 3 * MIB, dtype=np.uint8).tobytes() for _ in range(2)]
+
+    async def run():
+        links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
+        pub = ChainPublisher(BlobStore(), chunk_bytes=256 << 10, deltas=False, links=links,
+                             key_file=tmp_path / "learner.key", host="127.0.0.1")
+        await pub.start()
+        key = SigningKey.load(tmp_path / "learner.key")
+        hole_runner, hole_url = await black_hole_relay()
+        relays = {w: Relay(w, key.public_key(), stall_timeout=1, read_token=pub.tickets.issue(w))
+                  for w in ("w1", "w2", "new")}
+        for r in relays.values():
+            await r.start()
+        ups = {"hole": 40, "w1": 10, "w2": 1, "new": 40}  # the hole uploads fastest: the planner puts it first
+        for w, up in ups.items():
+            links.declare(w, down=40 * MBIT, up=up * MBIT)
+        urls = {"hole": hole_url, **{w: r.url for w, r in relays.items()}}
+        workers = [SimpleNamespace(id=w, relay_url=u, version=-1, reachable=True, groups_accepted=0 if w == "new" else 3)
+                   for w, u in urls.items()]
+        try:
+            await pub.publish(1, blobs[0], workers)
+            got1 = {w: bytes((await r.wait("v1", 30)).data) for w, r in relays.items()}
+            pulled1 = {w: [s["by"] for s in r.stores["v1"].stats.spans] for w, r in relays.items()}
+            await pub.publish(2, blobs[1], workers)
+            got2 = {w: await r.wait("v2", 30) for w, r in relays.items()}
+            return got1, pulled1, got2, pub.wire_bytes
+        finally:
+            for r in relays.values():
+                await r.stop()
+            await pub.stop()
+            await hole_runner.cleanup()
+
+    got1, pulled1, got2, wire = asyncio.run(run())
+    plan1, plan2 = wire[1]["plans"]["v1"], wire[2]["plans"]["v2"]
+
+    def has_children(plan, w):
+        return any(p == tree.index(w) for tree, parents in zip(plan["chains"], plan["parents"] or
+                                                                [range(-1, len(t) - 1) for t in plan["chains"]])
+                   if w in tree for p in parents)
+
+    assert has_children(plan1, "hole") and not has_children(plan1, "new"), plan1
+    assert plan1["links_mbit"]["new"][1] == 0 and plan1["pull"] == []  # pushed to, uploading to nobody
+    assert all(data == blobs[0] for data in got1.values())
+    assert any("no push arrived" in by for by in pulled1["w1"] + pulled1["w2"]), pulled1  # it forwarded nothing
+    assert wire[1]["demoted"] == {} and wire[2]["demoted"] == {"hole": 2 + FIRST_LEAF_VERSIONS}
+    assert not has_children(plan2, "hole") and plan2["links_mbit"]["hole"][1] == 0, plan2
+    assert all(bytes(g.data) == blobs[1] for g in got2.values())
+    assert all(s["by"] == "push" for w in ("w1", "w2") for s in got2[w].stats.spans), [g.stats.spans for g in got2.values()]
