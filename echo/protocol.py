@@ -21,6 +21,7 @@ takes the worker's identity from it, never from a body.
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -63,9 +64,21 @@ Url = Annotated[str, StringConstraints(max_length=256, pattern=r"^(|https?://\S+
 # port (no path, query or credentials a request could be aimed with); the learner also requires
 # the host to be the address the worker connects from (learner's workers room).
 _HOST = r"(\d{1,3}(\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,252}))"
+_PORT = re.compile(r":(\d+)/?$|/tcp/(\d+)/")
+
+
+def _port_in_range(url: str) -> str:
+    """Nothing can connect to port 0 or to one past 65535."""
+    m = _PORT.search(url)
+    if m is not None and not 1 <= int(m.group(1) or m.group(2)) <= 65535:
+        raise ValueError(f"the port of {url[:80]!r} must be 1 to 65535")
+    return url
+
+
 RelayUrl = Annotated[str, StringConstraints(max_length=256, pattern=(
     rf"^(|https?://{_HOST}:\d{{1,5}}/?"
-    r"|p2p:/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:-]{1,253}/tcp/\d{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,128})$"))]
+    r"|p2p:/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:-]{1,253}/tcp/\d{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,128})$")),
+    AfterValidator(_port_in_range)]
 Rate = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]
 Mbit = Annotated[float, Field(ge=0.0, le=1e5, allow_inf_nan=False)]  # 100 Gbit/s: beyond any rented link
 Seconds = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]

@@ -123,6 +123,7 @@ class Worker:
         self.received_at: dict[int, float] = {}  # version -> when it arrived whole and verified
         self.rtt: float | None = None  # seconds, the latest heartbeat's round trip
         self.quarantined = ""  # why the learner stopped taking this worker's work
+        self.failed = ""  # why this worker stopped on an error of its own
         self.arrived = asyncio.Event()  # a newer version was downloaded or pushed (staged in `pending`)
         self._rejoining = asyncio.Lock()
         self.joined: P.JoinReply | None = None
@@ -155,6 +156,7 @@ class Worker:
             self.joined = joined
             # Beat from the start: loading the engine can take long, and silence means dead.
             beats = asyncio.create_task(self._heartbeats(client))
+            beats.add_done_callback(self._beats_ended)
             try:
                 self.broadcast = joined.broadcast
                 if self.broadcast.mode == "chain":
@@ -202,7 +204,7 @@ class Worker:
         if self.quarantined:
             log.error("%s: quarantined by the learner: %s", self.name, self.quarantined)
             return QUARANTINED
-        if self.unreachable:
+        if self.unreachable or self.failed:
             return 1
         log.info("%s: run finished after %d rollouts", self.name, self.rollouts)
         return 0
@@ -313,10 +315,11 @@ class Worker:
         from broadcast.signing import VerifyKey
 
         w = self.cfg.worker
-        self.relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=w.relay_host,
-                           port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
-                           transport=w.relay_transport, read_token=self.broadcast.read_token or None)
-        await self.relay.start()
+        relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=w.relay_host,
+                      port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
+                      transport=w.relay_transport, read_token=self.broadcast.read_token or None)
+        await relay.start()
+        self.relay = relay  # only now: a heartbeat meanwhile would report its unbound port 0
         log.info("%s: relay listening at %s", self.name, self.relay.url)
 
     async def _received(self, received) -> None:
@@ -381,6 +384,17 @@ class Worker:
             self.pending = (info.version, blob)
             self.received_at[info.version] = time.monotonic()
             self.arrived.set()
+
+    def _beats_ended(self, beats: asyncio.Task) -> None:
+        """Heartbeats end only when the worker stops: one that died of an error of ours must not
+        leave a worker that leases on, unheard (its relay URL, its links), so it stops."""
+        if beats.cancelled() or beats.exception() is None:
+            return
+        e = beats.exception()
+        log.error("%s: heartbeats failed, stopping: %s: %s", self.name, type(e).__name__, e)
+        self.failed = f"heartbeats failed: {e}"
+        self.stopped.set()
+        self.active.set()  # wake the loop so it can exit
 
     async def _heartbeats(self, client: LearnerClient) -> None:
         failing_since = None

@@ -62,6 +62,8 @@ def test_a_relay_url_is_an_address_and_a_port(url):
     "http://10.0.0.1",  # no port
     "file:///etc/passwd", "gopher://10.0.0.1:70",
     "p2p:/ip4/10.0.0.2/tcp/4001/p2p/x/../../etc",
+    "http://10.0.0.1:0", "http://10.0.0.1:65536/", "http://[2001:db8::1]:99999",  # nothing can connect there
+    "p2p:/ip4/10.0.0.2/tcp/0/p2p/12D3KooWLRPJAA5o6kHLBNe5MAbSvA9bE6c5fhLiSNBGRxW6hVgQ",
 ])
 def test_a_relay_url_with_anything_else_is_refused(url):
     with pytest.raises(P.ProtocolError, match="relay_url"):
