@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import msgpack
 import numpy as np
@@ -92,9 +93,10 @@ LOGPROB_FLOOR = -1000.0
 
 
 def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int,
-                      max_groups: int = MAX_GROUPS) -> Submission:
+                      max_groups: int = MAX_GROUPS, stop_ids: Sequence[int] = ()) -> Submission:
     """Decode and validate an upload of at most `max_groups` groups (the prompts its sender
-    holds); every problem raises `Rejected`.
+    holds); every problem raises `Rejected`. `stop_ids` end a policy turn: none may be followed
+    by more of the policy's tokens in the same turn (an engine stops at the first).
 
     Nothing the body declares is believed: the decompressed size is capped while reading at what
     `max_groups` full groups can be (a frame that declares more is refused before anything is
@@ -102,6 +104,7 @@ def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_si
     upload of that many groups does, not 64 MiB of inflating), and msgpack is held to the
     protocol's bounds per field, so a few KiB cannot expand into millions of objects."""
     max_groups = max(1, min(max_groups, MAX_GROUPS))
+    stops = np.array(sorted(set(stop_ids)), dtype=np.int32)
     obj = _unpack(_decompress(body, _max_raw(max_tokens, group_size, max_groups)), max_tokens, group_size, max_groups)
 
     def need(cond: bool, what: str) -> None:
@@ -121,7 +124,8 @@ def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_si
         need(isinstance(samples, list), f"groups[{gi}].samples must be a list")
         if len(samples) != group_size:
             raise Rejected(422, "wrong-group-size", f"groups[{gi}] has {len(samples)} samples; this run's group_size is {group_size}")
-        parsed = [_sample(s, f"groups[{gi}].samples[{si}]", vocab_size, max_tokens) for si, s in enumerate(samples)]
+        parsed = [_sample(s, f"groups[{gi}].samples[{si}]", vocab_size, max_tokens, stops)
+                  for si, s in enumerate(samples)]
         out.append(GroupMsg(g["prompt_id"], g["version"], parsed))
     return Submission(obj["worker_id"], obj["lease_id"], out)
 
@@ -207,7 +211,7 @@ def _unpack(raw: bytes, max_tokens: int, group_size: int, groups: int) -> object
         raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
 
 
-def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMsg:
+def _sample(s: object, where: str, vocab_size: int, max_tokens: int, stops: np.ndarray) -> SampleMsg:
     if not (isinstance(s, dict) and isinstance(s.get("tokens"), bytes) and isinstance(s.get("logprobs"), bytes)):
         raise Rejected(400, "malformed", f"malformed trajectory upload: {where} needs bytes 'tokens' and 'logprobs'")
     if not set(s) <= {"tokens", "logprobs", "reward", "mask", "truncated"}:
@@ -241,6 +245,13 @@ def _sample(s: object, where: str, vocab_size: int, max_tokens: int) -> SampleMs
             raise Rejected(422, "bad-mask", f"{where}: mask values are 0 (environment) or 1 (policy), and an "
                                             "episode starts with the policy's turn")
         mask = values.tolist()
+    if len(stops):
+        policy = np.ones(len(tokens), dtype=bool) if mask is None else values.astype(bool)
+        goes_on = np.isin(tokens[:-1], stops) & policy[:-1] & policy[1:]
+        if goes_on.any():
+            i = int(np.argmax(goes_on))
+            raise Rejected(422, "after-stop", f"{where}: token {i} is a stop id, which ends the policy's turn, yet the "
+                                              f"turn goes on at token {i + 1}; an engine stops at the first stop id")
     truncated = s.get("truncated", False)
     if not isinstance(truncated, bool):
         raise Rejected(400, "malformed", f"{where}: truncated must be true or false")

@@ -114,7 +114,8 @@ class ControlApi:
                                        tickets=tickets, on_note=on_note)
         shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
                       offload=self.offload, rescore=rescore)
-        self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, max_tokens=self.rollout.max_tokens, **shared)
+        self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, max_tokens=self.rollout.max_tokens,
+                                  stop_ids=tuple(self.rollout.stop_ids), **shared)
         self.evals = EvalRoom(cfg, evals, run=run, metrics=self.metrics, vocab_size=vocab_size, offload=self.offload,
                               rescore=rescore, on_result=on_eval)
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,

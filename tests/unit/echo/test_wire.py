@@ -158,3 +158,21 @@ def test_an_upload_is_bounded_by_the_prompts_its_sender_holds():
     with pytest.raises(Rejected) as e:
         decode_submission(bomb, **limits)  # holding the most a lease can: the global cap
     assert int(e.value.message.split("past ")[1].split(" bytes")[0]) > 40 * read
+
+
+def test_a_policy_turn_ends_at_its_first_stop_id():
+    """Tokens after the stop token were accepted and trained under the loss mask; an engine
+    stops at the first stop id, so a turn that goes on after one was not sampled."""
+    stop = dict(LIMITS, stop_ids=[2])
+    ok = [SampleMsg([4, 5, 2], [-0.5] * 3, 1.0), SampleMsg([7], [-2.0], 0.0)]
+    assert decode_submission(encode_submission(submission(samples=ok)), **stop)
+    # Multi-turn: the stop ends the policy's turn, the environment's tokens (mask 0) follow it.
+    turns = [SampleMsg([4, 2, 9, 5], [-0.5, -0.5, 0.0, -0.5], 1.0, mask=[1, 1, 0, 1]), ok[1]]
+    assert decode_submission(encode_submission(submission(samples=turns)), **stop)
+    for bad in ([SampleMsg([4, 2, 5], [-0.5] * 3, 1.0), ok[1]],
+                [SampleMsg([4, 2, 2], [-0.5] * 3, 1.0), ok[1]],
+                [SampleMsg([4, 2, 5, 9], [-0.5, -0.5, -0.5, 0.0], 1.0, mask=[1, 1, 1, 0]), ok[1]]):
+        with pytest.raises(Rejected) as e:
+            decode_submission(encode_submission(submission(samples=bad)), **stop)
+        assert (e.value.reason, e.value.status) == ("after-stop", 422) and "token 1 is a stop id" in e.value.message
+        decode_submission(encode_submission(submission(samples=bad)), **LIMITS)  # no stop ids: nothing to check
