@@ -114,8 +114,11 @@ class Evidence:
 @dataclass(frozen=True)
 class Verdict:
     worker_id: str
-    reason: str  # "rewards" or "logprobs": also the Prometheus label
+    reason: str  # "rewards", "logprobs", "tokens", "episodes", "eval": also the Prometheus label
     message: str  # what was found, told to the worker and the operator
+    # False for a statistical finding an honest worker can draw by bad luck (the tokens' z): it
+    # quarantines the worker but bans no address, which would shut out its honest neighbours.
+    certain: bool = True
 
 
 class Drift:
@@ -390,7 +393,7 @@ class Verifier:
             return Verdict(worker_id, "tokens", (
                 f"its tokens were not sampled from the policy: their ranks under it lie {ev.token_z:+.1f} standard "
                 f"deviations from sampling's ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
-                f"gives) over its last {ev.checked_tokens} checked tokens (allowed {self.cfg.max_token_z:g})"))
+                f"gives) over its last {ev.checked_tokens} checked tokens (allowed {self.cfg.max_token_z:g})"), certain=False)
         if ev.fresh_tokens >= self.cfg.min_token_checks and ev.outside_share > self.cfg.max_outside_nucleus:
             return Verdict(worker_id, "tokens", (
                 f"{ev.outside_share:.1%} of its last {ev.fresh_tokens} checked tokens of the learner's own version lie "

@@ -293,7 +293,7 @@ class WorkerRegistry:
             self.tickets.revoke(worker.id)
         if worker.machine:  # its machine token may not bring it back as a new identity
             remember(self.quarantined_machines, worker.machine, verdict.message[:500], keep=4096)
-        if self.verify.ban_address and worker.address:  # else it would join again under a new name
+        if self.verify.ban_address and verdict.certain and worker.address:  # else it would join again under a new name
             self.addresses.ban(worker.address, verdict.message, time.monotonic())
         leased = self.leases.release_worker(worker.id)
         dropped = self.buffer.buffer.drop_worker(worker.id)

@@ -261,6 +261,26 @@ def test_fabricated_rewards_are_recomputed_and_the_worker_quarantined(tokenizer,
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_statistical_verdict_quarantines_the_worker_but_bans_no_address(tokenizer, tmp_path):
+    """The tokens' z is a finding an honest worker can draw by bad luck: a lone honest worker was
+    once quarantined by it and banned with its address for an hour, and with it every honest
+    worker behind the same NAT. It quarantines the worker; only a certain verdict bans."""
+    from learner.verify import Verdict
+
+    async def test(api: Api):
+        registry = api.state.registry
+        unlucky, cred = await api.join("unlucky")
+        registry.quarantine(registry.workers[unlucky], Verdict(unlucky, "tokens", "ranks +8.2 sd", certain=False))
+        status, body, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+        assert (status, body["error"]) == (403, "quarantined")
+        neighbour, _ = await api.join("neighbour")  # the same address: still welcome
+        registry.quarantine(registry.workers[neighbour], Verdict(neighbour, "rewards", "rewards differ"))
+        status, body, _ = await api.call("/v1/join", {"name": "neighbour-again"})
+        assert (status, body["error"]) == (403, "banned") and "rewards differ" in body["message"]
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
     """Eval leases carry no answers (a worker holding them could return them as its model's), and
     the rewards a worker sends are not read: the learner scores the completions itself."""
