@@ -35,3 +35,23 @@ def test_the_resume_note_counts_updates_not_versions(tmp_path):
     note = recovery.note(10, 40, Path("checkpoints/step-000010"))
     assert note.startswith("resumed after update 10 of 40 (checkpoint step-000010)")
     assert "versions continue after v15" in note
+
+
+def test_a_prompt_leased_again_before_it_is_trained_is_written_once(tmp_path):
+    """Lease-and-release churn (16 identities on one address) wrote each prompt again on every
+    lease: 120 KB/s of ledger, bounded only by the request rate. Replay keeps the first line."""
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    p1, p2 = Prompt("p1", "t" * 500, "x"), Prompt("p2", "u", "y")
+    ledger.leased([p1])
+    before = path.stat().st_size
+    for _ in range(100):  # released and leased again
+        ledger.leased([p1])
+    assert path.stat().st_size == before
+    ledger.leased([p1, p2])
+    ledger.trained(1, ["p1"])
+    ledger.leased([p1])  # trained, then leased again (a recycled prompt): written again
+    ledger.close()
+    assert path.read_text().count('"p1","t') == 2 and path.read_text().count('"p2"') == 1
+    _, recovery = Ledger.open_run(path, 0, resumed=True)
+    assert [p.id for p in recovery.pending] == ["p1", "p2"]
