@@ -16,8 +16,9 @@ late each time, every version (a tester's 8 such identities took a run from 58 t
   costs its children one version per demotion, not every version.
 
 The learner cannot tell a relay that forwarded nothing from a child that pulled anyway to frame
-its parent; a framing child pays a full download from the learner for each demotion it causes,
-and a demoted honest relay only stops forwarding for a while (docs/untrusted-workers.md).
+its parent. So only pulls by workers whose work the learner accepted are counted (the publisher
+filters them); a framing child pays a full download from the learner for each demotion it
+causes, and a demoted honest relay only stops forwarding for a while (docs/untrusted-workers.md).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class Forwarding:
         known = self._versions.get(key_version(key))
         if known is not None:
             known[1].add(holder)
+
+    def pulls(self, version: int) -> set[str]:
+        """Who pulled `version` from the source (of the workers its plans name or not)."""
+        known = self._versions.get(version)
+        return set(known[1]) if known is not None else set()
 
     def settle(self, version: int) -> list[tuple[str, int]]:
         """Blame what the remembered plans' pulls say, as of planning `version`; returns the

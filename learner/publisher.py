@@ -107,6 +107,7 @@ class ChainPublisher(StarPublisher):
         self._previous: tuple[int, bytes, Manifest] | None = None
         self.pushes: set[asyncio.Task] = set()
         self.forwarding = Forwarding()
+        self._planned: dict[str, object] = {}  # the workers of the latest plans, by id (live records)
 
     async def start(self) -> str | None:
         key = SigningKey.load_or_generate(self.key_file)
@@ -118,7 +119,7 @@ class ChainPublisher(StarPublisher):
         assert self.source.readers is not None
         self.source.readers.skew = 0.0  # the source's clock is the one that issued them
         self.tickets = TicketOffice(key, self.source.readers, lifetime=self.ticket_s)
-        self.source.on_pull = self.forwarding.pulled
+        self.source.on_pull = self._pulled
         url = await self.source.start()
         self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s)
         return url
@@ -131,6 +132,7 @@ class ChainPublisher(StarPublisher):
         for worker, until in self.forwarding.settle(version):
             log.warning("%s: children it was to forward to pulled from the learner instead; it is a leaf "
                         "(forwards to nobody) until v%d", worker, until)
+        self._planned = {w.id: w for w in workers}
         chunk = self.chunk_for(len(blob), [w for w in workers if w.relay_url], version)
         # A delta needs its base's chunk layout: when the plan's chunk size changed, this version
         # goes out full once and the next ones are deltas on it again.
@@ -169,6 +171,13 @@ class ChainPublisher(StarPublisher):
             source=self.source.url,
             plan={k: PlanBrief(kind=v["kind"], chains=len(v["chains"]), predicted_s=v["predicted_s"])
                   for k, v in plans.items()})
+
+    def _pulled(self, key: str, holder: str) -> None:
+        """A pull from the source blames the puller's parent only if the learner accepted the
+        puller's work: a fresh identity placed as a tail cannot demote the relay above it."""
+        w = self._planned.get(holder)
+        if w is not None and w.groups_accepted > 0:
+            self.forwarding.pulled(key, holder)
 
     def peers(self, workers: list, version: int) -> list[PeerLink]:
         """The planner's view of `workers` for `version`: measured links and whether they accept

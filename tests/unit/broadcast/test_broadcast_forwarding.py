@@ -74,7 +74,8 @@ async def black_hole_relay() -> tuple[web.AppRunner, str]:
 def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
     """The learner's publisher with a relay that swallows its pushes: its children pull v1 from
     the learner, the learner blames it, and v2's plan gives it no children, so v2 reaches the
-    others by push. A worker whose work was never accepted has none from the start."""
+    others by push. A worker whose work was never accepted has none from the start, and its
+    pulls blame nobody."""
     from broadcast.links import MBIT, LinkTable
     from broadcast.signing import SigningKey
     from broadcast.star import BlobStore
@@ -102,6 +103,8 @@ def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
                    for w, u in urls.items()]
         try:
             await pub.publish(1, blobs[0], workers)
+            pub.source.on_pull("v1", "new")  # a pull by a worker with no accepted work blames nobody
+            assert "new" not in pub.forwarding.pulls(1)
             got1 = {w: bytes((await r.wait("v1", 30)).data) for w, r in relays.items()}
             pulled1 = {w: [s["by"] for s in r.stores["v1"].stats.spans] for w, r in relays.items()}
             await pub.publish(2, blobs[1], workers)
