@@ -6,10 +6,13 @@ measurement of it: they wait `fallback_s`, pull the version from the learner, an
 late each time, every version (a tester's 8 such identities took a run from 58 to 13 steps per
 40 s). What the learner does see is who pulls from its source, by read ticket.
 
-- A member of a version's plan whose parent is not the source should get the version from its
-  parent. If it pulls it from the source instead, its nearest ancestor in that tree that did
-  *not* pull is blamed (everyone below a relay that forwards nothing pulls; only the relay
-  itself does not). One blame per worker per version.
+- A member of a version's route whose parent in a tree is not the source should get that
+  tree's chunks from its parent. If it pulls them from the source instead, its nearest ancestor
+  in that tree that did *not* is blamed (everyone below a relay that forwards nothing pulls;
+  only the relay itself does not). Pulls are matched to trees by their chunk ranges: a stripe
+  member's planned pull of another tree's span from the source blames nobody. A worker routed
+  by a version's delta that pulls the full version took every tree. One blame per worker per
+  version.
 - A blamed worker is planned as a leaf (pushed to, as a chain's tail or a stripe's receiver, and
   forwarding to nobody) for 2, 4, 8, ... versions, up to 64, doubling with each blame. A leaf
   has no children, so it cannot be blamed again while it is one: a relay that never forwards
@@ -25,30 +28,41 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from broadcast.node import key_version
-from broadcast.planner import Plan
+from broadcast.route import SOURCE, Route
 
 #: Versions a first blame makes a worker a leaf for; each further blame doubles it, up to `MAX_LEAF_VERSIONS`.
 FIRST_LEAF_VERSIONS = 2
 MAX_LEAF_VERSIONS = 64
-#: Versions whose plans are remembered for blame: pulls of older ones no longer matter.
+#: Versions whose routes are remembered for blame: pulls of older ones no longer matter.
 KEEP_VERSIONS = 8
 
+Ranges = Sequence["tuple[int, int] | None"]  # chunk ranges pulled from the source; None: the whole version
 
-def blamed(plan: Plan, pulled: set[str]) -> set[str]:
-    """The members of `plan` that did not pull, nearest above each member that did."""
+
+def blamed(route: Route, pulled: Mapping[str, Ranges]) -> set[str]:
+    """The members of `route` that did not pull a tree's chunks from the source, nearest above
+    each member that did (`pulled`: member id -> the ranges it pulled)."""
+    def took(member: str, tree: int) -> bool:
+        ranges = pulled.get(member, ())
+        if route.spans is None:
+            return bool(ranges)
+        a, b = route.spans[tree]
+        return any(r is None or (r[0] < b and a < r[1]) for r in ranges)
+
     out = set()
-    for t, chain in enumerate(plan.chains):
-        parents = plan.parents[t] if plan.parents else tuple(range(-1, len(chain) - 1))
-        for pos, member in enumerate(chain):
-            if member not in pulled:
+    for t, chain in enumerate(route.chains):
+        parents = route.parent_list(t)
+        for pos, hop in enumerate(chain):
+            if not took(hop.id, t):
                 continue
             p = parents[pos]
-            while p != -1 and chain[p] in pulled:
+            while p != SOURCE and took(chain[p].id, t):
                 p = parents[p]
-            if p != -1:
-                out.add(chain[p])
+            if p != SOURCE:
+                out.add(chain[p].id)
     return out
 
 
@@ -58,42 +72,53 @@ class Record:
     leaf_until: int = 0  # a leaf while the version being planned is below this
 
 
+@dataclass
+class _Version:
+    routes: dict[str, Route]  # by key: the full version's and its delta's
+    pulls: list[tuple[str, str, int, int]]  # (key, holder, first chunk, end) of each pull from the source
+    blamed: set[str]
+
+
 class Forwarding:
     """The learner's record of which workers forwarded what they were given (module docstring)."""
 
     def __init__(self) -> None:
         self.records: dict[str, Record] = {}
-        # version -> its plans (a delta's and the full version's), who pulled it, who was blamed for it
-        self._versions: OrderedDict[int, tuple[list[Plan], set[str], set[str]]] = OrderedDict()
+        self._versions: OrderedDict[int, _Version] = OrderedDict()
 
-    def planned(self, key: str, plan: Plan) -> None:
-        """Remember a plan version `key` is pushed by (call before its push begins)."""
-        version = key_version(key)
+    def planned(self, route: Route) -> None:
+        """Remember a route a version is pushed by (call before its push begins)."""
+        version = key_version(route.key)
         if version is None:
             return
-        self._versions.setdefault(version, ([], set(), set()))[0].append(plan)
+        self._versions.setdefault(version, _Version({}, [], set())).routes[route.key] = route
         while len(self._versions) > KEEP_VERSIONS:
             self._versions.popitem(last=False)
 
-    def pulled(self, key: str, holder: str) -> None:
-        """`holder` pulled (some of) `key` from the source: a worker planned for the version's
-        delta pulls the full version when the push misses it, so pulls count by version."""
+    def pulled(self, key: str, holder: str, start: int, end: int) -> None:
+        """`holder` pulled chunks [start, end) of `key` from the source."""
         known = self._versions.get(key_version(key))
-        if known is not None:
-            known[1].add(holder)
+        if known is not None and len(known.pulls) < 64 * 1024:  # bounded: a worker may pull a range many times
+            known.pulls.append((key, holder, start, end))
 
     def pulls(self, version: int) -> set[str]:
-        """Who pulled `version` from the source (of the workers its plans name or not)."""
+        """Who pulled (some of) `version` from the source."""
         known = self._versions.get(version)
-        return set(known[1]) if known is not None else set()
+        return {holder for _, holder, _, _ in known.pulls} if known is not None else set()
 
     def settle(self, version: int) -> list[tuple[str, int]]:
-        """Blame what the remembered plans' pulls say, as of planning `version`; returns the
+        """Blame what the remembered routes' pulls say, as of planning `version`; returns the
         newly demoted workers, each with the version it is a leaf until."""
         demoted = []
-        for plans, pulled, done in self._versions.values():
-            for worker in sorted(set().union(*(blamed(plan, pulled) for plan in plans)) - done):
-                done.add(worker)
+        for known in self._versions.values():
+            guilty: set[str] = set()
+            for key, route in known.routes.items():
+                pulled: dict[str, list] = {}
+                for k, holder, a, b in known.pulls:  # another key of the version: the whole of it
+                    pulled.setdefault(holder, []).append((a, b) if k == key else None)
+                guilty |= blamed(route, pulled)
+            for worker in sorted(guilty - known.blamed):
+                known.blamed.add(worker)
                 r = self.records.setdefault(worker, Record())
                 r.blames += 1
                 r.leaf_until = version + min(MAX_LEAF_VERSIONS, FIRST_LEAF_VERSIONS << (r.blames - 1))

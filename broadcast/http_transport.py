@@ -125,7 +125,7 @@ class HttpTransport(Transport):
         q = request.query
         holder = self.node.require_read(bearer(request))
         store, start, end = await self.node.open_pull(request.match_info["key"], q.get("from", "0"), q.get("to"))
-        self.node.pulled(store, holder)
+        self.node.pulled(store, holder, start, end)
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         await resp.prepare(request)
         try:

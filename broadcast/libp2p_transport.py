@@ -804,7 +804,7 @@ class Libp2pTransport(Transport):
             holder = self.node.require_read(request.get("cap") if isinstance(request.get("cap"), str) else None)
             store, start, end = await self.node.open_pull(str(request.get("key")), request.get("from", 0),
                                                           request.get("to"))
-            self.node.pulled(store, holder)
+            self.node.pulled(store, holder, start, end)
         except Refused as e:
             return await _reply(stream, {"error": f"{e.status} {e.text}"})
         except (ProtocolError, Libp2pError, asyncio.TimeoutError) as e:

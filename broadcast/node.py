@@ -113,7 +113,7 @@ class Node:
         self.read_token = read_token or None
         self.connection_limits = connection_limits  # open connections per address (`ConnectionCap`); None: any
         self.readers: Readers | None = None  # set with the run's key by Source and Relay
-        self.on_pull: Callable[[str, str], None] | None = None  # (version key, ticket holder) of each pull served
+        self.on_pull: Callable[[str, str, int, int], None] | None = None  # (key, ticket holder, chunks) of each pull served
         self.transport = transport
         self.host, self.port = host, port
         self._public_url = public_url
@@ -359,11 +359,11 @@ class Node:
                 raise Refused(401, f"{self.id}: {e.text}") from None
         return None
 
-    def pulled(self, store: VersionStore, holder: str | None) -> None:
-        """A pull of `store` by a ticket's holder began: the source tells `on_pull` (the learner
-        blames the relay that should have forwarded it, `broadcast.forwarding`)."""
+    def pulled(self, store: VersionStore, holder: str | None, start: int, end: int) -> None:
+        """A pull of chunks [start, end) of `store` by a ticket's holder began: the source tells
+        `on_pull` (the learner blames the relay that should have forwarded them, `broadcast.forwarding`)."""
         if self.on_pull is not None and holder is not None:
-            self.on_pull(store.key, holder)
+            self.on_pull(store.key, holder, start, end)
 
     async def _handle_status(self, request: web.Request) -> web.Response:
         self.require_read(bearer(request))  # a `Refused` is answered by `refusals_returned`

@@ -35,8 +35,9 @@ from pathlib import Path
 
 from broadcast.forwarding import Forwarding
 from broadcast.links import MBIT, LinkTable, uplink_sample
-from broadcast.manifest import MIN_CHUNK_SIZE, Manifest
+from broadcast.manifest import MIN_CHUNK_SIZE, BroadcastError, Manifest
 from broadcast.planner import PeerLink, plan_broadcast
+from broadcast.route import Route
 from broadcast.signing import SigningKey
 from broadcast.source import Source
 from broadcast.star import BlobStore
@@ -152,10 +153,14 @@ class ChainPublisher(StarPublisher):
         for key, group, manifest in groups:
             peers = self.peers(group, version)
             plan = plan_broadcast(manifest.wire_size, self.links.uplink.rate, peers, chunk, headroom=HEADROOM)
-            self.forwarding.planned(key, plan)  # before the push: its pulls are blamed on this plan
-            hops = {w.id: Hop(w.id, w.relay_url) for w in group}
+            try:
+                route = self.source.route_of(key, plan, {w.id: Hop(w.id, w.relay_url) for w in group})
+            except BroadcastError as e:  # nothing pushed: the workers' fallback pull repairs it
+                log.warning("no route for %s: %s", key, e)
+                continue
+            self.forwarding.planned(route)  # before the push: its pulls are blamed on this route
             # Two groups share the uplink, each planned as if it had it all: only a lone push measures it.
-            task = asyncio.create_task(self._push(key, plan, hops, measure_uplink=len(groups) == 1))
+            task = asyncio.create_task(self._push(key, route, measure_uplink=len(groups) == 1))
             self.pushes.add(task)
             task.add_done_callback(self.pushes.discard)
             plans[key] = {**plan.summary(), "chains": [list(c) for c in plan.chains], "pull": list(plan.pull),
@@ -172,12 +177,12 @@ class ChainPublisher(StarPublisher):
             plan={k: PlanBrief(kind=v["kind"], chains=len(v["chains"]), predicted_s=v["predicted_s"])
                   for k, v in plans.items()})
 
-    def _pulled(self, key: str, holder: str) -> None:
+    def _pulled(self, key: str, holder: str, start: int, end: int) -> None:
         """A pull from the source blames the puller's parent only if the learner accepted the
         puller's work: a fresh identity placed as a tail cannot demote the relay above it."""
         w = self._planned.get(holder)
         if w is not None and w.groups_accepted > 0:
-            self.forwarding.pulled(key, holder)
+            self.forwarding.pulled(key, holder, start, end)
 
     def peers(self, workers: list, version: int) -> list[PeerLink]:
         """The planner's view of `workers` for `version`: measured links and whether they accept
@@ -199,9 +204,9 @@ class ChainPublisher(StarPublisher):
         plan = plan_broadcast(size, self.links.uplink.rate, self.peers(workers, version), None, headroom=HEADROOM)
         return max(MIN_CHUNK_SIZE, min(plan.chunk_bytes, self.chunk_bytes))
 
-    async def _push(self, key: str, plan, hops: dict, measure_uplink: bool) -> None:
+    async def _push(self, key: str, route: Route, measure_uplink: bool) -> None:
         try:
-            await self.source.push_plan(key, plan, hops)
+            await self.source.push_route(key, route)
         except Exception as e:  # a failed push is repaired by the workers' fallback pull
             log.warning("push of %s failed: %s", key, e)
             return

@@ -10,49 +10,60 @@ import numpy as np
 from aiohttp import web
 
 from broadcast.forwarding import FIRST_LEAF_VERSIONS, Forwarding, blamed
-from broadcast.planner import Plan
 from broadcast.relay import PREFIX, Relay
+from broadcast.route import Route
+from broadcast.transport import Hop
 
 MIB = 1 << 20
 
 
-def plan_of(chains, parents=(), pull=()) -> Plan:
-    return Plan(kind="chains", chains=tuple(tuple(c) for c in chains), rates=(1.0,) * len(chains), predicted_s=1.0,
-                lower_bound_s=1.0, fraction=1.0, snapshot_bytes=1, chunk_bytes=1,
-                parents=tuple(tuple(p) for p in parents), pull=tuple(pull))
+def route_of(chains, parents=None, spans=None, pull=(), key="v1") -> Route:
+    return Route(key=key, root=b"", source=Hop("source", "http://127.0.0.1:9"),
+                 chains=tuple(tuple(Hop(w, "http://127.0.0.1:9") for w in c) for c in chains), rates=(None,) * len(chains),
+                 spans=None if spans is None else tuple(spans), parents=None if parents is None else tuple(map(tuple, parents)),
+                 pull=tuple(pull))
+
+
+WHOLE = [(0, 8)]
 
 
 def test_the_nearest_relay_above_the_pulls_that_did_not_pull_is_blamed():
-    chain = plan_of([["a", "hole", "c", "d"], ["e", "f"]])
-    assert blamed(chain, {"c", "d"}) == {"hole"}  # everyone below it pulled; it did not
-    assert blamed(chain, {"hole", "c", "d"}) == {"a"}  # it pulled too: the relay above it
-    assert blamed(chain, {"a"}) == set() and blamed(chain, {"e", "f"}) == set()  # the source fed them
-    assert blamed(chain, set()) == set()
-    # Stripes: each owner roots one tree and is a child in the others; an owner that forwards
-    # nothing makes every other member pull, and is the only one of them that did not.
-    stripes = plan_of([["o1", "o2", "x"], ["o2", "o1", "x"]], parents=[[-1, 0, 0], [-1, 0, 0]])
-    assert blamed(stripes, {"o1", "x"}) == {"o2"}
-    # A pulling leaf's parent is the chain tail it pulls from: the tail is blamed if it pulled from the source.
-    leaves = plan_of([["a", "b", "leaf"]], parents=[[-1, 0, 1]], pull=["leaf"])
-    assert blamed(leaves, {"leaf"}) == {"b"}
+    chain = route_of([["a", "hole", "c", "d"], ["e", "f"]])
+    assert blamed(chain, {"c": WHOLE, "d": WHOLE}) == {"hole"}  # everyone below it pulled; it did not
+    assert blamed(chain, {"hole": WHOLE, "c": WHOLE, "d": WHOLE}) == {"a"}  # it pulled too: the relay above it
+    assert blamed(chain, {"a": WHOLE}) == set() and blamed(chain, {"e": WHOLE, "f": WHOLE}) == set()  # fed by the source
+    assert blamed(chain, {}) == set()
+    # Stripes: each owner roots one tree's span and is a child in the others; an owner that
+    # forwards nothing makes every other member pull its span, and is the only one that did not.
+    stripes = route_of([["o1", "o2", "x"], ["o2", "o1", "x"]], parents=[[-1, 0, 0], [-1, 0, 0]], spans=[(0, 4), (4, 8)])
+    assert blamed(stripes, {"o1": [(4, 8)], "x": [(4, 8)]}) == {"o2"}
+    assert blamed(stripes, {"x": [None]}) == {"o1", "o2"}  # the whole version (under the other key): every tree
+    # A member whose parent in a tree is the source pulls that tree's span from it as planned:
+    # found in a real run, where a pulling leaf's planned pull of its source-fed span blamed
+    # the stripe owner it had pulled nothing from.
+    mixed = route_of([["o1", "a", "leaf"], ["a", "o1", "leaf"]], parents=[[-1, 0, 0], [-1, -1, -1]],
+                     spans=[(0, 4), (4, 8)], pull=["leaf"])
+    assert blamed(mixed, {"leaf": [(4, 8)]}) == set()
+    assert blamed(mixed, {"leaf": [(0, 4)]}) == {"o1"}  # it pulled from the source what o1 was to give it
 
 
 def test_each_blame_doubles_the_versions_a_worker_is_a_leaf_and_a_leaf_cannot_be_blamed():
     f = Forwarding()
-    f.planned("v1", plan_of([["a", "hole", "c"]]))
-    f.pulled("v1", "c")
-    f.pulled("v0", "c")  # a version with no remembered plan: nothing to blame
+    f.planned(route_of([["a", "hole", "c"]], key="v1"))
+    f.pulled("v1", "c", 0, 8)
+    f.pulled("v0", "c", 0, 8)  # a version with no remembered route: nothing to blame
     assert f.settle(1) == [("hole", 1 + FIRST_LEAF_VERSIONS)]
     assert f.settle(2) == []  # one blame per worker per version, however often it is settled
     assert not f.may_forward("hole", 2) and f.may_forward("hole", 3) and f.may_forward("a", 2)
-    f.planned("v2", plan_of([["a", "c", "hole"]], pull=["hole"]))  # a leaf has no children to fail
-    f.pulled("v2", "hole")
+    f.planned(route_of([["a", "c", "hole"]], parents=[[-1, 0, 1]], pull=["hole"], key="v2"))  # a leaf has no children
+    f.pulled("v2", "hole", 0, 8)
     assert f.settle(2) == [("c", 2 + FIRST_LEAF_VERSIONS)]  # it pulled from the source, not from its tail
-    f.planned("v3-d2", plan_of([["hole", "a"]]))  # the delta's plan; the full version's has the others
-    f.planned("v3", plan_of([["b"]]))
-    f.pulled("v3", "a")  # missed by the delta's push, it pulls the full version
+    f.planned(route_of([["hole", "a"]], key="v3-d2"))  # the delta's route; the full version's has the others
+    f.planned(route_of([["b"]], key="v3"))
+    f.pulled("v3", "a", 0, 8)  # missed by the delta's push, it pulls the full version
     assert f.settle(3) == [("hole", 3 + 2 * FIRST_LEAF_VERSIONS)]  # the second blame: twice as long
     assert f.leaves(3) == {"c": 4, "hole": 7} and f.leaves(4) == {"hole": 7} and f.leaves(7) == {}
+    assert f.pulls(3) == {"a"} and f.pulls(9) == set()
 
 
 async def black_hole_relay() -> tuple[web.AppRunner, str]:
@@ -103,7 +114,7 @@ def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
                    for w, u in urls.items()]
         try:
             await pub.publish(1, blobs[0], workers)
-            pub.source.on_pull("v1", "new")  # a pull by a worker with no accepted work blames nobody
+            pub.source.on_pull("v1", "new", 0, 1)  # a pull by a worker with no accepted work blames nobody
             assert "new" not in pub.forwarding.pulls(1)
             got1 = {w: bytes((await r.wait("v1", 30)).data) for w, r in relays.items()}
             pulled1 = {w: [s["by"] for s in r.stores["v1"].stats.spans] for w, r in relays.items()}
