@@ -281,6 +281,42 @@ def test_a_statistical_verdict_quarantines_the_worker_but_bans_no_address(tokeni
     run_api(tokenizer, test, tmp_path)
 
 
+def test_an_upload_that_expects_100_continue_is_invited_only_once_admitted(tokenizer, tmp_path):
+    """aiohttp answered `Expect: 100-continue` before any handler ran, so a worker holding no
+    lease was invited to send its body, which was then refused. Now the lease and the bounds
+    are checked first: a refusal comes instead of the invitation, an admitted upload is invited."""
+    from urllib.parse import urlsplit
+
+    async def send_headers(api: Api, cred: str, body: bytes):
+        url = urlsplit(api.url)
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        writer.write((f"POST /v1/trajectories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                      f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n"
+                      "Expect: 100-continue\r\n\r\n").encode())
+        await writer.drain()
+        return reader, writer, (await asyncio.wait_for(reader.readline(), 5)).decode()
+
+    async def test(api: Api):
+        w, cred = await api.join("w")
+        body = b"x" * 1000
+        reader, writer, first = await send_headers(api, cred, body)
+        assert first.startswith("HTTP/1.1 409"), first  # no lease: refused, never invited
+        writer.close()
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+        g = group(tokenizer, lease["prompts"][0]["id"], ["1", "2", "3", "4"], 0.0)
+        body = encode_submission(Submission(w, lease["lease_id"], [g]))
+        reader, writer, first = await send_headers(api, cred, body)
+        assert first.startswith("HTTP/1.1 100"), first
+        await reader.readline()  # the blank line ending the interim response
+        writer.write(body)
+        await writer.drain()
+        final = (await asyncio.wait_for(reader.readline(), 5)).decode()
+        writer.close()
+        assert final.startswith("HTTP/1.1 200"), final
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
     """Eval leases carry no answers (a worker holding them could return them as its model's), and
     the rewards a worker sends are not read: the learner scores the completions itself."""
