@@ -38,6 +38,8 @@ FIRST_LEAF_VERSIONS = 2
 MAX_LEAF_VERSIONS = 64
 #: Versions whose routes are remembered for blame: pulls of older ones no longer matter.
 KEEP_VERSIONS = 8
+#: Pulls remembered per member of a version's routes (a worker may pull one range many times).
+MAX_PULLS = 8
 
 Ranges = Sequence["tuple[int, int] | None"]  # chunk ranges pulled from the source; None: the whole version
 
@@ -75,7 +77,8 @@ class Record:
 @dataclass
 class _Version:
     routes: dict[str, Route]  # by key: the full version's and its delta's
-    pulls: list[tuple[str, str, int, int]]  # (key, holder, first chunk, end) of each pull from the source
+    members: set[str]  # every worker the routes name
+    pulls: dict[str, list[tuple[str, int, int]]]  # member -> (key, first chunk, end) of its pulls from the source
     blamed: set[str]
 
 
@@ -91,20 +94,24 @@ class Forwarding:
         version = key_version(route.key)
         if version is None:
             return
-        self._versions.setdefault(version, _Version({}, [], set())).routes[route.key] = route
+        known = self._versions.setdefault(version, _Version({}, set(), {}, set()))
+        known.routes[route.key] = route
+        known.members.update(hop.id for chain in route.chains for hop in chain)
         while len(self._versions) > KEEP_VERSIONS:
             self._versions.popitem(last=False)
 
     def pulled(self, key: str, holder: str, start: int, end: int) -> None:
         """`holder` pulled chunks [start, end) of `key` from the source."""
         known = self._versions.get(key_version(key))
-        if known is not None and len(known.pulls) < 64 * 1024:  # bounded: a worker may pull a range many times
-            known.pulls.append((key, holder, start, end))
+        if known is not None and holder in known.members:  # bounded: members only, a few pulls each
+            mine = known.pulls.setdefault(holder, [])
+            if len(mine) < MAX_PULLS:
+                mine.append((key, start, end))
 
     def pulls(self, version: int) -> set[str]:
-        """Who pulled (some of) `version` from the source."""
+        """Who of `version`'s routes pulled (some of) it from the source."""
         known = self._versions.get(version)
-        return {holder for _, holder, _, _ in known.pulls} if known is not None else set()
+        return set(known.pulls) if known is not None else set()
 
     def settle(self, version: int) -> list[tuple[str, int]]:
         """Blame what the remembered routes' pulls say, as of planning `version`; returns the
@@ -113,9 +120,8 @@ class Forwarding:
         for known in self._versions.values():
             guilty: set[str] = set()
             for key, route in known.routes.items():
-                pulled: dict[str, list] = {}
-                for k, holder, a, b in known.pulls:  # another key of the version: the whole of it
-                    pulled.setdefault(holder, []).append((a, b) if k == key else None)
+                pulled = {holder: [(a, b) if k == key else None for k, a, b in mine]  # another key: the whole version
+                          for holder, mine in known.pulls.items()}
                 guilty |= blamed(route, pulled)
             for worker in sorted(guilty - known.blamed):
                 known.blamed.add(worker)

@@ -63,6 +63,7 @@ def test_each_blame_doubles_the_versions_a_worker_is_a_leaf_and_a_leaf_cannot_be
     f.pulled("v3", "a", 0, 8)  # missed by the delta's push, it pulls the full version
     assert f.settle(3) == [("hole", 3 + 2 * FIRST_LEAF_VERSIONS)]  # the second blame: twice as long
     assert f.leaves(3) == {"c": 4, "hole": 7} and f.leaves(4) == {"hole": 7} and f.leaves(7) == {}
+    f.pulled("v3", "stranger", 0, 8)  # named by no route of the version: not remembered
     assert f.pulls(3) == {"a"} and f.pulls(9) == set()
 
 
