@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo.procs import die_with_parent
 from echo.protocol import valid_name
 from scheduler.config import (CommandProviderConfig, LocalProviderConfig, ProviderConfig, SkyProviderConfig,
                               StaticProviderConfig, VastProviderConfig)
@@ -123,7 +124,10 @@ class LocalProvider(Provider):
         log = open(self.log_dir / f"{machine.id}.log", "a")
         # The token in the environment, not on the command line, where any user of the machine reads it (ps)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "ECHO_TOKEN": machine_token(self.machine_key, machine.id)}
-        self.procs[machine.id] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # It ends with the learner, even a learner killed with SIGKILL: else it retried forever and,
+        # after `--resume`, fought the new worker of its machine's name for its identity.
+        self.procs[machine.id] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                  preexec_fn=die_with_parent())
 
     def close(self) -> None:
         for p in self.procs.values():
