@@ -43,6 +43,8 @@ def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_pro
 class StatusDisplay:
     def __init__(self, total_steps: int, enabled: bool = True):
         self.enabled = enabled
+        # Plain text: what it prints names config keys as `[buffer] dynamic_sampling`, and rich
+        # read `[buffer]` as a style tag and dropped it, from the very advice a stuck user needs.
         self.console = Console(stderr=False, highlight=False)
         self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -52,7 +54,7 @@ class StatusDisplay:
 
     def banner(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text, soft_wrap=True)
+            self.console.print(text, soft_wrap=True, markup=False)
 
     def start(self, done: int) -> None:
         self.task = self.progress.add_task("train", total=self.total, completed=done)
@@ -61,12 +63,12 @@ class StatusDisplay:
     def step(self, record: dict, last_eval=None) -> None:
         if not self.enabled:
             return
-        self.progress.console.print(status_line(record, last_eval), soft_wrap=True)
+        self.progress.console.print(status_line(record, last_eval), soft_wrap=True, markup=False)
         self.progress.update(self.task, completed=record["step"])
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.progress.console.print(text, soft_wrap=True)
+            self.progress.console.print(text, soft_wrap=True, markup=False)
         else:  # --json: stdout is the run log's records; an operator's note goes to stderr
             print(text, file=sys.stderr, flush=True)
 

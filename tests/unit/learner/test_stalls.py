@@ -51,3 +51,15 @@ def test_no_signal_notes_once_when_every_group_is_skipped_and_again_after_progre
     stats.accepted = stats.skipped_uniform = stats.skipped_uniform + 16
     stats.accepted += 1
     assert watch.check(stats) and len(notes) == 2
+
+
+def test_notes_print_config_sections_as_written(capsys):
+    """rich read `[buffer]` in "set [buffer] dynamic_sampling = false" as a style tag and printed
+    the advice without its section (a new user, 2026-11-28)."""
+    from learner.status import StatusDisplay
+
+    display = StatusDisplay(10)
+    display.banner("banner: [buffer] dynamic_sampling")
+    display.note("note: set [buffer] dynamic_sampling = false")
+    out = capsys.readouterr().out
+    assert "banner: [buffer] dynamic_sampling" in out and "note: set [buffer] dynamic_sampling = false" in out
