@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,24 @@ from scheduler.simulator import blog_config, pipeline_config, simulate
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POOL = Path("configs/pools/consumer-gpus.toml")
+
+
+def _bounded(kind=float, low: float = 0.0, above: bool = True, high: float = float("inf")):
+    """An argparse type: a finite number above `low` (at or above it when `above` is False) and
+    at most `high`; argparse names the flag and exits 2 on anything else."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
+            bound = f"{'>' if above else '≥'} {low:g}" + (f" and ≤ {high:g}" if math.isfinite(high) else "")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE, NON_NEGATIVE, COUNT = _bounded(), _bounded(above=False), _bounded(int, 1, above=False)
 
 
 def cli(argv: list[str]) -> int:
@@ -143,26 +162,26 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="learner TOML to read [trainer]/[rollout]/[buffer]/[publish]/[scheduler] from")
     p.add_argument("--pool", help=f"pool file of candidate workers (default {DEFAULT_POOL})")
-    p.add_argument("--batch", type=int, help="B: rollouts per learner update (default 512)")
-    p.add_argument("--group-size", type=int, help="n: samples per prompt (default 16)")
+    p.add_argument("--batch", type=COUNT, help="B: rollouts per learner update (default 512)")
+    p.add_argument("--group-size", type=COUNT, help="n: samples per prompt (default 16)")
     p.add_argument("-S", "--max-staleness", type=int, help="S: staleness budget in updates (default 3)")
     p.add_argument("-I", "--publish-every", type=int, help="I: publish a snapshot every I updates (default S − 1)")
-    p.add_argument("--t-train", type=float, help="T_train: seconds per update (default 120)")
-    p.add_argument("--t-bcast", type=float, help="T_bcast: learner-visible broadcast seconds (default 60)")
-    p.add_argument("--version-mb", type=float,
+    p.add_argument("--t-train", type=POSITIVE, help="T_train: seconds per update (default 120)")
+    p.add_argument("--t-bcast", type=NON_NEGATIVE, help="T_bcast: learner-visible broadcast seconds (default 60)")
+    p.add_argument("--version-mb", type=POSITIVE,
                    help="bytes of one version in MB (a LoRA run's adapter, or the full weights): T_bcast is then "
                         "predicted from it over the pool's links (see predict_t_bcast) unless --t-bcast is given")
-    p.add_argument("--uplink-mbit", type=float, default=1000.0,
+    p.add_argument("--uplink-mbit", type=POSITIVE, default=1000.0,
                    help="the learner's upload (Mbit/s), with --version-mb (default 1000)")
-    p.add_argument("--install-s", type=float, help="τ: seconds a worker's engine is down installing a version (default 0)")
+    p.add_argument("--install-s", type=NON_NEGATIVE, help="τ: seconds a worker's engine is down installing a version (default 0)")
     p.add_argument("--rule", choices=["overlapped", "paper"],
                    help="capacity rule: 'overlapped' (training continues during the broadcast; default) or 'paper'")
     p.add_argument("--active", metavar="NAME=COUNT,...",
                    help="predict this fleet instead of choosing one: counts per pool entry, e.g. rtx4090=3,rtx3090=2")
     p.add_argument("--non-blocking", action="store_true",
                    help="simulate slots that never wait (the blog's model); default: the learner's back-pressure")
-    p.add_argument("--learner-price", type=float, help="learner node $/h (default 3.06)")
-    p.add_argument("--snapshot-gb", type=float,
+    p.add_argument("--learner-price", type=NON_NEGATIVE, help="learner node $/h (default 3.06)")
+    p.add_argument("--snapshot-gb", type=POSITIVE,
                    help="GB of one published version on the wire, for the bandwidth bill (default 0: none)")
     p.add_argument("--offers", choices=["vast"],
                    help="price the live market instead of a pool file: search its offers (needs [scheduler.provider] "
@@ -171,12 +190,12 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="with --offers: GPU model = expected rollouts/s of one, e.g. 'RTX 4090=3.0,RTX 3090=1.8'")
     p.add_argument("--vast-url", help="with --offers vast: the API server (default the SDK's; a test server)")
     p.add_argument("--query", help="with --offers vast: search filters (default [scheduler.provider] query)")
-    p.add_argument("--alpha", type=float, help="safety factor α: activation covers α·R_req (default 1.2)")
-    p.add_argument("--queue-factor", type=float, help="q: queue-drop capacity in batches (default 1)")
+    p.add_argument("--alpha", type=_bounded(low=1.0, above=False, high=10.0), help="safety factor α: activation covers α·R_req (default 1.2)")
+    p.add_argument("--queue-factor", type=POSITIVE, help="q: queue-drop capacity in batches (default 1)")
     p.add_argument("--buffer", choices=["queue-drop", "queue-max"], help="buffer policy (default queue-drop)")
-    p.add_argument("--length-sigma", type=float, help="σ of the lognormal response-length model (default 0.6)")
+    p.add_argument("--length-sigma", type=NON_NEGATIVE, help="σ of the lognormal response-length model (default 0.6)")
     p.add_argument("--activation", choices=["greedy", "exact"], help="which choice the predictions use (default exact)")
-    p.add_argument("--sim-steps", type=int, help="simulated learner updates (default 600)")
+    p.add_argument("--sim-steps", type=COUNT, help="simulated learner updates (default 600)")
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator")
     p.add_argument("--seed", type=int, help="simulator seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
