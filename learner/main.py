@@ -24,7 +24,7 @@ from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
 from learner.rundir import RunDir
 from learner.serve import serve
-from learner.train.dist import close, init_world, under_torchrun
+from learner.train.dist import DeviceError, close, init_world, under_torchrun
 
 DEFAULT_CONFIG = "configs/demo.toml"
 
@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         return launch(cfg, argv, args.json, check_only=args.preflight)
     if under_torchrun():  # torchrun puts ranks in sessions of their own: end with it, whatever killed it
         die_with_my_parent(signal.SIGKILL)
-    world = init_world(cfg.model.device)
+    try:
+        world = init_world(cfg.model.device)
+    except DeviceError as e:
+        print(f"echo-learner: {e}", file=sys.stderr)
+        return 2
     if not check_rank(cfg, world, args.json):
         close(world)
         return 2

@@ -62,11 +62,22 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+class DeviceError(RuntimeError):
+    """The configured device is not on this machine."""
+
+
 def init_world(device: str) -> World:
     """The process's rank and device. `device` is the config's ('cpu', 'cuda', 'cuda:1'); under
-    torchrun a CUDA rank takes `cuda:LOCAL_RANK`."""
+    torchrun a CUDA rank takes `cuda:LOCAL_RANK`, one process without an index the current CUDA
+    device (torch refuses to make an index-less `cuda` current: every one-rank GPU run failed)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(f"[model] device = \"{device}\", but this torch sees no CUDA device "
+                          f"(torch {torch.__version__}): set [model] device = \"cpu\", or install a CUDA build of torch")
     if not under_torchrun():
-        return World(device=torch.device(device))
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return World(device=dev)
     rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     dev = torch.device(f"cuda:{local}") if device.startswith("cuda") else torch.device(device)
     if dev.type == "cuda":

@@ -4,6 +4,7 @@ skipped and counted, never applied (NaN weights would be published to every work
 
 import math
 
+import pytest
 import torch
 from dist_trainer import synthetic_batch
 
@@ -60,3 +61,25 @@ def test_the_held_eval_copy_tells_greedy_answers_from_written_ones(tiny_model):
     digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
     forged = [[next(d for d in digits if d != c[0])] + c[1:] for c in greedy]  # another first digit
     assert min(trainer.greedy_gaps(prompts, forged)) > 0.05
+
+
+def test_a_one_rank_cuda_device_gets_an_index_and_no_gpu_is_one_clear_line(monkeypatch):
+    """`[model] device = "cuda"` on one rank (configs/learner-gpu.toml): torch refuses to make an
+    index-less `cuda` current, so every one-rank GPU run failed as the trainer started; on a
+    machine without CUDA it was a 50-line traceback ending in BrokenThreadPool (a new user)."""
+    import torch
+
+    from learner.train import dist
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(dist.DeviceError, match=r'\[model\] device = "cpu"'):
+            dist.init_world("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    world = dist.init_world("cuda")
+    assert world.device == torch.device("cuda", 0)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    world.use_device()
+    assert made_current == [torch.device("cuda", 0)]
