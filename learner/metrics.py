@@ -7,6 +7,8 @@ Reading them has no side effects.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,29 @@ class LearnerMetrics:
         return generate_latest(self.registry)
 
 
+def strict(obj: Any) -> Any:
+    """`obj` with numpy numbers as Python ones and every non-finite number as None: what
+    `json.dumps` writes then is JSON (it wrote `Infinity` for an infeasible R_req, which strict
+    parsers refuse, e.g. JavaScript's JSON.parse)."""
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        value = float(obj)
+        return value if math.isfinite(value) else None
+    return obj
+
+
+def dumps(record: Any, **kwargs: Any) -> str:
+    """Strict JSON of a record (`strict`)."""
+    return json.dumps(strict(record), allow_nan=False, **kwargs)
+
+
 class RunLog:
     """Append-only JSONL; one record per step plus events (`"event": ...`)."""
 
@@ -78,7 +103,7 @@ class RunLog:
         self._file = path.open("a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, default=float) + "\n")
+        self._file.write(dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -7,13 +7,12 @@ whose ratio is the learner's idle share.
 
 from __future__ import annotations
 
-import json
 import time
 
 from learner.api.workers import WorkerRegistry
 from learner.buffer import AsyncBuffer, BatchInfo
 from learner.leases import LeaseBook
-from learner.metrics import LearnerMetrics, RunLog
+from learner.metrics import LearnerMetrics, RunLog, dumps
 from learner.status import StatusDisplay
 
 
@@ -83,7 +82,7 @@ class RunRecord:
         self.log.write(record)
         self.display.step(record, last_eval)
         if self.as_json:
-            print(json.dumps(record), flush=True)
+            print(dumps(record), flush=True)
 
     def summary(self, run_dir, steps: int, first_accuracy, last_eval, cost: dict) -> dict:
         buf = self.buffer.buffer.metrics()
@@ -111,11 +110,11 @@ class RunRecord:
 
     def finish(self, run_dir, summary: dict) -> None:
         """summary.json, the run log's last event, and the summary on the console (or as JSON)."""
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (run_dir / "summary.json").write_text(dumps(summary, indent=2))
         self.log.write({"event": "summary", **summary})
         self.log.close()
         if self.as_json:
-            print(json.dumps(summary))
+            print(dumps(summary))
         else:
             self.display.summary(summary)
 

@@ -58,3 +58,25 @@ def test_a_resumed_runs_summary_says_which_counts_are_the_whole_runs():
     display.summary({**summary, "eval_metric": "mean return", "groups_replayed": 60})
     text = display.console.export_text()  # ...and with replay, a group's replays are counted beside it
     assert "eval mean return " in text and "240 (+60 replays) / 0 / 0" in text
+
+
+def test_the_run_log_is_strict_json_when_r_req_is_infinite(tmp_path):
+    """At S = 0 (or I = S + 1) R_req is infinite, and every record carried `"r_req": Infinity`,
+    which strict parsers refuse (JavaScript's JSON.parse failed on 28 lines of a new user's run)."""
+    import json
+    import math
+
+    import numpy as np
+
+    from learner.metrics import RunLog
+
+    log = RunLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "r_req": math.inf, "loss": np.float32(0.5), "nan": float("nan"), "n": np.int64(3),
+               "nested": {"x": [-math.inf, 1.0]}, "ok": True})
+    log.close()
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert record == {"step": 1, "r_req": None, "loss": 0.5, "nan": None, "n": 3, "nested": {"x": [None, 1.0]}, "ok": True}
