@@ -9,14 +9,31 @@ from pathlib import Path
 
 
 def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    steps, evals = [], []
+    """A run's step records and eval records, by step. A resumed run writes the steps after its
+    checkpoint again: the last record of a step is the one that stands (the plot went back in x
+    where both were drawn). A line a kill cut short is skipped."""
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            continue
         if "loss" in rec:
-            steps.append(rec)
-        if "eval_accuracy" in rec:
-            evals.append(rec)
-    return steps, evals
+            steps[rec["step"]] = rec
+        if isinstance(rec.get("eval_accuracy"), (int, float)):
+            evals[rec["step"]] = rec
+    return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
+
+
+def eval_metric(run_dir: Path) -> str:
+    """What the run's evals measure: "accuracy", or "mean return" for an episodic task (summary.json)."""
+    try:
+        return str(json.loads((run_dir / "summary.json").read_text()).get("eval_metric", "accuracy"))
+    except (OSError, ValueError):
+        return "accuracy"
 
 
 def plot(run_dir: Path, out: Path) -> Path:
@@ -29,10 +46,13 @@ def plot(run_dir: Path, out: Path) -> Path:
     x = [r["step"] for r in steps]
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     ax = axes[0]
-    ax.plot(x, [r["reward_mean"] for r in steps], lw=0.8, alpha=0.6, label="batch reward")
-    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="greedy eval accuracy")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(0, 1)
+    metric = eval_metric(run_dir)
+    rewards, scores = [r["reward_mean"] for r in steps], [r["eval_accuracy"] for r in evals]
+    ax.plot(x, rewards, lw=0.8, alpha=0.6, label="batch reward")
+    ax.plot([r["step"] for r in evals], scores, "o-", label=f"greedy eval {metric}")
+    ax.set_ylabel(f"reward / {metric}")
+    if all(v is not None and 0 <= v <= 1 for v in rewards + scores):
+        ax.set_ylim(0, 1)  # else (poker's returns in big blinds, below 0) the data's own range
     ax.legend(loc="lower right")
     ax = axes[1]
     ax.plot(x, [r["avg_staleness"] for r in steps], lw=0.8, label="avg staleness")

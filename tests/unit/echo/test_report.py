@@ -1,0 +1,28 @@
+"""`echo-rl report` reads what runs write: a resumed run's repeated steps, a torn last line, an
+episodic task's negative returns (a new user's poker and resume runs, 2026-11-28)."""
+
+from __future__ import annotations
+
+import json
+
+from echo.report import eval_metric, load_run, plot
+
+
+def _step(step: int, version: int, reward: float) -> dict:
+    return {"step": step, "version": version, "loss": 0.1, "reward_mean": reward, "avg_staleness": 1.0,
+            "max_staleness": 2, "queue_size": 3, "idle_ratio": 0.1}
+
+
+def test_a_resumed_runs_repeated_steps_count_once_and_a_torn_line_is_skipped(tmp_path):
+    lines = [_step(s, s, -2.5) for s in range(1, 19)]  # killed at step 18, checkpoint at 10
+    lines.append({"event": "eval", "step": 10, "version": 10, "eval_accuracy": -1.7})
+    lines += [_step(s, s + 7, -2.4) for s in range(11, 21)]  # resumed: 11-18 again, at newer versions
+    text = "\n".join(json.dumps(r) for r in lines) + '\n{"step": 21, "loss"'  # a kill cut the last line
+    (tmp_path / "metrics.jsonl").write_text(text)
+    (tmp_path / "summary.json").write_text(json.dumps({"eval_metric": "mean return"}))
+    steps, evals = load_run(tmp_path)
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert [r["version"] for r in steps if r["step"] in (10, 11, 18)] == [10, 18, 25]  # the resumed run's
+    assert [(e["step"], e["eval_accuracy"]) for e in evals] == [(10, -1.7)]
+    assert eval_metric(tmp_path) == "mean return" and eval_metric(tmp_path / "nowhere") == "accuracy"
+    assert plot(tmp_path, tmp_path / "report.png").stat().st_size > 0
