@@ -57,7 +57,8 @@ from learner.config import VerifySection
 WINDOW = 256  # recent checked samples a reward verdict looks at
 TOKEN_WINDOW = 64  # recent checked groups a token verdict looks at (so a small bias never adds up to a verdict)
 DRIFT_WINDOW = 256  # recent groups per staleness the fleet's drift is the median of
-SPREAD_GROUPS = 4  # a worker's recent groups at a staleness before it votes on their spread
+SPREAD_GROUPS = 6  # a worker's recent groups at a staleness before it votes on their spread (at 4,
+# ten honest workers of a simulated fleet read as up to 7 standard deviations off: too few to measure it)
 DRIFT_AGE = 50  # batches a group's vote on the drift is heard for
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
 
@@ -197,7 +198,7 @@ class Drift:
                 return k, level
         return None
 
-    def spread(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float:
+    def spread(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float | None:
         """How much more the groups at `staleness` vary than their model variance says (at least 1;
         where nobody else was heard, the most any staleness shows: a worker back from idling, its
         groups 5 versions old where the fleet's were 2-3, was held to the spread at 3 and read as
@@ -207,7 +208,11 @@ class Drift:
         median of those. The token check's variance is π's, for tokens sampled from π; a stale
         snapshot's tokens vary more (the demo's, 2–5 updates old, 50–100× more per group late in
         the run), and held to π's variance alone every honest worker read as ±10 standard
-        deviations off."""
+        deviations off. None for a stale staleness before any other worker has `SPREAD_GROUPS`
+        groups at one (the start of a run): the groups judged then with π's variance alone stayed
+        in a worker's window, and an honest worker of ten on 2 cores read as −8.0 after 294 tokens
+        and was quarantined (2026-11-28). Such groups are judged only in the first pass, which finds
+        the voters to leave out (a forger far off is far off at any spread), and never recorded."""
         spreads = {}
         for k in self._recent:
             votes = self._votes(k, excluding, standing)
@@ -216,6 +221,8 @@ class Drift:
                       if n >= SPREAD_GROUPS and v > 0]
             if ratios:
                 spreads[k] = _median(ratios)
+        if staleness > 0 and not any(k > 0 for k in spreads):
+            return None  # no stale spread measured yet (see the docstring)
         return max(1.0, spreads.get(staleness, max(spreads.values(), default=1.0)))
 
     @staticmethod
@@ -360,11 +367,11 @@ class Verifier:
                 evidence[worker_id] = self._of(worker_id) if record else self._of(worker_id).copy()
             others = unheard | {worker_id}
             drift = check.drift.at(staleness, others, voting)
-            if drift is None and check.needs_reference:
+            spread = check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0
+            if (drift is None or (spread is None and record)) and check.needs_reference:
                 evidence[worker_id].tokens_unjudged += int(group[4] + group[5])  # the token check's: inside, outside
                 continue
-            check.add(evidence[worker_id], group, drift or 0.0,
-                      check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0)
+            check.add(evidence[worker_id], group, drift or 0.0, spread or 1.0)
         return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]
 
     @staticmethod

@@ -3,7 +3,7 @@ to the fleet's measured drift at their staleness, so fabricated μ on an older l
 and an honest worker's stale groups are not."""
 
 from learner.config import VerifySection
-from learner.verify import Verifier
+from learner.verify import SPREAD_GROUPS, Verifier
 
 
 def batch(worker_gaps: dict[str, float], staleness: int, tokens: int = 40) -> list[tuple[str, int, float, int]]:
@@ -139,7 +139,9 @@ def test_standing_is_earned_by_stale_work_alone():
     other's drift), and then three sybils outnumbering it at a staleness are caught."""
     v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64, max_token_z=8.0, min_token_checks=64))
     honest = ["a", "b"]
-    for _ in range(3):
+    # Tokens are recorded once a stale spread is measured (`SPREAD_GROUPS` groups), then two
+    # groups (64 checked tokens) give standing.
+    for _ in range(SPREAD_GROUPS + 2):
         gaps, tokens = fleet_batch(honest, {1: 0.7, 2: 0.9}, {1: 0.3, 2: 0.5})
         assert v.logprobs_checked(gaps) == [] and v.tokens_checked(tokens) == []
     verdicts, token_verdicts = [], []
@@ -277,5 +279,35 @@ def test_a_worker_alone_at_a_lower_staleness_takes_the_drift_above_it_scaled_dow
             groups.append((name, 2, shift * 40 + rng.gauss(0.0, 2.0), 1.0, 40.0, 0.0))
             found += v.tokens_checked(groups)
         verdicts[name] = {d.worker_id for d in found}
-        assert v.summary(name)["tokens_unjudged"] == 0
+        # Only the batches before the fleet's stale spread was measured (`SPREAD_GROUPS` groups each).
+        assert v.summary(name)["tokens_unjudged"] <= (SPREAD_GROUPS - 1) * 40
     assert verdicts == {"honest": set(), "writer": {"writer"}}
+
+
+def test_stale_tokens_are_not_recorded_before_any_stale_spread_is_measured():
+    """A stale snapshot's tokens vary far more than π's variance says (50× here). At the start
+    of a run nobody had `SPREAD_GROUPS` groups at a stale staleness, so groups were judged with
+    π's variance alone and stayed in the worker's window: an honest worker among ten read as
+    −8.0 standard deviations off after 294 tokens and was quarantined (a new user's demo run,
+    2026-11-28). Those groups are now not recorded until a stale spread is measured; a writer of
+    greedy tokens is still caught."""
+    import random
+
+    rng = random.Random(11)
+
+    def fleet(n):  # each worker at its own staleness 1-5 in turn, one group a batch
+        return [(f"w{i}", 1 + (step + i) % 5, 0.05 * 40 + rng.gauss(0.0, 50 ** 0.5), 1.0, 40.0, 0.0) for i in range(n)]
+
+    honest = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256))
+    verdicts, worst = [], 0.0
+    for step in range(120):
+        verdicts += honest.tokens_checked(fleet(10))
+        worst = max(worst, max(abs(e.token_z) for e in honest.evidence.values()))
+    assert verdicts == [] and worst < 6, (worst, [(w, round(e.token_z, 1)) for w, e in honest.evidence.items()])
+    assert 0 < honest.summary("w0")["tokens_unjudged"] < 40 * 40  # the first batches only
+    mixed = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256))
+    caught = []
+    for step in range(120):
+        writer = ("writer", 1 + step % 5, -2.0 * 40 + rng.gauss(0.0, 50 ** 0.5), 1.0, 40.0, 0.0)
+        caught += mixed.tokens_checked(fleet(9) + [writer])
+    assert {d.worker_id for d in caught} == {"writer"}
