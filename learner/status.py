@@ -7,6 +7,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 
 def status_line(r: dict, last_eval=None) -> str:
@@ -97,10 +98,12 @@ class StatusDisplay:
                      + (f", ${s['cost']['dollars_per_improvement']:.4f} per unit of eval improvement"
                         if s['cost'].get('dollars_per_improvement') else "")),
             ("groups accepted, by worker", ", ".join(f"{w['name']}: {w['groups']}" for w in s["workers"])),
+            *([("quarantined", "; ".join(f"{q['name']} ({q['id']}): {q['why']}" for q in s["quarantined"]))]
+              if s.get("quarantined") else []),
             ("run directory", s["run_dir"]),
         ]
         for k, v in rows:
-            table.add_row(k, v)
+            table.add_row(Text(k), Text(v))  # plain: worker names and reasons are not markup
         self.console.print(table)
 
 

@@ -58,6 +58,11 @@ def test_a_resumed_runs_summary_says_which_counts_are_the_whole_runs():
     display.summary({**summary, "eval_metric": "mean return", "groups_replayed": 60})
     text = display.console.export_text()  # ...and with replay, a group's replays are counted beside it
     assert "eval mean return " in text and "240 (+60 replays) / 0 / 0" in text
+    assert "quarantined" not in text
+    display.console = Console(record=True, width=400)  # a quarantine is in the table, not only in the log above it
+    display.summary({**summary, "quarantined": [{"id": "w5", "name": "[bold]cpu-b-1", "why": "its tokens ..."}]})
+    text = display.console.export_text()
+    assert "quarantined" in text and "[bold]cpu-b-1 (w5): its tokens ..." in text
 
 
 def test_the_run_log_is_strict_json_when_r_req_is_infinite(tmp_path):
