@@ -73,7 +73,10 @@ class RunRecord:
             "sampled_mean_length": round(buf["sampled_mean_length"], 4),
             "trained_mean_length": round(buf["trained_mean_length"], 4),
             "wait_s": round(wait, 4), "train_s": round(train, 4), "idle_ratio": round(idle, 4),
-            "workers": len(self.registry.alive(time.monotonic())), "leases_reissued": self.leases.stats.reissued,
+            # Active (the scheduler's) and joined: a released worker heartbeats on, and counted as
+            # one the line read "workers 4" while one generated.
+            "workers": len(self.registry.active(time.monotonic())),
+            "workers_joined": len(self.registry.alive(time.monotonic())), "leases_reissued": self.leases.stats.reissued,
             "dropped_reissued": self.leases.stats.dropped_reissued,
         }
 

@@ -17,7 +17,8 @@ def status_line(r: dict, last_eval=None) -> str:
     return (f"step {r['step']:>4} v{r['published_version']:<4} reward {r['reward_mean']:.3f} eval {acc} "
             f"idle {100 * r['idle_ratio']:3.0f}% "
             + (f"signal {100 * r['signal_share']:3.0f}% " if "signal_share" in r else "")
-            + f"workers {r['workers']} | "
+            + f"workers {r['workers']}" + (f"/{r['workers_joined']} joined" if r.get("workers_joined", r["workers"]) != r["workers"] else "")
+            + " | "
             f"Staleness stats: recycled={r['recycled']}, avg_staleness={r['avg_staleness']:.2f}, "
             f"max_staleness={r['max_staleness']} | queue {r['queue_size']} | "
             f"length sampled {r['sampled_mean_length']:.2f} trained {r['trained_mean_length']:.2f} | "

@@ -327,5 +327,7 @@ def test_the_status_line_shows_the_share_of_groups_with_signal():
               "workers": 1, "recycled": 0, "avg_staleness": 0.0, "max_staleness": 0, "queue_size": 0,
               "sampled_mean_length": 1.0, "trained_mean_length": 1.0, "dollars_step": 0.0}
     assert "idle  40% signal  25% workers 1" in status_line(record)
+    # Released workers heartbeat on: the line counted them as working ("workers 4" while one generated).
+    assert "workers 1/4 joined | " in status_line({**record, "workers_joined": 4})
     assert buf.take(0) is None and (buf.put(scored(0, "c")), buf.put(scored(0, "d")))
     assert buf.take(0).skipped == 0  # counted since the previous batch
