@@ -8,6 +8,7 @@ re-evaluates the capacity rule every `[scheduler] tick_s` and tells each worker 
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from pathlib import Path
@@ -77,11 +78,16 @@ async def schedule(fleet: Fleet, registry: WorkerRegistry, tick_s: float, log, n
             note(f"scheduler: lost {key} ({why}); {reissued} leased prompts re-issued")
         for w in registry.workers.values():
             w.active = fleet.is_active(w.fleet_key)
-        if st.infeasible and st.infeasible != said:
-            said = st.infeasible
+        # Said once, not again each time the measured T_train in it moves (14 times in a 20-step run).
+        if st.infeasible and _numberless(st.infeasible) != said:
+            said = _numberless(st.infeasible)
             note(f"scheduler: {st.infeasible}; activating every available worker")
         for d in st.decisions:
             log({"event": "scheduler", "action": d.action, "worker": d.worker_id, "reason": d.reason,
                  "r_req": st.r_req, "r_eff": st.r_eff, "t_train": st.t_train, "t_bcast": st.t_bcast})
             note(f"scheduler: {d.action} {d.worker_id} ({d.reason})")
         await asyncio.sleep(tick_s)
+
+
+def _numberless(text: str) -> str:
+    return re.sub(r"\d+(\.\d+)?", "#", text)

@@ -63,3 +63,29 @@ def test_notes_print_config_sections_as_written(capsys):
     display.note("note: set [buffer] dynamic_sampling = false")
     out = capsys.readouterr().out
     assert "banner: [buffer] dynamic_sampling" in out and "note: set [buffer] dynamic_sampling = false" in out
+
+
+def test_an_infeasible_schedule_is_said_once_not_each_time_its_measured_numbers_move():
+    """At S = 0 the scheduler's note repeated whenever the measured T_train in it changed: 14
+    times in a 20-step run (a new user). Another condition is news again."""
+    import asyncio
+    import itertools
+
+    from learner.scheduling import schedule
+
+    messages = [f"infeasible at S = 0, I = 1: T_train {t:.2f} s" for t in (0.31, 0.29, 0.33)] + ["another condition: 4 s"]
+    ticks = itertools.chain(messages, itertools.repeat(messages[3]))
+    fleet = SimpleNamespace(tick=lambda now: SimpleNamespace(lost=[], infeasible=next(ticks), decisions=[]),
+                            is_active=lambda key: True)
+    notes: list[str] = []
+
+    async def run():
+        task = asyncio.ensure_future(schedule(fleet, SimpleNamespace(workers={}), 0.001, lambda r: None, notes.append))
+        while len(notes) < 2 and not task.done():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # more ticks of the same
+        task.cancel()
+
+    asyncio.run(run())
+    assert notes == [f"scheduler: {messages[0]}; activating every available worker",
+                     f"scheduler: {messages[3]}; activating every available worker"]
