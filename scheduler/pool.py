@@ -113,9 +113,13 @@ def load_pool(path: str | Path) -> Pool:
         with path.open("rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        shipped = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "configs" / "pools").glob("*.toml"))
-        hint = f"; shipped pools in configs/pools/: {', '.join(shipped)}" if shipped else ""
-        raise PoolError(f"pool file {path} does not exist{hint}") from None
+        # A relative path is read from the current directory, not the package's: say both, or the
+        # message listed the very file it said was missing (run from another directory).
+        where = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+        pools = Path(__file__).resolve().parent.parent / "configs" / "pools"
+        shipped = sorted(p.name for p in pools.glob("*.toml"))
+        hint = f"; shipped pools in {pools}/: {', '.join(shipped)}" if shipped else ""
+        raise PoolError(f"pool file {path} does not exist{where}{hint}") from None
     except tomllib.TOMLDecodeError as e:
         raise PoolError(f"pool file {path} is not valid TOML: {e}") from None
     return parse_pool(data, str(path))

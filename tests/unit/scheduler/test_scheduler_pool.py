@@ -62,3 +62,16 @@ def test_bad_pool_files(tmp_path: Path, body: str, needle: str) -> None:
 def test_missing_pool_file_lists_shipped_ones(tmp_path: Path) -> None:
     with pytest.raises(PoolError, match="consumer-gpus.toml"):
         load_pool(tmp_path / "nope.toml")
+
+
+def test_a_missing_relative_pool_file_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
+    """Run from another directory, the error listed the very file it said was missing (a new user)."""
+    import pytest
+
+    from scheduler.pool import PoolError, load_pool
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PoolError) as e:
+        load_pool("configs/pools/demo-2x.toml")
+    assert f"relative to the current directory, {tmp_path}" in str(e.value)
+    assert "/configs/pools/: " in str(e.value) and "demo-2x.toml" in str(e.value)
