@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc is not None:
         overrides += ["--run.nproc", str(args.nproc)]
     config_path = args.resume / "config.toml" if args.resume else args.config
+    if args.resume and not config_path.exists():
+        print(f"echo-learner: --resume {args.resume}: not a run directory (no config.toml there); give the "
+              "directory a run printed at its start (RUN_DIR, e.g. runs/demo-20261128-093000)", file=sys.stderr)
+        return 2
     try:
         cfg = load_learner_config(config_path, overrides)
     except ConfigError as e:
@@ -92,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
 
         every = cfg.run.checkpoint_every
         kept = (f"keeps the last checkpoint (continue with --resume {run_dir})" if latest_checkpoint(run_dir.path)
-                else f"holds no checkpoint yet (the first comes after {every} updates; start the run again)" if every
-                else "holds no checkpoint ([run] checkpoint_every = 0 saves one only at the end; start the run again)")
+                else f"holds no checkpoint yet (the first comes after {every} updates; start the run again)"
+                if every and every < cfg.run.steps
+                else f"holds no checkpoint ([run] checkpoint_every = {every} saves one only at the end of this "
+                     f"{cfg.run.steps}-step run; start the run again)")
         print(f"echo-learner: interrupted; the run directory {run_dir} {kept}", file=sys.stderr)
         return 130
     finally:

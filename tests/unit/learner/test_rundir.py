@@ -32,3 +32,11 @@ def test_the_url_is_never_read_half_written(tmp_path):
         reader.join()
     assert seen and all(text.startswith("http://127.0.0.1:2000") and text.endswith("\n") for text in seen)
     assert not (run_dir / "url.tmp").exists()
+
+
+def test_resume_of_a_directory_that_is_no_run_says_so(tmp_path, capsys):
+    """`--resume /nonexistent` said "config file /nonexistent/config.toml does not exist" (a new user)."""
+    from learner.main import main
+
+    assert main(["--resume", str(tmp_path / "nowhere")]) == 2
+    assert "not a run directory (no config.toml there)" in capsys.readouterr().err
