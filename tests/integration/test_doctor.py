@@ -40,7 +40,8 @@ def test_doctor_passes_on_a_cpu_machine_says_there_is_no_gpu_and_fails_plainly_o
         if "no GPU" in gpu:
             assert status["gpu"] == "SKIP"
         assert all(status[n] == "PASS" for n in ("engine", "disk", "learner", "download", "clock", "generate")), lines
-        assert "round trip" in lines[3] and "Mbit/s" in lines[4] and "skew" in lines[5]
+        assert "round trip" in lines[3] and "skew" in lines[5]
+        assert "too small to measure the link" in lines[4]  # a few KB of config and tokenizer: no rate
     # Neither token was refused anywhere: a machine token is not the operator's, and its round trips
     # to /v1/status were five refusals a run, a fifth of its address's budget and 5 s late each.
     with urllib.request.urlopen(f"{lp.url}/metrics", timeout=10) as resp:  # loopback: no token needed
