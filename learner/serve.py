@@ -23,7 +23,7 @@ from learner.driver import TrainerDriver
 from learner.evaluation import EvalParts, make_evaluation
 from learner.leases import LeaseBook, WorkerCap
 from learner.ledger import Ledger, unique_ids
-from learner.local_workers import LocalWorkers
+from learner.local_workers import LocalWorkers, spawn_note
 from learner.loop import Loop
 from learner.metrics import LearnerMetrics, RunLog
 from learner.publisher import make_publisher
@@ -118,6 +118,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                     record=record)
         await loop.begin()
         workers.spawn(url)
+        if (said := spawn_note(cfg)) is not None:
+            display.note(said)
         stalls = NoInstalls(60.0, display.note, run_dir / "workers")
         background = [api.reaping, asyncio.create_task(workers.watch()),
                       asyncio.create_task(stalls.watch(api.registry, run))]
