@@ -298,9 +298,10 @@ def test_tampered_or_foreign_manifest_rejected():
     assert stores == {}  # nothing accepted, nothing installed
 
 
-def test_stalled_parent_detected_and_resumed_from_source():
+def behind_a_bad_parent(blob: bytes, rate: float | None = None, **misbehaviour):
+    """Relay `a` below a parent that misbehaves (`evil_push`'s keywords) on a route paced at
+    `rate`: what `a` ends with, its stats, and how long it took."""
     key = SigningKey.generate()
-    blob = random_blob(2 * MIB, seed=3)
 
     async def run():
         src = Source(key)
@@ -310,8 +311,8 @@ def test_stalled_parent_detected_and_resumed_from_source():
         try:
             full, _ = await src.publish(blob, 1, chunk_size=256 * KIB)
             t0 = time.monotonic()
-            route = signed_route(key, full.manifest, [Hop("slow", "http://127.0.0.1:9"), a.hop], src.hop)
-            pusher = asyncio.create_task(evil_push(a.url, full, blob, route, sender="slow", stall_after=3))
+            route = signed_route(key, full.manifest, [Hop("slow", "http://127.0.0.1:9"), a.hop], src.hop, rate=rate)
+            pusher = asyncio.create_task(evil_push(a.url, full, blob, route, sender="slow", **misbehaviour))
             ra = await a.wait("v1", 10)
             dt = time.monotonic() - t0
             pusher.cancel()
@@ -320,7 +321,12 @@ def test_stalled_parent_detected_and_resumed_from_source():
             await a.stop()
             await src.stop()
 
-    data, stats, dt = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_stalled_parent_detected_and_resumed_from_source():
+    blob = random_blob(2 * MIB, seed=3)
+    data, stats, dt = behind_a_bad_parent(blob, stall_after=3)
     assert data == blob and dt < 5
     assert stats.repairs[0]["from"] == 3 and "no progress" in stats.repairs[0]["reason"]
     assert stats.bytes_in == len(blob)
@@ -330,28 +336,8 @@ def test_trickling_parent_is_given_up_on_and_the_rest_pulled_from_above():
     """A byte every 50 ms is progress, so a stall timeout alone never fires: a parent that forwards
     a trickle held its child on the old version for as long as it liked. Below an eighth of its
     tree's planned rate over two stall timeouts, it is a stalled parent."""
-    key = SigningKey.generate()
     blob = random_blob(2 * MIB, seed=4)
-
-    async def run():
-        src = Source(key)
-        await src.start()
-        a = Relay("a", key.public_key(), stall_timeout=0.5)
-        await a.start()
-        try:
-            full, _ = await src.publish(blob, 1, chunk_size=256 * KIB)
-            t0 = time.monotonic()
-            route = signed_route(key, full.manifest, [Hop("slow", "http://127.0.0.1:9"), a.hop], src.hop, rate=8 * MIB)
-            pusher = asyncio.create_task(evil_push(a.url, full, blob, route, sender="slow", trickle_after=3))
-            ra = await a.wait("v1", 10)
-            dt = time.monotonic() - t0
-            pusher.cancel()
-            return bytes(ra.data), ra.stats, dt
-        finally:
-            await a.stop()
-            await src.stop()
-
-    data, stats, dt = asyncio.run(run())
+    data, stats, dt = behind_a_bad_parent(blob, rate=8 * MIB, trickle_after=3)
     assert data == blob and dt < 5
     assert stats.repairs[0]["from"] == 3 and "below the floor" in stats.repairs[0]["reason"]
     assert stats.repairs[0]["via"] == "source"
