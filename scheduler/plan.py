@@ -181,7 +181,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--non-blocking", action="store_true",
                    help="simulate slots that never wait (the blog's model); default: the learner's back-pressure")
     p.add_argument("--learner-price", type=NON_NEGATIVE, help="learner node $/h (default 3.06)")
-    p.add_argument("--snapshot-gb", type=POSITIVE,
+    p.add_argument("--snapshot-gb", type=NON_NEGATIVE,
                    help="GB of one published version on the wire, for the bandwidth bill (default 0: none)")
     p.add_argument("--offers", choices=["vast"],
                    help="price the live market instead of a pool file: search its offers (needs [scheduler.provider] "
