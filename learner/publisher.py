@@ -14,10 +14,11 @@ plan: they pull their share from a reachable parent over their own outbound conn
 relays follow the learner's route feed), and their upload is not counted. Workers not trusted
 with children (`broadcast.forwarding`: one whose work the learner never accepted, one whose
 children pulled from the learner what it should have forwarded) are pushed to and forward to
-nobody, for 2, 4, 8, ... versions. Links are what workers declared at join until their transfers measure them:
-each worker reports its goodput per version and its heartbeat round trip, and each push measures
-the learner's own uplink (`broadcast.links.LinkTable`). Workers that miss a push (late
-joiners, a version they lack the base for) pull the full version from the source.
+nobody, for 2, 4, 8, ... versions. Links are what workers declared at join until their
+transfers measure them: each worker reports its goodput per version and its heartbeat round
+trip, and each push measures the learner's own uplink (`broadcast.links.LinkTable`). Workers
+that miss a push (late joiners, a version they lack the base for) pull the full version from
+the source.
 
 The star store is kept in both designs: it serves the `/v1/snapshots` fallback and the tests.
 `make_publisher` picks the design once from `[broadcast]` (a tagged union on `mode`). Both
@@ -108,7 +109,7 @@ class ChainPublisher(StarPublisher):
         self._previous: tuple[int, bytes, Manifest] | None = None
         self.pushes: set[asyncio.Task] = set()
         self.forwarding = Forwarding()
-        self._planned: dict[str, object] = {}  # the workers of the latest plans, by id (live records)
+        self._planned: dict = {}  # the workers of the latest plans, by id (the registry's live records)
 
     async def start(self) -> str | None:
         key = SigningKey.load_or_generate(self.key_file)
