@@ -4,6 +4,7 @@ against the local stand-in of its API (tests/vast_fake.py)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -242,6 +243,13 @@ def test_the_vast_sdk_searches_creates_follows_and_destroys(tmp_path):
                 o.location, o.verified) == ("RTX 3090", 0.184, 488.2, 103.9, 0.003, 0.005, "Poland, PL", True)
         iid = market.create(o, "vast-18421003", f"echo booted > {tmp_path}/booted")
         assert market.states() == {iid: "running"}
+        # The onstart runs in a process of its own: a preemption right after could kill it before it
+        # wrote (a busy CI machine did), so the machine is let boot first.
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "booted").exists() or not (tmp_path / "booted").read_text().endswith("\n"):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         fake.preempt(int(iid))
         assert market.states() == {iid: "stopped"}
         market.destroy(iid)
