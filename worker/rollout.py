@@ -479,7 +479,7 @@ class Worker:
         log.info("%s: installed v%d in %.3f s", self.name, version, time.perf_counter() - t0)
         # What the engine built to install and generate stays out of the collector's full passes: a
         # fresh-clone CI's vLLM worker held 750k such objects by v8 and a full pass took 396 ms of
-        # its loop. (Freezing keeps nothing alive: reference counting still frees them.)
+        # its loop. Reference counting still frees them; only cycles among them are never collected.
         gc.freeze()
 
     async def _loop(self, client: LearnerClient) -> None:
