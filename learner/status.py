@@ -47,7 +47,7 @@ class StatusDisplay:
         self.enabled = enabled
         # Plain text: what it prints names config keys as `[buffer] dynamic_sampling`, and rich
         # read `[buffer]` as a style tag and dropped it, from the very advice a stuck user needs.
-        self.console = Console(stderr=False, highlight=False)
+        self.console = Console(stderr=False, highlight=False, markup=False)
         self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                  console=self.console, transient=True, disable=not enabled)
@@ -56,7 +56,7 @@ class StatusDisplay:
 
     def banner(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text, soft_wrap=True, markup=False)
+            self.console.print(text, soft_wrap=True)
 
     def start(self, done: int) -> None:
         self.task = self.progress.add_task("train", total=self.total, completed=done)
@@ -65,12 +65,12 @@ class StatusDisplay:
     def step(self, record: dict, last_eval=None) -> None:
         if not self.enabled:
             return
-        self.progress.console.print(status_line(record, last_eval), soft_wrap=True, markup=False)
+        self.progress.console.print(status_line(record, last_eval), soft_wrap=True)
         self.progress.update(self.task, completed=record["step"])
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.progress.console.print(text, soft_wrap=True, markup=False)
+            self.progress.console.print(text, soft_wrap=True)
         else:  # --json: stdout is the run log's records; an operator's note goes to stderr
             print(text, file=sys.stderr, flush=True)
 
