@@ -47,6 +47,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args):
+                if "." not in key:  # `--bogus` last: an unknown flag, not a value-less override
+                    raise ConfigError(f"unknown option --{key}; overrides look like --section.key VALUE (see --help)")
                 raise ConfigError(f"override --{key} needs a value")
             value = args[i + 1]
             i += 1

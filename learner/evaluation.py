@@ -228,28 +228,39 @@ class LearnerEvaluation(Evaluation):
     def __init__(self, section: LearnerEval, parts: EvalParts):
         super().__init__(parts)
 
-    def _record(self, version: int, accuracy: float) -> None:
-        self.last = EvalResult(version, accuracy, 0, 0.0, 0, 0)
+    def _record(self, version: int, accuracy: float, seconds: float | None) -> None:
+        """Every eval, the first and a resumed one's included, is an event of the run log and a
+        line for the operator, as on the workers (`seconds` None: carried over from a checkpoint)."""
+        self.last = EvalResult(version, accuracy, 0, seconds or 0.0, 0, 0)
         self.parts.cost.record_eval(accuracy)
         self.parts.metrics.eval_accuracy.set(accuracy)
+        self.parts.log(self._event(version, eval_accuracy=accuracy, where="learner",
+                                   seconds=None if seconds is None else round(seconds, 3)))
+        self.parts.note(f"eval v{version}: {accuracy:.3f} ("
+                        + ("from the checkpoint" if seconds is None else f"on the learner, {seconds:.1f} s") + ")")
+
+    async def _evaluate(self, version: int) -> float:
+        started = time.monotonic()
+        accuracy = await self.parts.evaluate()
+        self._record(version, accuracy, time.monotonic() - started)
+        return accuracy
 
     async def start(self, version: int) -> None:
         self._made(version)
         resumed = self.parts.resumed
-        accuracy = resumed.get("eval_accuracy")
-        if accuracy is None:
-            accuracy = await self.parts.evaluate()
+        if resumed.get("eval_accuracy") is None:
+            accuracy = await self._evaluate(version)
+        else:
+            accuracy = resumed["eval_accuracy"]
+            self._record(version, accuracy, None)
         self.first_accuracy = resumed.get("first_eval_accuracy", accuracy)
-        self._record(version, accuracy)
-        self.parts.log(self._event(version, eval_accuracy=accuracy, where="learner"))
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
+        self._made(version)
         every = self.parts.eval_every
         if not (last or (every and version % every == 0)):
             return None
-        accuracy = await self.parts.evaluate()
-        self._record(version, accuracy)
-        return accuracy  # the step's record carries it: no event of its own
+        return await self._evaluate(version)  # the step's record carries it too
 
 
 EVALUATIONS = {"workers": WorkerEvaluation, "learner": LearnerEvaluation}

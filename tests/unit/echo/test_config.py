@@ -18,6 +18,14 @@ def test_overrides_parse_as_toml_literals():
         "workers": {"overrides": ["--a", "b"]}}
 
 
+def test_an_unknown_flag_last_is_named_as_one():
+    """`echo-learner --bogus` said "override --bogus needs a value"."""
+    with pytest.raises(ConfigError, match=r"unknown option --bogus; overrides look like --section.key VALUE"):
+        parse_overrides(["--run.steps", "3", "--bogus"])
+    with pytest.raises(ConfigError, match=r"override --run.steps needs a value"):
+        parse_overrides(["--run.steps"])
+
+
 def test_learner_configs_shipped_load():
     for path in ["configs/demo.toml", "configs/learner-gpu.toml", "configs/learner-8b.toml"]:
         cfg = load_learner_config(ROOT / path)

@@ -64,7 +64,10 @@ def test_on_the_learner_every_n_updates_and_the_last():
         return [await ev.stepped(v, v % 2 == 0, v == 7) for v in range(1, 8)]
 
     assert asyncio.run(run()) == [None, None, 0.2, None, None, 0.3, 0.4]
-    assert [e["where"] for e in log] == ["learner"]  # the start's event; later accuracies ride on the step record
+    # Every eval is an event, as on the workers (they rode only on the step record, with no line)
+    assert [(e["version"], e["eval_accuracy"], e["where"]) for e in log] == [
+        (0, 0.1, "learner"), (3, 0.2, "learner"), (6, 0.3, "learner"), (7, 0.4, "learner")]
+    assert all(e["seconds"] >= 0 for e in log)
     assert ev.first_accuracy == 0.1 and ev.checkpoint_state() == {"eval_accuracy": 0.4, "eval_version": 7,
                                                                   "first_eval_accuracy": 0.1}
 
