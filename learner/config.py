@@ -358,7 +358,7 @@ class LearnerConfig(Section):
             raise ValueError("[trainer] compute_dtype = 'float16' (loss scaling) is supported on one rank; "
                              "use 'bfloat16' with [run] nproc > 1")
         b, every = self.buffer, self.publish_every
-        if (b.staleness_filter or b.type == "queue-max") and every > b.max_staleness + 1:
+        if self.staleness_bound is not None and every > b.max_staleness + 1:
             # At version S + 1 the newest snapshot is still v0 (the next comes at I): nothing within S
             # can ever arrive, and the learner waited for a batch forever, saying nothing.
             raise ValueError(f"[publish] every = {every} > max_staleness + 1 = {b.max_staleness + 1}: at update "
@@ -376,6 +376,12 @@ class LearnerConfig(Section):
     def publish_every(self) -> int:
         """I: explicit, else S - 1 so the worst-case staleness stays within S."""
         return self.publish.every or max(1, self.buffer.max_staleness - 1)
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """S where the buffer drops what is staler (None: its filter is off, nothing is dropped for age)."""
+        b = self.buffer
+        return b.max_staleness if b.staleness_filter or b.type == "queue-max" else None
 
     @property
     def dynamic_sampling(self) -> bool:

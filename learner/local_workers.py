@@ -75,14 +75,3 @@ class LocalWorkers:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-
-
-def spawn_note(cfg) -> str | None:
-    """What to tell the operator who spawns workers beside a scheduler's pool: they join as
-    self-joined workers, priced like the dearest pool machine, so the controller activates them
-    only when the pool's machines fall short (a new user's six extra workers got no work)."""
-    if not cfg.workers.spawn or not cfg.scheduled:
-        return None
-    return (f"[workers] spawn = {cfg.workers.spawn}: they join as self-joined workers, which the scheduler "
-            "activates only when its pool's machines fall short (priced like the dearest of them); to have every "
-            "spawned worker generate, run with --scheduler.pool '\"\"' --scheduler.provider static")

@@ -55,7 +55,7 @@ def make_fleet(cfg: LearnerConfig, provider: Provider, machine_key: str, run_dir
     if pool is not None and not provider.launches_machines:
         machine_tokens(pool, machine_key, run_dir / "machine-tokens.toml")
     return Fleet(pool, provider, sc.controller_params(), batch=cfg.batch_rollouts,
-                 publish_every=cfg.publish_every, max_staleness=cfg.buffer.max_staleness,
+                 publish_every=cfg.publish_every, max_staleness=cfg.staleness_bound,
                  t_train_prior=sc.t_train_s, t_bcast_prior=sc.t_bcast_s, install_prior=sc.install_s,
                  launch_timeout_s=sc.launch_timeout_s, rule=sc.rule, version_bytes=version_bytes_prior(cfg))
 

@@ -16,6 +16,7 @@ from broadcast.star import BlobStore
 from echo import dirfiles
 from learner.accounting import Accounting
 from learner.admission import Waiters
+from learner.advice import startup_notes
 from learner.api import ControlApi, Run, link_table, worker_connections
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
@@ -23,7 +24,7 @@ from learner.driver import TrainerDriver
 from learner.evaluation import EvalParts, make_evaluation
 from learner.leases import LeaseBook, WorkerCap
 from learner.ledger import Ledger, unique_ids
-from learner.local_workers import LocalWorkers, spawn_note
+from learner.local_workers import LocalWorkers
 from learner.loop import Loop
 from learner.metrics import LearnerMetrics, RunLog
 from learner.publisher import make_publisher
@@ -118,7 +119,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                     record=record)
         await loop.begin()
         workers.spawn(url)
-        if (said := spawn_note(cfg)) is not None:
+        for said in startup_notes(cfg):
             display.note(said)
         stalls = NoInstalls(60.0, display.note, run_dir / "workers")
         background = [api.reaping, asyncio.create_task(workers.watch()),

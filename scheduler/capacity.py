@@ -100,10 +100,12 @@ def _upper_first(text: str) -> str:
 
 
 def requirement(rule: str, *, batch: int, t_train: float, t_bcast: float, publish_every: int,
-                max_staleness: int, install_s: float = 0.0, transfer_s: float | None = None) -> Requirement:
+                max_staleness: int | None, install_s: float = 0.0, transfer_s: float | None = None) -> Requirement:
     """`R_req` under `rule` (see the module docstring); `InfeasibleOverlap` when no capacity can
     do, with what to change. `t_bcast` is learner-visible (reception + install); `transfer_s`
-    the time one version takes on the wire (`M_wire/r_bcast`; None: not checked)."""
+    the time one version takes on the wire (`M_wire/r_bcast`; None: not checked).
+    `max_staleness` None: nothing is dropped for staleness (the buffer's filter is off), so the
+    overlapped rule has no admissibility condition."""
     if rule == "paper":
         r = required_rate(batch, t_train, t_bcast, publish_every, max_staleness)
         return Requirement(rule, r, {"overlap": r}, "overlap")
@@ -114,7 +116,8 @@ def requirement(rule: str, *, batch: int, t_train: float, t_bcast: float, publis
         raise SchedulerError(f"t_bcast and install_s must be ≥ 0, got {t_bcast!r}, {install_s!r}")
     B, T, Tb, I, S = batch, t_train, t_bcast, publish_every, max_staleness
     common = dict(publish_every=I, max_staleness=S, t_train=T, t_bcast=Tb)
-    window = (S - I + 1) * T - Tb  # time a snapshot's rollouts have to reach the learner within S
+    # The time a snapshot's rollouts have to reach the learner within S (unbounded without a filter)
+    window = math.inf if S is None else (S - I + 1) * T - Tb
     if window <= 0:
         largest = next((i for i in range(min(S, I - 1), 0, -1) if (S - i + 1) * T > Tb), None)
         smallest_s = I - 1 + math.floor(Tb / T * (1 + _EPS)) + 1
@@ -136,14 +139,18 @@ def requirement(rule: str, *, batch: int, t_train: float, t_bcast: float, publis
     if busy <= 0:
         raise InfeasibleOverlap(
             f"infeasible at I = {I}: installing a snapshot takes τ = {install_s:.3g} s, a whole publication period "
-            f"(I·T_train = {I * T:.3g} s); publish less often (within S = {S}) or make installs faster",
+            f"(I·T_train = {I * T:.3g} s); publish less often" + (f" (within S = {S})" if S is not None else "")
+            + " or make installs faster",
             condition="throughput", **common)
     if transfer_s is not None and transfer_s > I * T:
         raise InfeasibleOverlap(
             f"infeasible at I = {I}: one version takes {transfer_s:.3g} s on the wire, longer than a publication "
-            f"period (I·T_train = {I * T:.3g} s), so versions pile up; publish less often (within S = {S}) or make "
-            "the broadcast faster (deltas, more chains)", condition="dissemination", **common)
-    conditions = {"throughput": I * B / busy, "admissibility": B / window}
+            f"period (I·T_train = {I * T:.3g} s), so versions pile up; publish less often"
+            + (f" (within S = {S})" if S is not None else "") + " or make the broadcast faster (deltas, more chains)",
+            condition="dissemination", **common)
+    conditions = {"throughput": I * B / busy}
+    if S is not None:
+        conditions["admissibility"] = B / window
     binding = max(conditions, key=conditions.get)
     return Requirement(rule, conditions[binding], conditions, binding)
 

@@ -58,7 +58,7 @@ class FleetStatus:
 
 class Fleet:
     def __init__(self, pool: Pool | None, provider: Provider, params: ControllerParams, *, batch: int,
-                 publish_every: int, max_staleness: int, t_train_prior: float, t_bcast_prior: float,
+                 publish_every: int, max_staleness: int | None, t_train_prior: float, t_bcast_prior: float,
                  launch_timeout_s: float, rule: str = "overlapped", install_prior: float = 0.0,
                  version_bytes: float = 0.0):
         self.provider = provider

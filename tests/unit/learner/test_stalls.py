@@ -89,17 +89,3 @@ def test_an_infeasible_schedule_is_said_once_not_each_time_its_measured_numbers_
     asyncio.run(run())
     assert notes == [f"scheduler: {messages[0]}; activating every available worker",
                      f"scheduler: {messages[3]}; activating every available worker"]
-
-
-def test_spawned_workers_beside_a_pool_are_said_to_idle_unless_the_pool_falls_short():
-    """`--workers.spawn 6` with the demo's pool: the six joined as self-joined workers and got no
-    work, and nothing said why (a new user)."""
-    from learner.config import load_learner_config
-    from learner.local_workers import spawn_note
-
-    pooled = load_learner_config(Path("configs/demo.toml"), ["--workers.spawn", "6"])
-    assert "activates only when its pool's machines fall short" in spawn_note(pooled)
-    assert spawn_note(load_learner_config(Path("configs/demo.toml"), ["--workers.spawn", "0"])) is None
-    static = load_learner_config(Path("configs/demo.toml"), ["--workers.spawn", "6", "--scheduler.pool", '""',
-                                                            "--scheduler.provider", "static"])
-    assert spawn_note(static) is None

@@ -131,3 +131,17 @@ def test_overlapped_infeasibility_names_i_s_and_the_broadcast_time(I, S, t_bcast
                         publish_every=e.value.largest_feasible_period, max_staleness=S)
     cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=t_bcast, publish_every=I,
                     max_staleness=e.value.smallest_feasible_staleness)
+
+
+def test_without_a_staleness_filter_only_throughput_binds() -> None:
+    """`--buffer.staleness_filter false` (pure queue-drop) drops nothing for age, yet the scheduler
+    called I = 8 at S = 5 infeasible, "dropped whatever the capacity", and rented the whole pool."""
+    with pytest.raises(InfeasibleOverlap):
+        cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=0.3, publish_every=8, max_staleness=5)
+    req = cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=0.3, publish_every=8, max_staleness=None,
+                          install_s=0.01)
+    assert req.conditions == {"throughput": pytest.approx(8 * 64 / (8 * 0.08 - 0.01))}
+    assert req.binding == "throughput"
+    with pytest.raises(InfeasibleOverlap, match=r"publish less often or make installs faster"):
+        cap.requirement("overlapped", batch=64, t_train=0.08, t_bcast=0.3, publish_every=1, max_staleness=None,
+                        install_s=0.5)
