@@ -143,9 +143,11 @@ def grpo_loss(
         loss = loss + kl_coef * kl_ref
 
     with torch.no_grad():
+        # AsymRE clips nothing: its clip fraction is 0, not the share of ratios outside the band (0.11 was read)
+        clipped_share = torch.zeros_like(valid) if reinforce else ((ratio - 1).abs() > clip_eps).to(valid.dtype)
         sums = torch.stack([
             valid.sum(), (mask - valid).sum(), loss.detach(), (ratio * valid).sum(),
-            (((ratio - 1).abs() > clip_eps).to(valid.dtype) * valid).sum(), (is_weight * valid).sum(),
+            (clipped_share * valid).sum(), (is_weight * valid).sum(),
             (over_cap.to(valid.dtype) * valid).sum(), (-log_w * valid).sum(),
             kl_ref.detach(), kl_excluded.detach(),
         ])

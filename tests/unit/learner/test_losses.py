@@ -49,6 +49,15 @@ def test_ratio_clip_stops_gradient_only_on_the_clipped_side():
         assert loss.item() == pytest.approx(-min(1.5 * adv, 1.2 * adv))
 
 
+def test_asymre_reports_nothing_clipped():
+    """AsymRE has no clipping; a new user read `clip_fraction` 0.11 in its run log."""
+    old = torch.log(torch.tensor([[0.4]]))
+    logp = torch.log(torch.tensor([[0.6]])).requires_grad_()  # ratio 1.5, outside 1 ± 0.2
+    _, stats = grpo_loss(logp, old, old, torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, is_cap=10.0,
+                         total_tokens=1, reinforce=True)
+    assert stats.clip_fraction == 0.0 and stats.mean_ratio == pytest.approx(1.5)
+
+
 def test_mask_and_normaliser_over_the_whole_batch():
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
