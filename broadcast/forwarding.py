@@ -16,7 +16,10 @@ late each time, every version (a tester's 8 such identities took a run from 58 t
 - A blamed worker is planned as a leaf (pushed to, as a chain's tail or a stripe's receiver, and
   forwarding to nobody) for 2, 4, 8, ... versions, up to 64, doubling with each blame. A leaf
   has no children, so it cannot be blamed again while it is one: a relay that never forwards
-  costs its children one version per demotion, not every version.
+  costs its children one version per demotion, not every version. Blames are forgotten after
+  `FORGIVE_VERSIONS` versions without one: an honest relay whose link fails now and then over a
+  week of versions starts again at 2, not at 64 (a relay that forwards nothing once in so many
+  versions costs its children one version in as many).
 
 The learner cannot tell a relay that forwarded nothing from a child that pulled anyway to frame
 its parent. So only pulls by workers whose work the learner accepted are counted (the publisher
@@ -36,6 +39,8 @@ from broadcast.route import SOURCE, Route
 #: Versions a first blame makes a worker a leaf for; each further blame doubles it, up to `MAX_LEAF_VERSIONS`.
 FIRST_LEAF_VERSIONS = 2
 MAX_LEAF_VERSIONS = 64
+#: Versions without a blame after which a worker's earlier blames are forgotten.
+FORGIVE_VERSIONS = 2 * MAX_LEAF_VERSIONS
 #: Versions whose routes are remembered for blame: pulls of older ones no longer matter.
 KEEP_VERSIONS = 8
 #: Pulls remembered per member of a version's routes (a worker may pull one range many times).
@@ -72,6 +77,7 @@ def blamed(route: Route, pulled: Mapping[str, Ranges]) -> set[str]:
 class Record:
     blames: int = 0
     leaf_until: int = 0  # a leaf while the version being planned is below this
+    blamed_at: int = 0  # the version being planned at its last blame
 
 
 @dataclass
@@ -126,7 +132,9 @@ class Forwarding:
             for worker in sorted(guilty - known.blamed):
                 known.blamed.add(worker)
                 r = self.records.setdefault(worker, Record())
-                r.blames += 1
+                if version - r.blamed_at > FORGIVE_VERSIONS:
+                    r.blames = 0
+                r.blames, r.blamed_at = r.blames + 1, version
                 r.leaf_until = version + min(MAX_LEAF_VERSIONS, FIRST_LEAF_VERSIONS << (r.blames - 1))
                 demoted.append((worker, r.leaf_until))
         return demoted

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 from aiohttp import web
 
-from broadcast.forwarding import FIRST_LEAF_VERSIONS, Forwarding, blamed
+from broadcast.forwarding import FIRST_LEAF_VERSIONS, FORGIVE_VERSIONS, Forwarding, blamed
 from broadcast.relay import PREFIX, Relay
 from broadcast.route import Route
 from broadcast.transport import Hop
@@ -65,6 +65,23 @@ def test_each_blame_doubles_the_versions_a_worker_is_a_leaf_and_a_leaf_cannot_be
     assert f.leaves(3) == {"c": 4, "hole": 7} and f.leaves(4) == {"hole": 7} and f.leaves(7) == {}
     f.pulled("v3", "stranger", 0, 8)  # named by no route of the version: not remembered
     assert f.pulls(3) == {"a"} and f.pulls(9) == set()
+
+
+def test_blames_are_forgotten_after_a_clean_stretch():
+    """An honest relay whose link fails once in a while would otherwise reach 64 versions as a
+    leaf after six such failures over a week, however rare."""
+    f = Forwarding()
+
+    def fail_once(version: int) -> int:
+        f.planned(route_of([["flaky", "c"]], key=f"v{version}"))
+        f.pulled(f"v{version}", "c", 0, 8)
+        [(worker, until)] = f.settle(version)
+        assert worker == "flaky"
+        return until - version
+
+    assert [fail_once(v) for v in (1, 3, 7)] == [FIRST_LEAF_VERSIONS, 2 * FIRST_LEAF_VERSIONS, 4 * FIRST_LEAF_VERSIONS]
+    assert fail_once(7 + FORGIVE_VERSIONS) == 8 * FIRST_LEAF_VERSIONS  # not yet a clean stretch
+    assert fail_once(8 + 2 * FORGIVE_VERSIONS) == FIRST_LEAF_VERSIONS  # forgotten: starts again
 
 
 async def black_hole_relay() -> tuple[web.AppRunner, str]:
