@@ -26,6 +26,7 @@ class RunSection(Section):
     steps: int = Field(60, ge=1, description="[run] steps: learner updates before the run ends")
     eval_every: int = Field(5, ge=0, description="[run] eval_every: greedy eval every N steps (0: only start and end)")
     checkpoint_every: int = Field(20, ge=0, description="[run] checkpoint_every: resumable checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = Field(2, ge=0, description="[run] keep_checkpoints: the newest N checkpoints are kept, older ones deleted once a newer one is written (0: keep all; an 8B model's checkpoint with its optimizer state is ~100 GB)")
     threads: int = Field(1, ge=1, le=256, description="[run] threads: torch CPU threads of the trainer (per rank)")
     nproc: int = Field(1, ge=1, le=64, description="[run] nproc: trainer ranks on this node; > 1 relaunches under torchrun with FSDP2 (echo-learner --nproc N)")
 

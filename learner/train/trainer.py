@@ -470,6 +470,7 @@ class Trainer:
             staging.unlink(missing_ok=True)
             staging.symlink_to(path.name)
             os.replace(staging, Path(directory) / "latest")
+            prune_checkpoints(Path(directory), self.cfg.run.keep_checkpoints)
         self.world.barrier()
         return path
 
@@ -600,6 +601,20 @@ class Trainer:
                                top_p=r.top_p, max_turns=e.max_turns, max_tokens=e.max_tokens, stop_ids=list(e.stop_ids),
                                chat_template="on" if e.chat.templated else "off",
                                chat_template_kwargs=self.cfg.task.chat_template_kwargs)
+
+
+def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (0: keep all), never the one `latest` names:
+    a week of an 8B run's checkpoints, each with its optimizer state, fills any disk."""
+    if keep <= 0:
+        return []
+    latest = (directory / "latest").resolve() if (directory / "latest").exists() else None
+    found = sorted((p for p in directory.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]))
+    old = [p for p in found[:-keep] if p.resolve() != latest]
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
 
 
 @contextlib.contextmanager

@@ -354,6 +354,20 @@ def test_preflight_sizes_a_small_adapter_and_warns_of_a_rank_past_the_layers_wid
     assert "× less" in wide and warnings and "use a rank below" in warnings[0]
 
 
+def test_old_checkpoints_are_pruned_but_never_the_latest(tmp_path):
+    """No checkpoint was ever deleted: a week of an 8B run's (~100 GB each with Adam) fills a disk."""
+    from learner.train.trainer import prune_checkpoints
+
+    for step in (5, 40, 100, 120):
+        (tmp_path / f"step-{step:06d}" / "state").mkdir(parents=True)
+    (tmp_path / "step-notes").mkdir()  # not a checkpoint's name: left alone
+    (tmp_path / "latest").symlink_to("step-000040")  # a resume pointed back (as a test can)
+    assert [p.name for p in prune_checkpoints(tmp_path, 2)] == ["step-000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000040", "step-000100", "step-000120",
+                                                          "step-notes"]
+    assert prune_checkpoints(tmp_path, 0) == []  # keep all
+
+
 def test_one_rank_saves_and_resumes_a_checkpoint_without_a_process_group_or_a_warning(tiny_model, tmp_path):
     """The CPU demo's learner is one rank with no process group: torch warned at every checkpoint
     that it was "assuming the intent is to save in a single process". Now it says so itself. In a
@@ -368,7 +382,7 @@ from learner.config import load_learner_config
 from learner.train.trainer import Trainer
 assert not torch.distributed.is_initialized()
 trainer = Trainer(load_learner_config(None, ["--model.path", {str(tiny_model)!r}, "--rollout.group_size", "4",
-                                             "--trainer.batch_prompts", "4"]))
+                                             "--trainer.batch_prompts", "4", "--run.keep_checkpoints", "1"]))
 path = trainer.save_checkpoint({str(tmp_path)!r}, {{}})
 saved = {{k: v.clone() for k, v in trainer.policy.state_dict().items()}}
 with torch.no_grad():
@@ -376,6 +390,10 @@ with torch.no_grad():
         p.add_(1.0)
 trainer.load_checkpoint(path)
 assert all(torch.equal(v, saved[k]) for k, v in trainer.policy.state_dict().items())
+trainer.version += 1
+newer = trainer.save_checkpoint({str(tmp_path)!r}, {{}})
+from pathlib import Path
+assert sorted(p.name for p in Path({str(tmp_path)!r}).glob("step-*")) == [newer.name]  # keep_checkpoints = 1
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
