@@ -32,6 +32,8 @@ def _uploads(groups: int, samples: int, tokens: int, vocab: int, seed: int = 0):
 
 def _hold(args, as_lists: bool) -> tuple[float, float]:
     """Decode the buffer's uploads and keep their samples; returns (MB traced, full collection ms)."""
+    for body in _uploads(1, args.samples, args.tokens, args.vocab, seed=1):  # the decoder's one-time setup, untraced
+        decode_submission(body, vocab_size=args.vocab, max_tokens=args.tokens, group_size=args.samples, max_groups=1)
     gc.collect()
     gc.freeze()  # the interpreter's own objects, as echo-learner does once serving
     tracemalloc.start()
