@@ -129,7 +129,7 @@ class HttpTransport(Transport):
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         await resp.prepare(request)
         try:
-            await self.node.serve_pull(store, start, end, resp.write)
+            await self.node.serve_pull(store, start, end, resp.write, holder)
             await resp.write_eof()
         except (ConnectionError, aiohttp.ClientError, BroadcastError, RuntimeError) as e:
             log.info("%s: pull of %s from %d ended: %s", self.node.id, store.key, start, e)

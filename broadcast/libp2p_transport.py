@@ -810,7 +810,7 @@ class Libp2pTransport(Transport):
         except (ProtocolError, Libp2pError, asyncio.TimeoutError) as e:
             return await _reply(stream, {"error": f"400 bad pull request: {type(e).__name__}: {e}"})
         try:
-            await self.node.serve_pull(store, start, end, stream.write)
+            await self.node.serve_pull(store, start, end, stream.write, holder)
             await stream.close()
         except BroadcastError as e:  # Libp2pError, Stalled, VersionGone
             log.info("%s: pull of %s from %d ended: %s", self.node.id, store.key, start, e)

@@ -54,6 +54,9 @@ from broadcast.transport import (
 
 log = logging.getLogger("echo.broadcast")
 MIB = float(1 << 20)
+#: A version's size a ticket holder may pull of it from one node: once, and once again for repairs
+#: (a joined identity pulled 2,060 whole versions in 20 s, all of the source's uplink).
+PULL_SHARE = 2
 HEADER_TIMEOUT_S = 30.0  # a connection without a whole request in this long is closed (slow headers)
 SERVER_SCHEME = "http"  # a node's own server: status, health, the route feed (and HTTP streams)
 REFUSAL_DELAY = web.AppKey("refusal_delay_s", float)  # the node's `refusal_delay_s`, for its middleware
@@ -327,20 +330,30 @@ class Node:
             raise Refused(400, f"chunks [{start}, {end}) outside 0..{n}")
         return store, start, end
 
-    async def serve_pull(self, store: VersionStore, start: int, end: int, write: Callable[[Buffer], Any]) -> None:
-        """A pull stream: `{"key", "start"}`, then chunks `start..end-1` as each is verified here."""
+    async def serve_pull(self, store: VersionStore, start: int, end: int, write: Callable[[Buffer], Any],
+                         holder: str | None = None) -> None:
+        """A pull stream: `{"key", "start"}`, then chunks `start..end-1` as each is verified here.
+        What a pull that ends early did not send is given back to `holder`'s share (`pulled`)."""
         guard = StallGuard(self.stall_timeout)
         # A pull is paced like the tree it fills (the route's rate), so a repairing child does
         # not flood the uplink this node shares with its own pushes.
         pace = store.pace(min(start, store.manifest.num_chunks - 1)) if end > start else None
         bucket = TokenBucket(pace) if pace else None
+        sent = 0
 
         async def serve() -> None:
+            nonlocal sent
             await write(frame_header({"key": store.key, "start": start}))
             async for piece in self._frames(store, start, end, guard, bucket):
                 await write(piece)
+                sent += len(piece)
 
-        await guard.run(serve())
+        try:
+            await guard.run(serve())
+        finally:
+            if holder in store.pulled_by:
+                unsent = max(0, store.range_bytes(start, end) - sent)
+                store.pulled_by[holder] = max(0, store.pulled_by[holder] - unsent)
 
     def manifest_wire(self, key: str) -> bytes | None:
         store = self.stores.get(key)
@@ -360,9 +373,18 @@ class Node:
         return None
 
     def pulled(self, store: VersionStore, holder: str | None, start: int, end: int) -> None:
-        """A pull of chunks [start, end) of `store` by a ticket's holder began: the source tells
+        """A pull of chunks [start, end) of `store` by a ticket's holder is to begin: refused (429)
+        past the holder's share of this version (`PULL_SHARE`), else counted, and the source tells
         `on_pull` (the learner blames the relay that should have forwarded them, `broadcast.forwarding`)."""
-        if self.on_pull is not None and holder is not None:
+        if holder is None:
+            return
+        taken = store.pulled_by.get(holder, 0) + store.range_bytes(start, end)
+        if taken > PULL_SHARE * store.manifest.wire_size:
+            raise Refused(429, f"{self.id}: {holder[:64]!r} was served {store.pulled_by.get(holder, 0)} B of "
+                               f"{store.key} by pull already, of {store.manifest.wire_size} B; a worker needs a "
+                               f"version once (at most {PULL_SHARE}× its size, for repairs)")
+        store.pulled_by[holder] = taken
+        if self.on_pull is not None:
             self.on_pull(store.key, holder, start, end)
 
     async def _handle_status(self, request: web.Request) -> web.Response:

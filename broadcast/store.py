@@ -84,6 +84,7 @@ class VersionStore:
         self.places: list = []  # this node's `broadcast.route.Place`s in the route
         self.span_rates: list[float | None] = [None]  # per span: its tree's rate, if the route is paced
         self.last_failure = ""  # why the latest inbound stream ended early (for repair events)
+        self.pulled_by: dict[str, int] = {}  # ticket holder -> bytes of this version it was served by pull
         self.gone: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
         self._conds = [asyncio.Condition()]  # one per span: a commit wakes only that span's readers
@@ -94,6 +95,11 @@ class VersionStore:
     @property
     def key(self) -> str:
         return self.manifest.key
+
+    def range_bytes(self, start: int, end: int) -> int:
+        """Wire bytes of chunks [start, end) (contiguous on the wire)."""
+        chunks = self.manifest.chunks
+        return chunks[end - 1].wire_offset + chunks[end - 1].wire_length - chunks[start].wire_offset if end > start else 0
 
     @property
     def complete(self) -> bool:

@@ -54,15 +54,16 @@ class Readers:
 
     def __init__(self, key: VerifyKey, *, clock: Callable[[], float] = time.time, skew: float = SKEW_S) -> None:
         self.key, self.clock, self.skew = key, clock, skew
-        self.revoked: dict[str, float] = {}  # holder -> when
+        self.revoked: dict[str, tuple[float, str]] = {}  # holder -> (when, why)
         self._valid: OrderedDict[str, tuple[str, float]] = OrderedDict()  # ticket -> (holder, expiry)
 
-    def revoke(self, holder: str) -> None:
-        """Refuse `holder`'s tickets from now on, the unexpired ones too (the learner's source). A
-        revoked holder is forgotten once every ticket it could hold has expired anyway."""
+    def revoke(self, holder: str, why: str = "is quarantined") -> None:
+        """Refuse `holder`'s tickets from now on, the unexpired ones too (the learner's source),
+        saying that the worker `why`. A revoked holder is forgotten once every ticket it could hold
+        has expired anyway."""
         now = self.clock()
-        self.revoked = {h: t for h, t in self.revoked.items() if now - t <= TICKET_S + self.skew}
-        self.revoked[holder] = now
+        self.revoked = {h: t for h, t in self.revoked.items() if now - t[0] <= TICKET_S + self.skew}
+        self.revoked[holder] = (now, why)
 
     def holder(self, presented: str | None) -> str:
         """The holder of a valid ticket, or `Refused(401)` saying what was wrong with it."""
@@ -75,7 +76,7 @@ class Readers:
             raise Refused(401, f"the read ticket of {holder[:64]!r} expired: a worker's ticket is renewed in "
                                "its heartbeat replies (a quarantined worker's is not)")
         if holder in self.revoked:
-            raise Refused(401, f"the read ticket of {holder[:64]!r} was revoked: that worker is quarantined")
+            raise Refused(401, f"the read ticket of {holder[:64]!r} was revoked: that worker {self.revoked[holder][1]}")
         if known is None:
             self._valid[presented] = (holder, until)
             if len(self._valid) > _VALID_KEEP:
@@ -118,5 +119,5 @@ class TicketOffice:
         """Is a ticket issued at `issued_at` (monotonic) due for renewal at `now`?"""
         return now - issued_at >= self.lifetime / 4
 
-    def revoke(self, holder: str) -> None:
-        self.readers.revoke(holder)
+    def revoke(self, holder: str, why: str = "is quarantined") -> None:
+        self.readers.revoke(holder, why)

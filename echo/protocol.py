@@ -63,8 +63,9 @@ Url = Annotated[str, StringConstraints(max_length=256, pattern=r"^(|https?://\S+
 # A worker's relay: where other workers and the learner connect, so nothing but an address and a
 # port (no path, query or credentials a request could be aimed with); the learner also requires
 # the host to be the address the worker connects from (learner's workers room).
-_HOST = r"(\d{1,3}(\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,252}))"
-_PORT = re.compile(r":(\d+)/?$|/tcp/(\d+)/")
+# ASCII digits only: `\d` takes any script's (`http://ip:٨٠` was stored as given and dialled at 80)
+_HOST = r"([0-9]{1,3}(\.[0-9]{1,3}){3}|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,252}))"
+_PORT = re.compile(r":([0-9]+)/?$|/tcp/([0-9]+)/")
 
 
 def _port_in_range(url: str) -> str:
@@ -76,8 +77,8 @@ def _port_in_range(url: str) -> str:
 
 
 RelayUrl = Annotated[str, StringConstraints(max_length=256, pattern=(
-    rf"^(|https?://{_HOST}:\d{{1,5}}/?"
-    r"|p2p:/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:-]{1,253}/tcp/\d{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,128})$")),
+    rf"^(|https?://{_HOST}:[0-9]{{1,5}}/?"
+    r"|p2p:/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:-]{1,253}/tcp/[0-9]{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,128})$")),
     AfterValidator(_port_in_range)]
 Rate = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]
 Mbit = Annotated[float, Field(ge=0.0, le=1e5, allow_inf_nan=False)]  # 100 Gbit/s: beyond any rented link

@@ -362,6 +362,8 @@ class WorkerRegistry:
         their prompts). Its queued groups stay (work it delivered before it went)."""
         del self.workers[w.id]
         w.active = False  # a lease request of it still parked gets nothing
+        if self.tickets is not None:  # its ticket named a worker that is gone: one address kept ~80 alive
+            self.tickets.revoke(w.id, "was forgotten (silent past [server] forget_after_s, or replaced): join again")
         leased = self.leases.release_worker(w.id)
         self.leases.book.forget_worker(w.id)
         self.addresses.left(w.address)

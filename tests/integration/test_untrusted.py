@@ -1219,6 +1219,31 @@ def test_a_quarantined_worker_is_heard_no_more_and_forgotten(tokenizer, tmp_path
     run_api(tokenizer, test, tmp_path, **{"server.forget_after_s": 1.0})
 
 
+def test_a_forgotten_workers_read_ticket_is_refused_at_the_source(tokenizer, tmp_path):
+    """A worker silent past forget_after_s lost its credential, but its read ticket still pulled
+    whole versions from the learner's source until it expired: one address kept ~80 live
+    tickets, none of a worker the learner knows, by joining 16 at a time and going silent."""
+    from broadcast.signing import SigningKey
+    from broadcast.tickets import Readers, TicketOffice
+    from broadcast.transport import Refused
+
+    async def test(api: Api):
+        key = SigningKey.generate()
+        registry = api.state.registry
+        registry.tickets = TicketOffice(key, Readers(key.public_key()))
+        gone, _ = await api.join("gone")
+        stays, _ = await api.join("stays")
+        tickets = {w: registry.ticket(api.state.workers[w], time.monotonic(), fresh=True) for w in (gone, stays)}
+        assert registry.tickets.readers.holder(tickets[gone]) == gone
+        registry.forget(api.state.workers[gone])
+        with pytest.raises(Refused) as refused:
+            registry.tickets.readers.holder(tickets[gone])
+        assert refused.value.status == 401 and "was forgotten" in refused.value.text
+        assert registry.tickets.readers.holder(tickets[stays]) == stays
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_forgotten_worker_leaves_the_metrics(tokenizer, tmp_path):
     """/metrics exports each worker's links; a forgotten worker's series went on being exported,
     and held in memory, forever: a week of churn is hundreds of thousands of series."""

@@ -231,3 +231,48 @@ def test_what_aiohttps_parser_refuses_is_answered_without_its_version_or_the_req
         assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0], head
         assert b"\r\nServer: echo" in head and b"aiohttp" not in head, head
         assert body == b"400 Bad Request", body
+
+
+def test_a_holder_pulls_a_version_at_most_twice_over_from_a_node():
+    """A joined identity with no work pulled 2,060 whole versions from the learner's source in
+    20 s (989 Mbit/s, the whole paced uplink): a fallback or repair pull by an honest worker fell
+    from 990 to 59 Mbit/s and pushes to honest chain heads slowed 8×. Each holder may now take a
+    version's size twice over by pull (once, and once again for repairs); another holder is not
+    affected, and what a pull cut short did not send is given back."""
+    from broadcast.node import PULL_SHARE
+
+    blob = os.urandom(1 << 20)
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"), up_rate=4e6)  # paced: 1 MiB takes 0.26 s
+        await src.start()
+        await src.publish(blob, 1, chunk_size=64 << 10)
+        flood, other, cut = ({"Authorization": f"Bearer {issue(KEY, w)}"} for w in ("flood", "other", "cut"))
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def pull(headers, query="from=0") -> tuple[int, int]:
+                    async with session.get(f"{src.url}{PREFIX}/chunks/v1?{query}", headers=headers) as resp:
+                        return resp.status, len(await resp.read())
+
+                statuses = [await pull(flood, "from=4&to=12")] + [await pull(flood) for _ in range(3)]
+                statuses.append(await pull(other))
+                # Cut short: the first chunks read, then the connection dropped
+                async with session.get(f"{src.url}{PREFIX}/chunks/v1?from=0", headers=cut) as resp:
+                    await resp.content.readexactly(64 << 10)
+                    resp.close()
+                for _ in range(100):  # the node notices the closed connection and gives the rest back
+                    await asyncio.sleep(0.05)
+                    if src.stores["v1"].pulled_by["cut"] < 1 << 20:
+                        break
+                given_back = src.stores["v1"].pulled_by["cut"]
+        finally:
+            await src.stop()
+        return given_back, statuses
+
+    given_back, statuses = asyncio.run(run())
+    assert PULL_SHARE == 2
+    # half a version and a whole one fit the share; the next whole ones do not
+    assert [s for s, _ in statuses[:4]] == [200, 200, 429, 429], statuses
+    assert statuses[0][1] >= 512 << 10 and statuses[1][1] >= 1 << 20
+    assert statuses[4][0] == 200 and statuses[4][1] >= 1 << 20  # another holder's share is its own
+    assert given_back < 1 << 19  # most of the cut-short pull went back to its holder's share

@@ -64,6 +64,9 @@ def test_a_relay_url_is_an_address_and_a_port(url):
     "p2p:/ip4/10.0.0.2/tcp/4001/p2p/x/../../etc",
     "http://10.0.0.1:0", "http://10.0.0.1:65536/", "http://[2001:db8::1]:99999",  # nothing can connect there
     "p2p:/ip4/10.0.0.2/tcp/0/p2p/12D3KooWLRPJAA5o6kHLBNe5MAbSvA9bE6c5fhLiSNBGRxW6hVgQ",
+    # digits of other scripts: stored as given, dialled at port 80, and urlsplit raises on them
+    "http://127.0.0.21:\u0668\u0660", "http://127.0.0.21:\uff18\uff10", "http://\u0661\u0662\u0667.0.0.1:80",
+    "p2p:/ip4/127.0.0.23/tcp/\u0668\u0660/p2p/12D3KooWLRPJAA5o6kHLBNe5MAbSvA9bE6c5fhLiSNBGRxW6hVgQ",
 ])
 def test_a_relay_url_with_anything_else_is_refused(url):
     with pytest.raises(P.ProtocolError, match="relay_url"):
