@@ -98,6 +98,16 @@ log = logging.getLogger("echo.broadcast.libp2p")
 # py-libp2p logs each peer's failed handshake and reset stream at INFO: a peer's to trigger, 34
 # lines a minute from one silent fake relay in the learner's log. Our own lines say what matters.
 logging.getLogger("libp2p").setLevel(logging.WARNING)
+
+
+def _not_a_failed_dial(record: logging.LogRecord) -> bool:
+    """py-libp2p logs a dial that fails at ERROR, then raises it, which we answer (a push to
+    that peer fails, its event says so): a fleet of relays that listen on nothing made a line
+    each per version, ~90 a second at a thousand identities."""
+    return not str(record.msg).startswith(("Failed to open TCP stream", "Unexpected error opening TCP stream"))
+
+
+logging.getLogger("libp2p.transport.tcp.tcp").addFilter(_not_a_failed_dial)
 PUSH_PROTOCOL = "/echo/bcast/push/1.0.0"
 PULL_PROTOCOL = "/echo/bcast/pull/1.0.0"
 MANIFEST_PROTOCOL = "/echo/bcast/manifest/1.0.0"

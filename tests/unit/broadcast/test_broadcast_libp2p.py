@@ -286,3 +286,31 @@ def test_a_reader_paused_longer_than_yamux_allows_still_gets_everything():
 
     data, reply = asyncio.run(run())
     assert data == payload and reply == {}
+
+
+def test_a_push_to_a_relay_listening_on_nothing_is_not_a_libp2p_error_line(caplog):
+    """py-libp2p logged every failed dial at ERROR before raising it: relays whose URL listens on
+    nothing (16 identities of one address) put a line each per version in the learner's log."""
+    import logging
+    import socket
+
+    key, dead = SigningKey.generate(), SigningKey.generate()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def run():
+        src = Source(key, transport="libp2p")
+        await src.start()
+        try:
+            await src.publish(os.urandom(256 * KIB), 1, chunk_size=64 * KIB)
+            url = p2p_url(f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id(dead.public_key())}")
+            return await src.push("v1", [[Hop("dead", url)]])
+        finally:
+            await src.stop()
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(run()) == [False]
+    assert not [r for r in caplog.records if r.name.startswith("libp2p") and r.levelno >= logging.ERROR
+                and "TCP stream" in r.getMessage()], caplog.text[-2000:]
+    assert any("child_failed" in r.getMessage() for r in caplog.records)  # the failure is ours to say
