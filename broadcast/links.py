@@ -66,7 +66,8 @@ class LinkSample:
     def from_dict(cls, d: Any) -> "LinkSample":
         """Parse a peer's report; `ValueError` naming the field on anything malformed."""
         if not isinstance(d, dict) or not isinstance(d.get("key"), str) or not d["key"]:
-            raise ValueError(f"a link sample is a map with a version key, got {d!r:.80}")
+            raise ValueError("a link sample is a map whose `key` names the version it measured (e.g. \"v12\"), "
+                             f"got {'a map without one' if isinstance(d, dict) else type(d).__name__}")
         out: dict[str, Any] = {"key": d["key"][:64]}
         parent = d.get("parent")
         if parent is not None and not isinstance(parent, str):
