@@ -40,6 +40,8 @@ LIMITED_SHARE = 0.9
 #: Shorter transfers measure TCP slow start, setup and a busy CPU, not the link: a 1.2 MB demo
 #: snapshot on loopback "measured" a 1 Gbit/s uplink at 83 Mbit/s while the trainer held the CPU.
 MIN_SAMPLE_BYTES = 4 << 20
+#: Samples waiting for the next plan before they are counted anyway.
+MAX_PENDING = 4096
 MIN_SAMPLE_SECONDS = 0.2
 #: A relay whose forwarding ends more than this share of its receive time after its receive
 #: ended was held back by its uplink (or its child), not by its inbound stream.
@@ -193,12 +195,16 @@ class LinkTable:
 
     def observe(self, peer: str, sample: LinkSample) -> bool:
         """Take one sample (once per version key); returns whether it was new. It counts at the
-        next `settle` (planning does that), so both ends of a hop can be paired first."""
+        next `settle` (planning does that), so both ends of a hop can be paired first, or at once
+        when `MAX_PENDING` wait: in star mode nothing plans, and one worker's heartbeats of fresh
+        keys queued 1,600 samples a second."""
         p = self._peer(peer)
         if sample.key in p.seen:
             return False
         p.seen = (*p.seen, sample.key)[-8:]
         self._pending.append((peer, sample))
+        if len(self._pending) >= MAX_PENDING:
+            self.settle()
         return True
 
     def settle(self) -> None:
@@ -206,7 +212,9 @@ class LinkTable:
         pending, self._pending = self._pending, []
         by_node = {(peer, s.key): s for peer, s in pending}
         for peer, s in pending:
-            p = self._peer(peer)
+            p = self.peers.get(peer)
+            if p is None:  # forgotten meanwhile: not brought back (its series stayed in /metrics forever)
+                continue
             if s.down is not None:
                 p.down.observe(s.down, s.down_limited and not self._not_own(s, by_node.get((s.parent, s.key))),
                                self.alpha)
@@ -227,6 +235,7 @@ class LinkTable:
 
     def forget(self, peer: str) -> None:
         self.peers.pop(peer, None)
+        self._pending = [(q, s) for q, s in self._pending if q != peer]
 
     @staticmethod
     def _not_own(s: LinkSample, sender: LinkSample | None) -> bool:

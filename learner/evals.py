@@ -72,7 +72,6 @@ class EvalBook:
         self.ttl, self.per_lease = ttl, per_lease
         self.lifetime = lifetime if lifetime is not None else 3 * ttl
         self.round: _Round | None = None
-        self.results: list[EvalResult] = []
         self.abandoned: _Round | None = None  # the last round nobody alive could finish, until the next opens
         self._ids = itertools.count()
 
@@ -133,7 +132,6 @@ class EvalBook:
             return None
         result = EvalResult(r.version, sum(r.rewards.values()) / len(r.rewards), len(r.rewards), now - r.opened,
                             len(r.workers), r.restarts, dict(r.answers), dict(r.rewards))
-        self.results.append(result)
         self.round = None
         return result
 

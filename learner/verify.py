@@ -51,6 +51,7 @@ import numpy as np
 
 from echo.episodes import Episodes
 
+from learner.addresses import remember
 from learner.buffer import Group
 from learner.config import VerifySection
 
@@ -60,6 +61,7 @@ DRIFT_WINDOW = 256  # recent groups per staleness the fleet's drift is the media
 SPREAD_GROUPS = 6  # a worker's recent groups at a staleness before it votes on their spread (at 4,
 # ten honest workers of a simulated fleet read as up to 7 standard deviations off: too few to measure it)
 DRIFT_AGE = 50  # batches a group's vote on the drift is heard for
+FORGOTTEN_KEEP = 65536  # forgotten worker ids remembered, so their queued groups make no evidence again
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
 
 
@@ -288,12 +290,21 @@ class Verifier:
                               verdict=self._token_verdict, enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks,
                               needs_reference=True)
         self._rng = random.Random(seed)
+        self._forgotten: dict[str, bool] = {}  # recently forgotten worker ids (LRU)
 
     def _of(self, worker_id: str) -> Evidence:
-        return self.evidence.setdefault(worker_id, Evidence())
+        """`worker_id`'s evidence; a forgotten worker's is a throwaway (its queued groups are still
+        trained and judged: kept, 20,000 forgotten workers' came back, 1.7 KB each, and voted)."""
+        ev = self.evidence.get(worker_id)
+        if ev is None:
+            ev = Evidence()
+            if worker_id not in self._forgotten:
+                self.evidence[worker_id] = ev
+        return ev
 
     def forget(self, worker_id: str) -> None:
         self.evidence.pop(worker_id, None)
+        remember(self._forgotten, worker_id, True, keep=FORGOTTEN_KEEP)  # ids are never reused
 
     def summary(self, worker_id: str) -> dict:
         """The evidence on one worker, as /v1/status shows it."""
@@ -364,7 +375,7 @@ class Verifier:
             if not worker_id:
                 continue
             if worker_id not in evidence:
-                evidence[worker_id] = self._of(worker_id) if record else self._of(worker_id).copy()
+                evidence[worker_id] = self._of(worker_id) if record else (self.evidence.get(worker_id) or Evidence()).copy()
             others = unheard | {worker_id}
             drift = check.drift.at(staleness, others, voting)
             spread = check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0

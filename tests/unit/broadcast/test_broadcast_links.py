@@ -179,3 +179,21 @@ def test_measured_upload_moves_a_misdeclared_worker_to_a_tail():
     assert all(table.link(w).down == 8 * MB for w in ids)  # nobody's download was blamed
     assert p2.kind == "chains" and "w4" in tails(p2)
     assert t2 < 0.5 * t1, (t1, t2)
+
+
+def test_samples_waiting_for_a_plan_are_bounded_and_a_forgotten_peer_stays_forgotten():
+    """In star mode nothing plans: one worker's heartbeats of 16 fresh keys each queued 1,600
+    samples a second, forever. And a forgotten worker's waiting samples brought it back at the
+    next settle, with its series in /metrics, for good."""
+    from broadcast.links import MAX_PENDING
+
+    t = LinkTable(uplink=100e6, default=10e6)
+    for i in range(3 * MAX_PENDING):
+        t.observe("flood", LinkSample(f"x{i}", down=5e6, down_limited=True))
+    assert len(t._pending) < MAX_PENDING
+    assert t.peers["flood"].down.source == "measured"
+    t.observe("gone", LinkSample("v1", down=5e6, down_limited=True))
+    t.observe("stays", LinkSample("v1", down=5e6, down_limited=True))
+    t.forget("gone")
+    t.settle()
+    assert "gone" not in t.peers and "gone" not in t.to_dict()["peers"] and "stays" in t.peers

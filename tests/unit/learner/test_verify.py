@@ -311,3 +311,17 @@ def test_stale_tokens_are_not_recorded_before_any_stale_spread_is_measured():
         writer = ("writer", 1 + step % 5, -2.0 * 40 + rng.gauss(0.0, 50 ** 0.5), 1.0, 40.0, 0.0)
         caught += mixed.tokens_checked(fleet(9) + [writer])
     assert {d.worker_id for d in caught} == {"writer"}
+
+
+def test_a_forgotten_workers_queued_groups_make_no_evidence_again():
+    """A forgotten worker's queued groups are still trained and judged: judging them made its
+    evidence again (kept forever, 1.7 KB each, and counted as a voter)."""
+    v = Verifier(VerifySection())
+    v.logprobs_checked(batch({"a": 0.9, "gone": 0.85}, staleness=1))
+    assert set(v.evidence) == {"a", "gone"}
+    v.forget("gone")
+    for _ in range(3):
+        v.logprobs_checked(batch({"a": 0.9, "gone": 0.85}, staleness=1))
+        v.tokens_checked([("gone", 1, 0.0, 1.0, 10.0, 0.0), ("a", 1, 0.0, 1.0, 10.0, 0.0)])
+        v.rewards_checked("gone", [False])
+    assert set(v.evidence) == {"a"}
