@@ -25,6 +25,7 @@ from scheduler.market import version_traffic
 
 
 MAX_INSTALL_S = 3600.0  # an install claimed longer than this is not an install time
+UNMEASURED_KEEP = 32  # published versions whose broadcast time is still awaited
 
 
 class Accounting:
@@ -40,6 +41,10 @@ class Accounting:
 
     def published(self, version: int) -> None:
         self.published_at[version] = time.monotonic()
+        # Versions a few wedged workers never report are given up on: each step walks them all
+        # against every worker's installs (3,000 versions held cost 23 ms a step with 10 workers).
+        while len(self.published_at) > UNMEASURED_KEEP:
+            del self.published_at[min(self.published_at)]
 
     def step(self, *, wait: float, train: float, useful_share: float = 1.0) -> dict:
         """Cost of the step and the fleet's view of capacity (run-log fields)."""

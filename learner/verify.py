@@ -60,6 +60,9 @@ TOKEN_WINDOW = 64  # recent checked groups a token verdict looks at (so a small 
 DRIFT_WINDOW = 256  # recent groups per staleness the fleet's drift is the median of
 SPREAD_GROUPS = 6  # a worker's recent groups at a staleness before it votes on their spread (at 4,
 # ten honest workers of a simulated fleet read as up to 7 standard deviations off: too few to measure it)
+#: Staler groups share this staleness's drift (with `[buffer] staleness_filter = false` a group's
+#: staleness runs up to the version: 10,000 of them made one drift lookup take 375 ms)
+MAX_DRIFT_STALENESS = 64
 DRIFT_AGE = 50  # batches a group's vote on the drift is heard for
 FORGOTTEN_KEEP = 65536  # forgotten worker ids remembered, so their queued groups make no evidence again
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
@@ -166,14 +169,22 @@ class Drift:
         self._sums: dict[tuple, dict[str, list[float]]] = {}  # per (staleness, standing): each voter's sums, until the next add
 
     def add(self, staleness: int, gap_sum: float, tokens: int, worker: str = "", variance: float = 0.0) -> None:
+        staleness = min(staleness, MAX_DRIFT_STALENESS)
         if staleness >= self._first and tokens > 0:
             self._recent.setdefault(staleness, deque(maxlen=DRIFT_WINDOW)).append(
                 (worker, gap_sum, tokens, variance, self.batch))
             self._sums.clear()
 
+    def next_batch(self) -> None:
+        """A batch is judged: stalenesses with no group heard for `DRIFT_AGE` batches are dropped."""
+        self.batch += 1
+        for k in [k for k, recent in self._recent.items() if recent[-1][4] < self.batch - DRIFT_AGE]:
+            del self._recent[k]
+            self._sums.clear()
+
     def voters(self, stalenesses: set) -> set:
         """The workers with a recent group at any of `stalenesses`."""
-        return {g[0] for k in stalenesses for g in self._heard(k)}
+        return {g[0] for k in {min(s, MAX_DRIFT_STALENESS) for s in stalenesses} for g in self._heard(k)}
 
     def at(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float | None:
         """The drift at `staleness`, without the votes of the worker(s) `excluding`; once a worker
@@ -182,6 +193,7 @@ class Drift:
         staleness's, else the nearest higher one's, scaled by the updates in between. None for a
         stale staleness with no other worker's stale groups heard; a fresh one is 0 then (held to
         the same weights' numerics)."""
+        staleness = min(staleness, MAX_DRIFT_STALENESS)
         found = self._reference(staleness, excluding, standing)
         if found is None:
             return 0.0 if staleness == 0 else None
@@ -215,6 +227,7 @@ class Drift:
         in a worker's window, and an honest worker of ten on 2 cores read as −8.0 after 294 tokens
         and was quarantined (2026-11-28). Such groups are judged only in the first pass, which finds
         the voters to leave out (a forger far off is far off at any spread), and never recorded."""
+        staleness = min(staleness, MAX_DRIFT_STALENESS)
         spreads = {}
         for k in self._recent:
             votes = self._votes(k, excluding, standing)
@@ -353,7 +366,7 @@ class Verifier:
         judged dishonest before (by `check`, or by any of `also`), and those the first pass finds
         dishonest, have no vote in the second (three forgers' medians of 47, 1e30 and 4 nats let
         the one at 4 pass beside one honest worker)."""
-        check.drift.batch += 1
+        check.drift.next_batch()
         for group in groups:
             check.drift.add(group[1], group[2], check.tokens(group), group[0], check.variance(group))
         heard = {w for w in check.drift.voters({g[1] for g in groups}) if w in self.evidence}

@@ -85,3 +85,19 @@ def test_the_run_log_is_strict_json_when_r_req_is_infinite(tmp_path):
 
     record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
     assert record == {"step": 1, "r_req": None, "loss": 0.5, "nan": None, "n": 3, "nested": {"x": [None, 1.0]}, "ok": True}
+
+
+def test_versions_never_received_are_given_up_on():
+    """A proven worker that heartbeats but never reports another install held every later version
+    in `published_at`, walked against every worker's installs each step, for the whole run."""
+    from learner.accounting import UNMEASURED_KEEP
+
+    wedged = worker("wedged", accepted=5, install_s=0.5)
+    registry = SimpleNamespace(active=lambda now: [wedged], workers={"wedged": wedged},
+                               buffer=SimpleNamespace(buffer=SimpleNamespace(stats=SimpleNamespace(accepted=0))))
+    acct = Accounting(CostMeter(3.6), 1.0, registry=registry, publisher=SimpleNamespace(wire_bytes={}),
+                      metrics=LearnerMetrics())
+    for v in range(3, 1003):
+        acct.published(v)
+        acct.broadcast_times()
+    assert len(acct.published_at) == UNMEASURED_KEEP and min(acct.published_at) == 1003 - UNMEASURED_KEEP
