@@ -121,7 +121,10 @@ class Forwarding:
 
     def settle(self, version: int) -> list[tuple[str, int]]:
         """Blame what the remembered routes' pulls say, as of planning `version`; returns the
-        newly demoted workers, each with the version it is a leaf until."""
+        newly demoted workers, each with the version it is a leaf until. Records whose blames
+        are forgotten are dropped (one per worker ever blamed, kept for good, was a week's growth)."""
+        self.records = {w: r for w, r in self.records.items()
+                        if r.leaf_until > version or version - r.blamed_at <= FORGIVE_VERSIONS}
         demoted = []
         for known in self._versions.values():
             guilty: set[str] = set()

@@ -61,6 +61,7 @@ class EvalParts:
     updates: Callable[[], int] | None = None  # the trainer's update count (a resume's versions skip ahead of it)
 
 
+STEPS_KEPT = 1024  # versions whose update is remembered for eval events: no round lags that far
 REASKS = 2  # times a round's forged answers are asked again of other workers before they are left out
 TIE_LOGITS = 0.05  # a token this far below the best is a near-tie: the learner re-decodes the prompt itself
 
@@ -76,6 +77,8 @@ class Evaluation:
 
     def _made(self, version: int) -> None:
         self._step_of[version] = self.parts.updates() if self.parts.updates is not None else version
+        if len(self._step_of) > STEPS_KEPT:  # an entry per update, for the run's whole length
+            del self._step_of[next(iter(self._step_of))]
 
     def _event(self, version: int, **fields) -> dict:
         """An eval event of the run log. Its `step` is the update that made `version`, as in the

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import shlex
 import threading
 import time
@@ -158,7 +159,7 @@ class MarketProvider(Provider):
         self._actions: queue.Queue = queue.Queue()
         self._searched_at = -float("inf")
         self.destroyed: list[str] = []  # instance ids, in order (the run log and tests read it)
-        self.errors: list[str] = []
+        self.errors: deque[str] = deque(maxlen=64)  # the latest: a day's outage retried every second was 86,400
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if background:
@@ -218,8 +219,9 @@ class MarketProvider(Provider):
             try:
                 self.step(block_s=0.2)
             except Exception as e:  # a market hiccup must not end the thread
+                if not self.errors or self.errors[-1] != str(e):  # an outage is one line, not one a second
+                    log.warning("market %s: %s (retrying every second)", self.market.name, e)
                 self.errors.append(str(e))
-                log.warning("market %s: %s", self.market.name, e)
                 time.sleep(1.0)
 
     def step(self, block_s: float = 0.0) -> None:

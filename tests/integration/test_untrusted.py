@@ -998,8 +998,8 @@ def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path
     """One worker looping over GET /v1/snapshots/{v} sent 7.8 Gbit/s of the learner's uplink; each
     reader now gets each version a few times (retries), then 429."""
     async def test(api: Api):
-        _, hog = await api.join("hog")
-        _, other = await api.join("other")
+        hog_id, hog = await api.join("hog")
+        other_id, other = await api.join("other")
 
         async def get(cred: str, path: str = "/v1/snapshots/0") -> tuple[int, bytes]:
             async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {cred}"}) as resp:
@@ -1011,6 +1011,10 @@ def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path
         assert status == 429 and json.loads(body)["error"] == "downloads"
         assert (await get(hog, "/v1/snapshots/latest"))[0] == 200  # the announcement is a few bytes
         assert await get(other) == (200, b"weights")
+        # Paths that name no held version are not counted: their raw text was the key (~8 KB each)
+        for path in ("/v1/snapshots/" + "9" * 4000, "/v1/snapshots/7", "/v1/snapshots/x" * 100):
+            assert (await get(other, path))[0] in (400, 404)
+        assert sorted(api.state.status_room.downloads) == sorted([f"{hog_id} 0", f"{other_id} 0"])
 
     run_api(tokenizer, test, tmp_path)
 

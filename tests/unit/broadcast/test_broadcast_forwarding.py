@@ -161,3 +161,14 @@ def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
     assert not has_children(plan2, "hole") and plan2["links_mbit"]["hole"][1] == 0, plan2
     assert all(bytes(g.data) == blobs[1] for g in got2.values())
     assert all(s["by"] == "push" for w in ("w1", "w2") for s in got2[w].stats.spans), [g.stats.spans for g in got2.values()]
+
+
+def test_a_record_whose_blames_are_forgotten_is_dropped():
+    f = Forwarding()
+    f.planned(route_of([["flaky", "c"]], key="v1"))
+    f.pulled("v1", "c", 0, 8)
+    assert [w for w, _ in f.settle(1)] == ["flaky"] and "flaky" in f.records
+    f.settle(1 + FORGIVE_VERSIONS)
+    assert "flaky" in f.records  # still within the stretch
+    f.settle(2 + FORGIVE_VERSIONS)
+    assert f.records == {} and f.may_forward("flaky", 2 + FORGIVE_VERSIONS)

@@ -176,3 +176,17 @@ def test_an_eval_event_names_the_update_that_made_its_version_not_only_the_versi
     asyncio.run(run())
     workers.finished(EvalResult(10, 0.5, 8, 1.0, 1, 0))  # no check configured: recorded, marked unchecked
     assert [(e["where"], e["step"], e["version"]) for e in log] == [("learner", 4, 9), ("workers", 5, 10)]
+
+
+def test_the_update_of_each_version_is_kept_for_the_recent_ones_only():
+    from learner.evaluation import STEPS_KEPT
+
+    ev = make_evaluation(LearnerEval(), parts(eval_every=0, accuracies=[0.1, 0.2]))
+
+    async def run():
+        await ev.start(0)
+        for v in range(1, 3 * STEPS_KEPT):
+            await ev.stepped(v, True, False)
+
+    asyncio.run(run())
+    assert len(ev._step_of) == STEPS_KEPT and max(ev._step_of) == 3 * STEPS_KEPT - 1
