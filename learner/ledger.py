@@ -96,26 +96,33 @@ class Ledger:
         out = Recovery()
         if not path.exists():
             return out
+        # A training no later resume rolls back, by an update this one keeps, is final: its prompt
+        # is dropped as it is read. Held to the end, a week's ledger (every prompt ever leased) was
+        # what a resume had to fit in memory. The resumes' checkpoints are read first to tell.
+        froms = [ev["from"] for ev in _events(path, only='"R"') if ev.get("e") == "R"]
+        keeps = [checkpoint_step] * (len(froms) + 1)  # per resumes seen: the oldest update still kept
+        for i in range(len(froms) - 1, -1, -1):
+            keeps[i] = min(keeps[i + 1], froms[i])
         leased: dict[str, Prompt] = {}  # insertion order = first issue
-        trained: dict[str, int] = {}
-        with path.open() as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the line a kill cut short
-                kind = ev.get("e")
-                if kind == "L":
-                    for pid, text, answer, *seed in ev["p"]:  # ledgers before episodes had no seed
-                        leased.setdefault(pid, Prompt(pid, text, answer, *seed))
-                elif kind == "T":
-                    for pid in ev["p"]:
+        trained: dict[str, int] = {}  # trainings a later resume may still roll back
+        for ev in _events(path):
+            kind = ev.get("e")
+            if kind == "L":
+                for pid, text, answer, *seed in ev["p"]:  # ledgers before episodes had no seed
+                    leased.setdefault(pid, Prompt(pid, text, answer, *seed))
+            elif kind == "T":
+                final = ev["s"] <= keeps[out.starts]
+                for pid in ev["p"]:
+                    if final:
+                        leased.pop(pid, None)
+                        trained.pop(pid, None)
+                    else:
                         trained[pid] = ev["s"]
-                elif kind == "P":
-                    out.newest_published = max(out.newest_published, ev["v"])
-                elif kind == "R":  # that resume rolled back every update after its checkpoint
-                    out.starts += 1
-                    trained = {pid: step for pid, step in trained.items() if step <= ev["from"]}
+            elif kind == "P":
+                out.newest_published = max(out.newest_published, ev["v"])
+            elif kind == "R":  # that resume rolled back every update after its checkpoint
+                out.starts += 1
+                trained = {pid: step for pid, step in trained.items() if step <= ev["from"]}
         for pid, prompt in leased.items():
             step = trained.get(pid)
             if step is None or step > checkpoint_step:
@@ -123,6 +130,18 @@ class Ledger:
                 out.trained_rolled_back += step is not None
         out.starts += 1  # the first start wrote no "R"
         return out
+
+
+def _events(path: Path, only: str | None = None) -> Iterator[dict]:
+    """The ledger's events (lines containing `only`, if given), the line a kill cut short skipped."""
+    with path.open() as f:
+        for line in f:
+            if only is not None and only not in line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
 
 
 def unique_ids(prompts: Iterator[Prompt], start: int = 0) -> Iterator[Prompt]:

@@ -1,5 +1,6 @@
-"""The custody ledger keeps what an episode starts from: a re-issued or recovered prompt is the
-same hand (its seed), not the seed-0 hand every prompt would otherwise become."""
+"""The custody ledger keeps what an episode starts from (a re-issued or recovered prompt is the
+same hand, its seed, not the seed-0 hand every prompt would otherwise become), and a resume
+owes exactly the prompts leased and not trained by an update it keeps, holding no more."""
 
 from __future__ import annotations
 
@@ -55,3 +56,75 @@ def test_a_prompt_leased_again_before_it_is_trained_is_written_once(tmp_path):
     assert path.read_text().count('"p1","t') == 2 and path.read_text().count('"p2"') == 1
     _, recovery = Ledger.open_run(path, 0, resumed=True)
     assert [p.id for p in recovery.pending] == ["p1", "p2"]
+
+
+def _replay_holding_everything(path, checkpoint_step: int) -> list[str]:
+    """The replay as it was (every prompt ever leased held to the end): the reference."""
+    import json
+
+    leased, trained, starts = {}, {}, 0
+    for line in path.read_text().splitlines():
+        ev = json.loads(line)
+        if ev["e"] == "L":
+            for pid, *_ in ev["p"]:
+                leased.setdefault(pid, pid)
+        elif ev["e"] == "T":
+            for pid in ev["p"]:
+                trained[pid] = ev["s"]
+        elif ev["e"] == "R":
+            trained = {pid: s for pid, s in trained.items() if s <= ev["from"]}
+    return [pid for pid in leased if trained.get(pid) is None or trained[pid] > checkpoint_step]
+
+
+def test_replay_drops_final_trainings_as_it_reads_and_owes_what_it_did():
+    """A resume held every prompt ever leased until the end of the ledger: a week's. Trainings no
+    later resume rolls back are dropped as read; what is owed is the same, over random runs of
+    leases, trainings and resumes from older checkpoints."""
+    import random
+    import tempfile
+    from pathlib import Path
+
+    rng = random.Random(0)
+    for trial in range(200):
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "ledger.jsonl"
+            ledger = Ledger(path)
+            step, untrained, n = 0, [], 0
+            for _ in range(rng.randint(1, 40)):
+                r = rng.random()
+                if r < 0.4:
+                    new = [Prompt(f"p{n + i}", "t", "a") for i in range(rng.randint(1, 3))]
+                    n += len(new)
+                    ledger.leased(new)
+                    untrained += [p.id for p in new]
+                elif r < 0.8 and untrained:
+                    step += 1
+                    done = rng.sample(untrained, rng.randint(1, len(untrained)))
+                    ledger.trained(step, done)
+                    untrained = [p for p in untrained if p not in done]
+                elif r < 0.9 and step:
+                    step = rng.randint(0, step)  # resumed from an older checkpoint
+                    ledger.resumed(step)
+            ledger.close()
+            checkpoint = rng.randint(0, step)
+            got = [p.id for p in Ledger.replay(path, checkpoint).pending]
+            assert got == _replay_holding_everything(path, checkpoint), (trial, path.read_text())
+
+
+def test_replaying_a_long_ledger_holds_only_what_is_owed(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    for step in range(1, 2001):
+        batch = [Prompt(f"s{step}.{i}", "x" * 1000, "a") for i in range(10)]
+        ledger.leased(batch)
+        ledger.trained(step, [p.id for p in batch])
+    ledger.leased([Prompt("owed", "y", "b")])
+    ledger.close()
+    tracemalloc.start()
+    recovery = Ledger.replay(path, 2000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [p.id for p in recovery.pending] == ["owed"]
+    assert peak < 2 << 20, peak  # 20,000 prompts of 1 KB read: ~30 MB when all were held
