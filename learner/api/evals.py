@@ -19,7 +19,7 @@ from aiohttp import web
 
 from echo import protocol as P
 from echo.wire import Rejected
-from learner.api.http import Auth, json_error, read_body, reply
+from learner.api.http import Auth, continue_later, json_error, read_body, reply
 from learner.api.run import Run
 from learner.api.workers import WorkerInfo
 from learner.config import LearnerConfig
@@ -59,7 +59,7 @@ class EvalRoom:
                 self.on_result(result)
             return reply(P.EvalReply(accepted=len(req.rewards)))
 
-        return [web.post("/v1/eval", eval_results)]
+        return [web.post("/v1/eval", eval_results, expect_handler=continue_later)]
 
     async def score(self, req: P.EvalSubmission) -> dict[str, float]:
         prompts = self.book.prompts

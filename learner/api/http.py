@@ -114,11 +114,24 @@ async def body_at_most(request: web.Request, most: int) -> bytes:
     return b"".join(chunks)
 
 
+async def continue_later(request: web.Request) -> None:
+    """A route's `expect_handler`: nothing yet. `invite_body` answers `Expect: 100-continue` once
+    the request is admitted (its credential, and its declared length within the route's bound),
+    not before, as aiohttp's default does."""
+
+
+async def invite_body(request: web.Request) -> None:
+    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
 async def read_body(request: web.Request, model: type[P.Message], rejected) -> P.Message:
-    """The request's JSON body as `model`, at most `model.max_bytes`; a bad one counts in `rejected`."""
+    """The request's JSON body as `model`, at most `model.max_bytes`; a bad one counts in `rejected`.
+    Its route's `expect_handler` is `continue_later`: the body is invited here."""
     refuse_encoding(request, rejected)
     if (request.content_length or 0) > model.max_bytes:
         raise web.HTTPRequestEntityTooLarge(max_size=model.max_bytes, actual_size=request.content_length)
+    await invite_body(request)
 
     body = await read_in_time(request, lambda: body_at_most(request, model.max_bytes), rejected)
     try:

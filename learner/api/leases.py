@@ -25,7 +25,7 @@ from aiohttp import web
 from echo import protocol as P
 from echo.tasks import Prompt
 from learner.admission import Waiters
-from learner.api.http import Auth, json_error, read_body, reply
+from learner.api.http import Auth, continue_later, json_error, read_body, reply
 from learner.api.run import Run
 from learner.buffer import AsyncBuffer
 from learner.config import ServerSection
@@ -170,7 +170,8 @@ class LeaseRoom:
             self.freed(count, worker.id)
             return reply(P.ReleaseReply(released=count))
 
-        return [web.post("/v1/lease", lease), web.post("/v1/release", release)]
+        return [web.post("/v1/lease", lease, expect_handler=continue_later),
+                web.post("/v1/release", release, expect_handler=continue_later)]
 
     async def _lease(self, worker, req: P.LeaseRequest) -> web.Response:
         run, server, buf = self.run, self.server, self.buffer.buffer

@@ -33,6 +33,8 @@ from learner.api.http import (
     Auth,
     Refusal,
     body_at_most,
+    continue_later,
+    invite_body,
     json_error,
     read_in_time,
     refuse_encoding,
@@ -85,7 +87,7 @@ class UploadRoom:
 
         # `Expect: 100-continue` is answered by `upload`, once the lease and the bounds are checked:
         # aiohttp's own answer, before any handler, invited bodies the learner would then refuse.
-        return [web.post("/v1/trajectories", trajectories, expect_handler=_continue_later)]
+        return [web.post("/v1/trajectories", trajectories, expect_handler=continue_later)]
 
     async def upload(self, request: web.Request, worker: WorkerInfo) -> web.Response:
         if request.content_type != CONTENT_TYPE:
@@ -121,7 +123,7 @@ class UploadRoom:
         self.by_worker[worker.id] = mine + claim
         self.by_address[worker.address] = here + claim
         try:
-            await _invite_body(request)
+            await invite_body(request)
             raw = await read_in_time(request, lambda: body_at_most(request, most), self.metrics.rejected)
         except web.HTTPRequestEntityTooLarge:
             raise Rejected(413, "oversized", f"upload larger than {most} bytes, what this run's group_size and "
@@ -250,12 +252,3 @@ def group_masks(samples) -> list[list[int]] | None:
     if all(s.mask is None for s in samples):
         return None
     return [s.mask if s.mask is not None else [1] * len(s.tokens) for s in samples]
-
-
-async def _continue_later(request: web.Request) -> None:
-    """Nothing yet: `_invite_body` answers an `Expect: 100-continue` once the upload is admitted."""
-
-
-async def _invite_body(request: web.Request) -> None:
-    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

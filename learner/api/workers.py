@@ -29,7 +29,7 @@ from broadcast.links import MBIT, LinkSample, LinkTable
 from echo import protocol as P
 from learner.addresses import AddressBook, remember
 from learner.admission import JoinGate, TokenBucket
-from learner.api.http import Auth, json_error, read_body, reply, secret_hash
+from learner.api.http import Auth, continue_later, json_error, read_body, reply, secret_hash
 from learner.api.leases import LeaseRoom
 from learner.api.run import Run
 from learner.buffer import AsyncBuffer, Group
@@ -390,7 +390,8 @@ class WorkerRegistry:
             report = await read_body(request, P.Report, self.metrics.rejected)
             return reply(self.heartbeat(worker, report))
 
-        return [web.post("/v1/join", join), web.post("/v1/heartbeat", heartbeat)]
+        return [web.post("/v1/join", join, expect_handler=continue_later),
+                web.post("/v1/heartbeat", heartbeat, expect_handler=continue_later)]
 
 
 def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, run: Run, broadcast: P.BroadcastInfo,

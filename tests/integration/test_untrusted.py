@@ -317,6 +317,33 @@ def test_an_upload_that_expects_100_continue_is_invited_only_once_admitted(token
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_json_body_that_expects_100_continue_is_invited_only_within_its_bound(tokenizer, tmp_path):
+    """The JSON routes answered `100 Continue` before the declared length was checked (a 3 MB
+    heartbeat was invited, then refused); and before the credential was."""
+    from urllib.parse import urlsplit
+
+    async def first_line(api: Api, path: str, cred: str, length: int) -> tuple[str, asyncio.StreamWriter]:
+        url = urlsplit(api.url)
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {length}\r\n"
+                      "Expect: 100-continue\r\n\r\n").encode())
+        await writer.drain()
+        return (await asyncio.wait_for(reader.readline(), 5)).decode(), writer
+
+    async def test(api: Api):
+        _, cred = await api.join("w")
+        for path, length, expected in [("/v1/heartbeat", 3_000_000, "413"), ("/v1/join", 300_000, "413"),
+                                       ("/v1/heartbeat", 2, "100"), ("/v1/lease", 2, "100"),
+                                       ("/v1/heartbeat", 2, "401")]:
+            who = "w9.wrong" if expected == "401" else TOKEN if path == "/v1/join" else cred
+            line, writer = await first_line(api, path, who, length)
+            writer.close()
+            assert line.startswith(f"HTTP/1.1 {expected}"), (path, length, line)
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
     """Eval leases carry no answers (a worker holding them could return them as its model's), and
     the rewards a worker sends are not read: the learner scores the completions itself."""
