@@ -281,20 +281,25 @@ def test_a_statistical_verdict_quarantines_the_worker_but_bans_no_address(tokeni
     run_api(tokenizer, test, tmp_path)
 
 
+async def expecting_continue(api: Api, path: str, cred: str, content_type: str, length: int):
+    """Send a POST's headers alone, with `Expect: 100-continue`; (reader, writer, the first reply line)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(api.url)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
+                  f"Content-Type: {content_type}\r\nContent-Length: {length}\r\n"
+                  "Expect: 100-continue\r\n\r\n").encode())
+    await writer.drain()
+    return reader, writer, (await asyncio.wait_for(reader.readline(), 5)).decode()
+
+
 def test_an_upload_that_expects_100_continue_is_invited_only_once_admitted(tokenizer, tmp_path):
     """aiohttp answered `Expect: 100-continue` before any handler ran, so a worker holding no
     lease was invited to send its body, which was then refused. Now the lease and the bounds
     are checked first: a refusal comes instead of the invitation, an admitted upload is invited."""
-    from urllib.parse import urlsplit
-
     async def send_headers(api: Api, cred: str, body: bytes):
-        url = urlsplit(api.url)
-        reader, writer = await asyncio.open_connection(url.hostname, url.port)
-        writer.write((f"POST /v1/trajectories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
-                      f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n"
-                      "Expect: 100-continue\r\n\r\n").encode())
-        await writer.drain()
-        return reader, writer, (await asyncio.wait_for(reader.readline(), 5)).decode()
+        return await expecting_continue(api, "/v1/trajectories", cred, CONTENT_TYPE, len(body))
 
     async def test(api: Api):
         w, cred = await api.join("w")
@@ -320,24 +325,13 @@ def test_an_upload_that_expects_100_continue_is_invited_only_once_admitted(token
 def test_a_json_body_that_expects_100_continue_is_invited_only_within_its_bound(tokenizer, tmp_path):
     """The JSON routes answered `100 Continue` before the declared length was checked (a 3 MB
     heartbeat was invited, then refused); and before the credential was."""
-    from urllib.parse import urlsplit
-
-    async def first_line(api: Api, path: str, cred: str, length: int) -> tuple[str, asyncio.StreamWriter]:
-        url = urlsplit(api.url)
-        reader, writer = await asyncio.open_connection(url.hostname, url.port)
-        writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cred}\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {length}\r\n"
-                      "Expect: 100-continue\r\n\r\n").encode())
-        await writer.drain()
-        return (await asyncio.wait_for(reader.readline(), 5)).decode(), writer
-
     async def test(api: Api):
         _, cred = await api.join("w")
         for path, length, expected in [("/v1/heartbeat", 3_000_000, "413"), ("/v1/join", 300_000, "413"),
                                        ("/v1/heartbeat", 2, "100"), ("/v1/lease", 2, "100"),
                                        ("/v1/heartbeat", 2, "401")]:
             who = "w9.wrong" if expected == "401" else TOKEN if path == "/v1/join" else cred
-            line, writer = await first_line(api, path, who, length)
+            _, writer, line = await expecting_continue(api, path, who, "application/json", length)
             writer.close()
             assert line.startswith(f"HTTP/1.1 {expected}"), (path, length, line)
 

@@ -62,7 +62,7 @@ def _replay_holding_everything(path, checkpoint_step: int) -> list[str]:
     """The replay as it was (every prompt ever leased held to the end): the reference."""
     import json
 
-    leased, trained, starts = {}, {}, 0
+    leased, trained = {}, {}
     for line in path.read_text().splitlines():
         ev = json.loads(line)
         if ev["e"] == "L":
