@@ -46,8 +46,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key VALUE")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(args):
-                if "." not in key:  # `--bogus` last: an unknown flag, not a value-less override
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):  # no value given: a value never starts so
+                if "." not in key:  # `--bogus`: an unknown flag, not a value-less override
                     raise ConfigError(f"unknown option --{key}; overrides look like --section.key VALUE (see --help)")
                 raise ConfigError(f"override --{key} needs a value")
             value = args[i + 1]

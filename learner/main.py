@@ -22,7 +22,7 @@ from learner.config import load_learner_config
 from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
-from learner.rundir import RunDir
+from learner.rundir import RunDir, port_in_use
 from learner.serve import serve
 from learner.train.dist import DeviceError, close, init_world, under_torchrun
 
@@ -88,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         return follow(cfg, world, args.resume)
     more_files()  # the control API holds a few connections per worker
     run_dir = RunDir(cfg, args.resume)
+    port = cfg.server.port or (run_dir.port(0) if run_dir.resumed else 0)
+    if port and port_in_use(cfg.server.host, port):  # said now, not in a traceback after the model loaded
+        print(f"echo-learner: {cfg.server.host}:{port} is in use"
+              + (f": is {run_dir} served by a learner already? Stop it first" if run_dir.resumed else "")
+              + "; or choose another --server.port (0: a free one)", file=sys.stderr)
+        close(world)
+        return 2
     workers = LocalWorkers(cfg.workers, run_dir / "workers", run_dir.token, cfg.run.seed)
     try:
         return serving.run(serve(cfg, world, run_dir, workers, args.json))

@@ -72,6 +72,20 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return latest.resolve() if latest.exists() else None
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Is `host:port` bound by another process now (as the control API would bind it)?"""
+    import errno
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        return e.errno == errno.EADDRINUSE
+    return False
+
+
 def free_port_below_ephemeral(host: str = "127.0.0.1", tries: int = 64) -> int:
     """A port free now, outside the range the kernel picks outgoing connections' ports from
     (0: let the kernel choose, if none is found)."""

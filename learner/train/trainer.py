@@ -224,6 +224,7 @@ class Trainer:
         norms = [self._update(samples, share, tokens, old, ref, gaps, sums)
                  for share, tokens in zip(shares, slice_tokens)]
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this update ran at (after the step: the next one's)
         self.scheduler.step()
         self.version += 1
         self.updates += 1
@@ -250,7 +251,7 @@ class Trainer:
             "tokens": samples.total_tokens,
             "padded_token_share": 1 - real / max(1.0, computed),  # of what the update's forwards computed
             **samples.turn_fields(),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
             "group_tokens": group_tokens,  # per group: [Σ(u − ½), Σ variance, inside, outside]
             "skipped_tokens": skipped_tokens,  # the same for skipped groups drawn: (index in batch.skipped_sample, terms)

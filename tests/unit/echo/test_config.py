@@ -22,6 +22,8 @@ def test_an_unknown_flag_last_is_named_as_one():
     """`echo-learner --bogus` said "override --bogus needs a value"."""
     with pytest.raises(ConfigError, match=r"unknown option --bogus; overrides look like --section.key VALUE"):
         parse_overrides(["--run.steps", "3", "--bogus"])
+    with pytest.raises(ConfigError, match=r"unknown option --bogus"):  # it blamed '3'
+        parse_overrides(["--bogus", "--run.steps", "3"])
     with pytest.raises(ConfigError, match=r"override --run.steps needs a value"):
         parse_overrides(["--run.steps"])
 

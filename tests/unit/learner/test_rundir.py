@@ -40,3 +40,21 @@ def test_resume_of_a_directory_that_is_no_run_says_so(tmp_path, capsys):
 
     assert main(["--resume", str(tmp_path / "nowhere")]) == 2
     assert "not a run directory (no config.toml there)" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_said_in_one_line_before_anything_loads(tmp_path, capsys, tiny_model):
+    """A second learner on a busy port (or resuming a run another learner serves) loaded the
+    model, then died in a 40-line traceback, leaving an empty run directory behind."""
+    import socket
+
+    from learner.main import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["--model.path", str(tiny_model), "--run.dir", str(tmp_path), "--server.port", str(port),
+                     "--run.steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"127.0.0.1:{port} is in use" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no run directory left behind

@@ -187,6 +187,15 @@ def test_preflight_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
         preflight(cfg, 1, "cpu")
 
 
+def test_each_step_logs_the_learning_rate_it_ran_at(tiny_model):
+    """The run log's `lr` was read after the scheduler stepped: the next update's rate (warm-up
+    step 1 read 6e-5 where it ran at 3e-5)."""
+    trainer = _trainer(tiny_model, "--trainer.lr", "3e-4", "--trainer.warmup_steps", "10",
+                       "--trainer.schedule", "linear", "--run.steps", "40")
+    assert [trainer.step(synthetic_batch(k, trainer.vocab_size))["lr"] for k in range(3)] == pytest.approx(
+        [3e-5, 6e-5, 9e-5])
+
+
 def test_fp16_autocast_with_loss_scaling_trains(tiny_model):
     """compute_dtype = 'float16': autocast with a gradient scaler (fp16 overflows without one);
     the masters stay fp32 and move."""
