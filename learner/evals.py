@@ -90,6 +90,12 @@ class EvalBook:
         `verified` scores of the rest: the round's result then covers every prompt again."""
         self.round = _Round(version, now, deque(prompt_ids), rewards=dict(verified))
 
+    def wants_newer(self, worker_version: int, installable: int) -> bool:
+        """Does the open round need answers of a version newer than `worker_version`, one the
+        worker can install now (at most `installable`)?"""
+        r = self.round
+        return r is not None and bool(r.pending) and worker_version < r.version <= installable
+
     def lease(self, worker_id: str, worker_version: int, max_prompts: int, now: float) -> tuple[str, int, list[Prompt]] | None:
         r = self.round
         if r is None or not r.pending or worker_version != r.version:

@@ -219,6 +219,10 @@ class LeaseRoom:
                                                            snapshot=run.announcement, eval_version=None, empty=""))
             if room:
                 self.waiters.wake(1)  # this worker's window is full: the room is the next waiter's
+            elif self.evals is not None and self.evals.wants_newer(worker.version, run.published_version):
+                # Nothing to generate, and an eval round wants a version it can install: parked, a
+                # worker installs only between requests, and the run's last eval waited out the poll.
+                return answer(P.LeaseReply(empty="install", snapshot=run.announcement))
             if now >= deadline:
                 return answer(P.LeaseReply(empty="wait", snapshot=run.announcement))
             await self.waiters.wait(deadline - now, worker)

@@ -338,6 +338,31 @@ def test_a_json_body_that_expects_100_continue_is_invited_only_within_its_bound(
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_parked_worker_is_told_to_install_the_version_an_eval_round_wants(tokenizer, tmp_path):
+    """Training over, a worker's lease request parked on v0 when the last version's eval round
+    opened: woken, it got no eval lease (it held v0) and parked again for the whole long poll
+    (10 s), since a worker installs only between requests: 8 of 22 final evals took 9-10 s."""
+    from learner.evals import EvalBook
+
+    prompts = load_task("arith", {}).eval_prompts()[:8]
+
+    async def test(api: Api):
+        state = api.state
+        state.run.training_done = True  # nothing to generate: a request parks
+        _, cred = await api.join("w")
+        parked = asyncio.create_task(api.call("/v1/lease", {"max_prompts": 4, "version": 0, "wait_s": 30}, token=cred))
+        await asyncio.sleep(0.3)
+        state.run.blobs.add(1, b"weights-1")
+        state.evals.open(1, time.monotonic())
+        state.lease_room.changed()  # what opening a round does
+        status, reply, _ = await parked
+        assert status == 200 and reply["empty"] == "install" and reply["waited_s"] < 2.0, reply
+        status, reply, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred)
+        assert reply["eval_version"] == 1  # installed: its eval lease
+
+    run_api(tokenizer, test, tmp_path, evals=EvalBook(prompts, 30.0, 4), **{"server.long_poll_s": 20.0})
+
+
 def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
     """Eval leases carry no answers (a worker holding them could return them as its model's), and
     the rewards a worker sends are not read: the learner scores the completions itself."""
