@@ -117,6 +117,7 @@ class Node:
         self.connection_limits = connection_limits  # open connections per address (`ConnectionCap`); None: any
         self.readers: Readers | None = None  # set with the run's key by Source and Relay
         self.on_pull: Callable[[str, str, int, int], None] | None = None  # (key, ticket holder, chunks) of each pull served
+        self.on_pushed: Callable[[str, str, int], None] | None = None  # (key, member, tree) of each push taken whole
         self.transport = transport
         self.host, self.port = host, port
         self._public_url = public_url
@@ -311,6 +312,8 @@ class Node:
             nbytes = sum(store.manifest.chunks[i].wire_length for i in range(first, end))
             store.stats.pushes.append({"chain": tree, "pos": member, "to": child.id, "seconds": round(dt, 4),
                                        "bytes": nbytes})
+            if self.on_pushed is not None:  # the learner's source: whoever acknowledged a whole span has it
+                self.on_pushed(store.key, child.id, tree)
             log.info("%s: pushed %s[%d:%d] to %s in %.2f s (%.1f MiB/s)", self.id, store.key, first, end,
                      child.id, dt, nbytes / MIB / max(dt, 1e-9))
         return status, text

@@ -122,6 +122,7 @@ class ChainPublisher(StarPublisher):
         self.source.readers.skew = 0.0  # the source's clock is the one that issued them
         self.tickets = TicketOffice(key, self.source.readers, lifetime=self.ticket_s)
         self.source.on_pull = self._pulled
+        self.source.on_pushed = self.forwarding.pushed
         url = await self.source.start()
         self.info = BroadcastInfo(mode="chain", public_key=self.public_key, source=url, fallback_s=self.fallback_s)
         return url

@@ -84,6 +84,26 @@ def test_blames_are_forgotten_after_a_clean_stretch():
     assert fail_once(8 + 2 * FORGIVE_VERSIONS) == FIRST_LEAF_VERSIONS  # forgotten: starts again
 
 
+def test_a_relay_that_acknowledged_a_push_whole_and_pulled_it_anyway_is_blamed_itself():
+    """A relay with accepted work swallowed its pushes and pulled each version from the learner:
+    walking up from its children's pulls, it passed for a child that pulled too, and nobody was
+    blamed for 34 versions (rollouts -40-58%). A member the source pushed a tree to whole has
+    no reason to pull it."""
+    route = route_of([["hole", "c"]])
+    assert blamed(route, {"hole": [None], "c": [None]}) == set()  # as it was: nobody
+    assert blamed(route, {"hole": [None], "c": [None]}, {(0, "hole")}) == {"hole"}
+    assert blamed(route, {"c": [None]}, {(0, "hole")}) == {"hole"}  # the plain black hole, as before
+    deep = route_of([["a", "hole", "c"]])  # the hole fed by a relay, not the source: its parent is blamed
+    assert blamed(deep, {"hole": [None], "c": [None]}, {(0, "a")}) == {"a"}
+    f = Forwarding()
+    f.planned(route_of([["hole", "c"]], key="v1"))
+    f.pushed("v1", "hole", 0)
+    f.pushed("v1", "stranger", 0)  # named by no route: not remembered
+    f.pulled("v1", "hole", 0, 8)
+    f.pulled("v1", "c", 0, 8)
+    assert f.settle(1) == [("hole", 1 + FIRST_LEAF_VERSIONS)]
+
+
 async def black_hole_relay() -> tuple[web.AppRunner, str]:
     """A relay that takes every push whole, answers 200, and forwards nothing (nor serves pulls)."""
     async def push(request: web.Request) -> web.Response:
@@ -134,6 +154,8 @@ def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
             await pub.publish(1, blobs[0], workers)
             pub.source.on_pull("v1", "new", 0, 1)  # a pull by a worker with no accepted work blames nobody
             assert "new" not in pub.forwarding.pulls(1)
+            # The hole pulls v1 itself, as a tester's did (its children's pulls then passed it by)
+            pub.source.on_pull("v1", "hole", 0, pub.source.stores["v1"].manifest.num_chunks)
             got1 = {w: bytes((await r.wait("v1", 30)).data) for w, r in relays.items()}
             pulled1 = {w: [s["by"] for s in r.stores["v1"].stats.spans] for w, r in relays.items()}
             await pub.publish(2, blobs[1], workers)
