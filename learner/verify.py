@@ -71,8 +71,11 @@ UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody
 @dataclass
 class Evidence:
     rewards: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # 1 = mismatch, per checked sample
-    gap_sum: float = 0.0  # Σ (|log π − log μ| − the fleet's drift at the group's staleness)
-    gap_tokens: int = 0
+    # per checked group: (Σ (|log π − log μ| − the fleet's drift at its staleness), tokens); judged on
+    # the recent ones: on its whole history, 4,000 honest groups bought a forger 1,532 groups at
+    # 3 nats a token trained before its mean crossed the bound (a tester, 2026-11-28)
+    gaps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    gap_tokens: int = 0  # over its whole history: standing
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
     upload_seen: float = 0.0  # bytes/s: the fastest download any child reported from this worker
     claims_clamped: int = 0
@@ -109,11 +112,17 @@ class Evidence:
 
     @property
     def mean_gap(self) -> float:
-        return self.gap_sum / self.gap_tokens if self.gap_tokens else 0.0
+        """Nats per token beyond the fleet's drift over its last `WINDOW` checked groups."""
+        tokens = self.recent_gap_tokens
+        return sum(g for g, _ in self.gaps) / tokens if tokens else 0.0
+
+    @property
+    def recent_gap_tokens(self) -> int:
+        return sum(n for _, n in self.gaps)
 
     def copy(self) -> Evidence:
         """To add a batch to without keeping it (a first pass)."""
-        return replace(self, rewards=deque(self.rewards, maxlen=WINDOW),
+        return replace(self, rewards=deque(self.rewards, maxlen=WINDOW), gaps=deque(self.gaps, maxlen=WINDOW),
                        token_checks=deque(self.token_checks, maxlen=TOKEN_WINDOW))
 
 
@@ -404,7 +413,7 @@ class Verifier:
 
     def _add_gap(self, ev: Evidence, group: tuple, drift: float, spread: float) -> None:
         _, _, gap_sum, tokens = group
-        ev.gap_sum += max(0.0, gap_sum - tokens * drift)
+        ev.gaps.append((max(0.0, gap_sum - tokens * drift), tokens))
         ev.gap_tokens += tokens
 
     def _gap_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
@@ -412,7 +421,7 @@ class Verifier:
             return None
         return Verdict(worker_id, "logprobs",
                        f"its behaviour log-probs differ from the trainer's by {ev.mean_gap:.3f} nats "
-                       f"per token beyond the fleet's drift at their staleness, on {ev.gap_tokens} "
+                       f"per token beyond the fleet's drift at their staleness, on its last {ev.recent_gap_tokens} "
                        f"tokens (allowed {self.cfg.max_logprob_gap})")
 
     def _add_tokens(self, ev: Evidence, group: tuple, drift: float, spread: float) -> None:

@@ -347,3 +347,18 @@ def test_the_drift_holds_a_bounded_number_of_stalenesses():
     d.add(3, 0.5 * 40, 40, "w1")
     d.next_batch()
     assert list(d._recent) == [3]  # stalenesses unheard for DRIFT_AGE batches are dropped
+
+
+def test_a_forger_with_a_long_honest_history_is_caught_within_a_window():
+    """A tester's worker with ~4,000 honest groups then sent μ 3 nats a token off: judged on its
+    whole history, 1,532 forged groups were trained before the mean crossed the bound."""
+    from learner.verify import WINDOW
+
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=64))
+    for _ in range(400):  # honest history: 10 batches' worth per call, the others alike
+        assert v.logprobs_checked(batch({"a": 0.1, "b": 0.12, "c": 0.1, "forger": 0.11}, staleness=1)) == []
+    forged = 0
+    while not (verdicts := v.logprobs_checked(batch({"a": 0.1, "b": 0.12, "c": 0.1, "forger": 3.0}, staleness=1))):
+        forged += 1
+    assert [x.worker_id for x in verdicts] == ["forger"] and forged < WINDOW // 4, forged
+    assert "on its last" in verdicts[0].message
