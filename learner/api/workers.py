@@ -197,6 +197,9 @@ class WorkerRegistry:
                          f"{leased} leased prompts re-issued")
         self.workers[wid] = info
         self.addresses.joined(address)
+        # One more alive now, not at the reaper's next count: 16 identities joining within its second
+        # each took a share of three workers' prompts, and held all 96 in flight for ~20 s.
+        self.leases.book.alive += 1
         if self.fleet is not None:
             info.fleet_key = self.fleet.joined(now, wid, machine)
             info.active = self.fleet.is_active(info.fleet_key)

@@ -721,6 +721,24 @@ def test_one_worker_cannot_hoard_every_prompt(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path, **{"server.lease_first_prompts": 3, "server.long_poll_s": 0})
 
 
+def test_a_wave_of_new_identities_takes_a_share_each_not_every_prompt(tokenizer, tmp_path):
+    """Workers alive were counted once a second: 48 identities joining within it each took a
+    share of a few workers' prompts, held all 96 in flight and stalled the run ~20 s, per wave."""
+    async def test(api: Api):
+        _, honest = await api.join("honest")
+        sybils = [(await api.join(f"sybil-{i}"))[1] for i in range(12)]
+        held = 0
+        for cred in sybils:
+            status, lease, _ = await api.call("/v1/lease", {"max_prompts": 64}, token=cred)
+            held += len(lease["prompts"] or [])
+        assert held <= 12  # a share each of 24 among 13 alive: 1
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 4}, token=honest)
+        assert status == 200 and lease["prompts"]
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_inflight_prompts": 24, "server.lease_first_prompts": 8,
+                                          "server.long_poll_s": 0, "server.max_workers_per_address": 16})
+
+
 def test_one_address_cannot_fill_the_fleet_or_guess_tokens(tokenizer, tmp_path):
     async def test(api: Api):
         for i in range(3):
