@@ -194,7 +194,9 @@ class WorkerEvaluation(Evaluation):
         self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
                         f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
                         + (f", {result.restarts} restarts" if result.restarts else "")
-                        + (f", {forged} forged answers left out" if forged else "")
+                        + (f", {forged} forged answers " + ("answered again by others" if result.prompts == len(self.prompts)
+                                                            else f"left out, {len(self.prompts) - result.prompts} unanswered")
+                           if forged else "")
                         + (f", {self.round_redecoded} near-ties re-decoded here" if checked and self.round_redecoded else "")
                         + ("" if checked else ", answers not checked")
                         + ")")

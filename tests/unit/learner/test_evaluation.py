@@ -93,6 +93,8 @@ def test_a_checked_round_reports_the_checked_accuracy_everywhere():
 
     p.hold, p.greedy_gaps, p.encode = hold, gaps, lambda prompt: [1]
     p.quarantine = lambda worker_id, why: quarantined.append(worker_id)
+    notes = []
+    p.note = notes.append
     ev = WorkerEvaluation(WorkersEval(), p)
     ids = sorted(pr.id for pr in p.prompts[:3])
     result = EvalResult(3, 2 / 3, 3, 1.0, 2, 0, answers={ids[0]: ("a", [1]), ids[1]: ("liar", [1]), ids[2]: ("a", [1])},
@@ -105,6 +107,8 @@ def test_a_checked_round_reports_the_checked_accuracy_everywhere():
 
     asyncio.run(run())
     assert quarantined == ["liar"] and ev.last.accuracy == 0.5 and ev.last.prompts == 2
+    # Re-asked (here: nobody else held the version), so left out; said apart from answered-again ones
+    assert any("1 forged answers left out, 6 unanswered" in n for n in notes), notes
     assert p.metrics.eval_accuracy._value.get() == 0.5
 
 
