@@ -472,9 +472,9 @@ def test_joins_from_outside_the_allowed_networks_are_refused(tokenizer, tmp_path
 def test_a_long_polled_lease_is_served_the_moment_room_frees_up(tokenizer, tmp_path):
     async def test(api: Api):
         a, cred_a = await api.join("a")
-        b, cred_b = await api.join("b")
         status, held, _ = await api.call("/v1/lease", {"max_prompts": 4}, token=cred_a)  # all the room there is
-        assert len(held["prompts"]) == 4
+        assert len(held["prompts"]) == 4  # alone: a newcomer's share is all of it
+        b, cred_b = await api.join("b")
         t0 = time.monotonic()
         waiting = asyncio.create_task(api.call("/v1/lease", {"max_prompts": 2, "wait_s": 30}, token=cred_b))
         await asyncio.sleep(0.5)
