@@ -29,6 +29,9 @@ from typing import Literal
 
 from scheduler.errors import SchedulerError
 
+#: The target `tick` is given when no capacity can meet the capacity rule (every worker is activated)
+INFEASIBLE = 1e12
+
 
 @dataclass(frozen=True, slots=True)
 class ControllerParams:
@@ -224,7 +227,8 @@ class Controller:
             spent += w.price
             w.active, w.active_since = True, now
             added += w.rate
-            out.append(Decision("activate", w.id, f"R_eff below target {target:.3g}/s by {deficit:.3g}/s"))
+            out.append(Decision("activate", w.id, "no capacity meets the rule: every worker" if target >= INFEASIBLE
+                                else f"R_eff below target {target:.3g}/s by {deficit:.3g}/s"))
         self._shortfall = max(0.0, deficit - added)
         return out
 

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.capacity import requirement
-from scheduler.controller import Controller, ControllerParams, Decision
+from scheduler.controller import INFEASIBLE, Controller, ControllerParams, Decision
 from scheduler.errors import InfeasibleOverlap
 from scheduler.pool import Pool
 from scheduler.market import bandwidth_per_hour
@@ -252,7 +252,7 @@ class Fleet:
         except InfeasibleOverlap as e:  # says what to change: I, S and the broadcast time together
             infeasible, r_req = str(e), math.inf
         # After release_all (the budget) nothing is activated again: the target is zero.
-        decisions = self.controller.tick(now, 0.0 if self.stopped else r_req if math.isfinite(r_req) else 1e12)
+        decisions = self.controller.tick(now, 0.0 if self.stopped else r_req if math.isfinite(r_req) else INFEASIBLE)
         for d in decisions:
             cand = self.candidates[d.worker_id]
             if d.action == "activate" and not cand.joined and self.provider.launches_machines:

@@ -147,3 +147,12 @@ def test_errors() -> None:
         ControllerParams(alpha=0.5)
     with pytest.raises(SchedulerError):
         ctl.tick(0.0, float("nan"))
+
+
+def test_an_infeasible_rule_activates_every_worker_and_says_so() -> None:
+    """It said "R_eff below target 1.2e+12/s by 1.2e+12/s" (a new user, I = S + 1)."""
+    from scheduler.controller import INFEASIBLE
+
+    decisions = joined().tick(0.0, r_req=INFEASIBLE)
+    assert sorted(d.worker_id for d in decisions) == sorted(POOL)
+    assert all(d.reason == "no capacity meets the rule: every worker" for d in decisions)
