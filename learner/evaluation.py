@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from echo.tasks import Prompt
+from learner.addresses import remember
 from learner.api.run import Run
 from learner.config import EvalSection, LearnerEval, WorkersEval
 from learner.evals import EvalBook, EvalResult
@@ -76,9 +77,9 @@ class Evaluation:
         self._step_of: dict[int, int] = {}  # version -> the update that made it
 
     def _made(self, version: int) -> None:
-        self._step_of[version] = self.parts.updates() if self.parts.updates is not None else version
-        if len(self._step_of) > STEPS_KEPT:  # an entry per update, for the run's whole length
-            del self._step_of[next(iter(self._step_of))]
+        # Bounded: an entry per update, for the run's whole length, was a week's growth
+        remember(self._step_of, version, self.parts.updates() if self.parts.updates is not None else version,
+                 keep=STEPS_KEPT)
 
     def _event(self, version: int, **fields) -> dict:
         """An eval event of the run log. Its `step` is the update that made `version`, as in the
