@@ -18,6 +18,11 @@ The arms run in the order B H H B B H H B ... (`hostile_turns`), not B H B H: th
 drifts over a sitting (another tenant, its clock), and with every hostile run after its benign
 one, a drift falls on the hostile arm alone. Counterbalanced, a linear drift falls on both
 alike; the A/A check splits the benign runs the same way (`halves`).
+
+Each benign run and the hostile run beside it make a pair, run within minutes of each other on
+a machine that drifts 25-50% over a sitting: `paired=True` draws the pairs, not each arm's runs
+on their own, so the machine's state at a pair's time is shared by both arms in every draw (a
+block bootstrap of a blocked design) and only what differs within the pairs widens the interval.
 """
 
 from __future__ import annotations
@@ -55,18 +60,26 @@ def blocks(runs: list[tuple[list[float], list[float]]]) -> list[list[np.ndarray]
     return out
 
 
-def _draw(runs: list[list[np.ndarray]], rng: np.random.Generator) -> np.ndarray:
-    """Runs with replacement, then each drawn run's windows with replacement, pooled."""
+def _draw(runs: list[list[np.ndarray]], rng: np.random.Generator, picks: np.ndarray | None = None) -> np.ndarray:
+    """Runs with replacement (or the runs `picks` names), then each drawn run's windows with
+    replacement, pooled."""
     drawn = []
-    for r in rng.integers(0, len(runs), len(runs)):
+    for r in rng.integers(0, len(runs), len(runs)) if picks is None else picks:
         windows = runs[r]
         drawn += [windows[w] for w in rng.integers(0, len(windows), len(windows))]
     return np.concatenate(drawn)
 
 
 def ratio(base: list[tuple[list, list]], test: list[tuple[list, list]], q: float = 0.99, reps: int = 2000,
-          seed: int = 0) -> dict:
-    """The pooled q-quantile of `test` over that of `base`, with its `LEVEL` interval."""
+          seed: int = 0, paired: bool = False) -> dict:
+    """The pooled q-quantile of `test` over that of `base`, with its `LEVEL` interval; `paired`:
+    `base[i]` and `test[i]` ran side by side, and are drawn together (a pair where either run has
+    no requests is left out)."""
+    if paired:
+        if len(base) != len(test):
+            raise ValueError(f"paired arms need as many runs each, not {len(base)} and {len(test)}")
+        kept = [(x, y) for x, y in zip(base, test) if len(x[1]) and len(y[1])]
+        base, test = [x for x, _ in kept], [y for _, y in kept]
     a, b = blocks(base), blocks(test)
     n = min(sum(x.size for run in a for x in run), sum(x.size for run in b for x in run))
     if not a or not b:
@@ -76,10 +89,11 @@ def ratio(base: list[tuple[list, list]], test: list[tuple[list, list]], q: float
     rng = np.random.default_rng(seed)
     draws = np.empty(reps)
     for i in range(reps):
-        draws[i] = np.quantile(_draw(b, rng), q) / np.quantile(_draw(a, rng), q)
+        picks = rng.integers(0, len(a), len(a)) if paired else None
+        draws[i] = np.quantile(_draw(b, rng, picks), q) / np.quantile(_draw(a, rng, picks), q)
     low, high = np.quantile(draws, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return {"samples": n, "base": float(qa), "test": float(qb), "ratio": float(qb / qa), "low": float(low),
-            "high": float(high)}
+            "high": float(high), "paired": paired}
 
 
 def verdict(r: dict, bound: float) -> str:

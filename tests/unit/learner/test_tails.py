@@ -4,6 +4,7 @@ interval, and a verdict only where the interval decides it."""
 import functools
 
 import numpy as np
+import pytest
 
 from learner.bench import tails
 
@@ -57,3 +58,53 @@ def test_the_runs_are_counterbalanced_so_a_drifting_machine_favours_neither_arm(
     benign = [r for r, h in zip(sitting, turns) if not h]  # slots 0, 3, 4, 7
     a, b = tails.halves(benign)
     assert [sitting.index(r) for r in a] == [0, 7] and [sitting.index(r) for r in b] == [3, 4]  # both at 3.5 on average
+
+
+def drifting_sitting(pairs: int, effect: float, seed: int, drift: float = 0.15):
+    """`pairs` benign/hostile pairs on a machine whose speed moves between pairs (log-sd `drift`)
+    and hardly within one (log-sd 0.03): the hostile arm `effect` times slower."""
+    rng = np.random.default_rng(seed)
+    benign, hostile = [], []
+    for _ in range(pairs):
+        machine = rng.lognormal(0.0, drift)
+        for arm, f in ((benign, 1.0), (hostile, effect)):
+            arm.append(runs(1, machine * f * rng.lognormal(0.0, 0.03), int(rng.integers(1 << 30)), per_run=4000,
+                            seconds=120.0)[0])
+    return benign, hostile
+
+
+def test_pairs_drawn_together_cancel_a_machine_that_drifts_between_them():
+    """The pairs' shared machine is not the attack's: drawn pair by pair, the interval holds the
+    truth and is half as wide as each arm's runs drawn on their own, enough to call it."""
+    benign, hostile = drifting_sitting(8, 1.0, seed=3)
+    paired = tails.ratio(benign, hostile, paired=True, reps=400)
+    apart = tails.ratio(benign, hostile, reps=400)
+    assert paired["ratio"] == apart["ratio"]  # the same pooled requests: only the interval differs
+    assert paired["low"] < 1.0 < paired["high"] and apart["low"] < 1.0 < apart["high"]
+    assert paired["high"] - paired["low"] < 0.6 * (apart["high"] - apart["low"])
+    assert tails.verdict(paired, 1.10) == "met" and tails.verdict(apart, 1.10) == "not settled"
+    slower = tails.ratio(*drifting_sitting(8, 1.25, seed=4), paired=True, reps=400)
+    assert slower["low"] < 1.25 < slower["high"] and tails.verdict(slower, 1.10) == "missed"
+
+
+def test_pairs_need_both_runs():
+    benign, hostile = drifting_sitting(3, 1.0, seed=5)
+    with pytest.raises(ValueError, match="as many runs"):
+        tails.ratio(benign, hostile[:2], paired=True)
+    hostile[1] = ([], [])  # a run whose probes answered nothing: its pair goes, not the pairing
+    r = tails.ratio(benign, hostile, paired=True, reps=50)
+    assert r["samples"] == 8000 and r["paired"]
+
+
+def test_the_bench_judges_by_pairs_and_keeps_the_unpaired_interval_beside():
+    from learner.bench.control_plane import pool_tails
+
+    benign, hostile = drifting_sitting(4, 1.0, seed=6)
+    probes = lambda run: {"at": {"heartbeat": run[0]}, "latency": {"heartbeat": run[1]}}  # noqa: E731
+    out = {"routes": {"heartbeat": {}}, "goals": {"checks": {}}}
+    pool_tails(out, [(probes(b), probes(h)) for b, h in zip(benign, hostile)])
+    r = out["pooled_p99"]["heartbeat"]
+    assert r["paired"] and not r["unpaired"]["paired"] and r["benign_a_vs_b"]["paired"]
+    assert r["verdict"] == tails.verdict(r, 1.10)
+    assert r["high"] - r["low"] < r["unpaired"]["high"] - r["unpaired"]["low"]
+    assert "over the pairs" in out["goals"]["checks"]["p99_within_10pct"]["detail"]
