@@ -165,6 +165,8 @@ def cli(argv: list[str]) -> int:
         prog="echo-rl build-model",
         description="Build a tiny Qwen2-architecture model and a character tokenizer from scratch "
         "(no download), warm-start it on the task, and save a Hugging Face model directory.",
+        epilog="Any other --section.key VALUE overrides the learner config, as echo-learner takes them "
+        "(e.g. --task.name calculator --eval.where learner).",
     )
     parser.add_argument("--config", default="configs/demo.toml",
                         help="learner config: its [model].path is the output, its [task] the task")
@@ -179,13 +181,13 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--warmup-batch", type=int, default=64, help="warm-start batch size (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)
 
     from echo.config import ConfigError
     from learner.config import LearnerConfig, load_learner_config
 
     try:
-        cfg: LearnerConfig = load_learner_config(args.config, [])
+        cfg: LearnerConfig = load_learner_config(args.config, overrides)
     except ConfigError as e:
         print(f"echo-rl build-model: {e}", file=sys.stderr)
         return 2
@@ -254,10 +256,19 @@ def cli(argv: list[str]) -> int:
         "eval_accuracy_random_init": acc_random, "eval_accuracy": acc,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+    metric = "return" if task.episodic else "accuracy"  # an episode is judged by its return
+    result["eval_metric"] = metric
     if args.json:
         print(json.dumps(result))
     else:
+        loss = "" if result["final_loss"] is None else f" (loss {result['final_loss']:.3f})"
         print(f"built {out}: {n_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, "
-              f"warm start {args.warmup_steps} steps (loss {result['final_loss']:.3f}); "
-              f"greedy eval accuracy {acc_random:.2f} -> {acc:.2f} in {result['seconds']} s")
+              f"warm start {args.warmup_steps} steps{loss}; "
+              f"greedy eval {metric} {acc_random:.2f} -> {acc:.2f} in {result['seconds']} s")
+        if args.warmup_steps and acc <= acc_random:
+            # RL needs some reward to start from: a policy that never scores gives every group a
+            # uniform reward, nothing to learn from (the run would stall and say so)
+            print(f"echo-rl build-model: the warm start did not raise the greedy eval {metric}; a run from this "
+                  f"model may find no reward to learn from. Try more steps (--warmup-steps {4 * args.warmup_steps}) "
+                  "and --force", file=sys.stderr)
     return 0
