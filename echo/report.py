@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -137,6 +138,10 @@ def cli(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not (args.run_dir / "metrics.jsonl").exists():
         parser.error(f"{args.run_dir} has no metrics.jsonl; pass a run directory written by echo-learner")
+    if not load_run(args.run_dir)[0]:  # a run that stopped (or failed) before its first update
+        print(f"echo-rl report: {args.run_dir / 'metrics.jsonl'} has no training step yet: nothing to plot "
+              "(the learner printed why it stopped)", file=sys.stderr)
+        return 1
     out = plot(args.run_dir, args.out or args.run_dir / "report.png")
     print(json.dumps({"report": str(out)}) if args.json else f"wrote {out}")
     return 0

@@ -26,3 +26,15 @@ def test_a_resumed_runs_repeated_steps_count_once_and_a_torn_line_is_skipped(tmp
     assert [(e["step"], e["eval_accuracy"]) for e in evals] == [(10, -1.7)]
     assert eval_metric(tmp_path) == "mean return" and eval_metric(tmp_path / "nowhere") == "accuracy"
     assert plot(tmp_path, tmp_path / "report.png").stat().st_size > 0
+
+
+def test_a_run_without_a_step_is_named_not_drawn_empty(tmp_path, capsys):
+    """A run that stopped before its first update (a busy port) wrote an empty report.png and
+    said 'wrote ...'."""
+    from echo.report import cli
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "start", "step": 0}) + "\n")
+    assert cli([str(tmp_path)]) == 1
+    assert "no training step yet" in capsys.readouterr().err and not (tmp_path / "report.png").exists()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_step(1, 1, 0.5)) + "\n")
+    assert cli([str(tmp_path)]) == 0 and (tmp_path / "report.png").exists()
