@@ -135,7 +135,9 @@ class Worker:
             name=self.name[:64], version=self.engine.version if self.engine else -1,
             rollouts_per_s=round(self.meter.rate, 4), capacity_per_s=round(self.capacity.rate, 4),
             price_per_hour=w.price_per_hour,
-            gpu=(w.gpu or _gpu_name())[:64], device=self.cfg.engine.device[:64], engine=self.cfg.engine.type,
+            # what runs, once it does: not the config's "auto"
+            gpu=(w.gpu or _gpu_name())[:64], device=(self.engine.device if self.engine else self.cfg.engine.device)[:64],
+            engine=self.engine.name if self.engine else self.cfg.engine.type,
             download_mbit=w.download_mbit, upload_mbit=w.upload_mbit, expected_rollouts_per_s=w.max_rollouts_per_s,
             # When each recent version was installed, as "seconds ago" (clocks differ between machines).
             installs=[P.Install(version=v, installed_ago=round(now - t, 4), received_ago=round(now - r, 4),

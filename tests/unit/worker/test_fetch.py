@@ -52,3 +52,13 @@ def test_an_active_worker_pulls_a_newer_version_the_push_missed(caplog):
 def test_an_idled_worker_or_one_already_past_the_version_pulls_nothing(caplog):
     assert _pulls(installed=3, announced=5, active=False, caplog=caplog) == []
     assert _pulls(installed=8, announced=5, active=True, caplog=caplog) == []
+
+
+def test_the_worker_reports_the_engine_and_device_that_run_not_auto():
+    """/v1/status showed `engine: auto` (the config) for a worker running transformers on a CPU."""
+    worker = Worker(load_worker_config(None, []), "http://127.0.0.1:1", "token")
+    before = worker._info()
+    assert (before.engine, before.device) == ("auto", "auto")  # nothing built yet: what was asked
+    worker.engine = SimpleNamespace(version=3, name="transformers", device="cpu")
+    after = worker._info()
+    assert (after.engine, after.device, after.version) == ("transformers", "cpu", 3)
