@@ -32,11 +32,13 @@ class ConfigError(ValueError):
     """A config file or override is wrong; the message says where and what is allowed."""
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
+def parse_overrides(args: list[str], flags: list[list[str]] | None = None) -> dict[str, Any]:
     """`["--trainer.lr", "3e-4", "--run.name=x"]` -> `{"trainer": {"lr": 3e-4}, "run": {"name": "x"}}`.
 
     Values are read as TOML literals when they parse (numbers, booleans, arrays, quoted
-    strings) and as plain strings otherwise, so `--task.name arith` needs no quotes.
+    strings) and as plain strings otherwise, so `--task.name arith` needs no quotes. `flags`,
+    if given, gets each override's key path as typed (`--trainer.lora '{rank = 4}'` is
+    `["trainer", "lora"]`, not the keys inside its table).
     """
     out: dict[str, Any] = {}
     i = 0
@@ -55,6 +57,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         i += 1
         node = out
         parts = key.replace("-", "_").split(".")
+        if flags is not None:
+            flags.append(parts)
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
@@ -94,22 +98,25 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 def load_config(model: type[M], path: str | Path | None, overrides: list[str] | None = None) -> M:
     """Load `path` (optional), apply dotted overrides, validate with `model`."""
     data = read_toml(path) if path else {}
-    given = parse_overrides(overrides or [])
-    data = deep_merge(data, given)
+    flags: list[list[str]] = []
+    data = deep_merge(data, parse_overrides(overrides or [], flags))
     source = str(path) if path else "the defaults"
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_explain(model, e, source, given)) from None
+        raise ConfigError(_explain(model, e, source, flags)) from None
 
 
-def _explain(model: type[BaseModel], error: ValidationError, source: str, given: dict[str, Any] | None = None) -> str:
+def _explain(model: type[BaseModel], error: ValidationError, source: str, flags: list[list[str]] = ()) -> str:
+    """`flags`: the overrides' key paths as typed on the command line."""
     lines = [f"invalid config ({source}, with command-line overrides applied):"]
     for err in error.errors():
         path, allowed = _walk(model, [str(p) for p in err["loc"]])
         key = ".".join(path)
-        # Where the user wrote it: a key typed on the command line is not "in configs/demo.toml".
-        where = f"given as --{key} on the command line" if path and _has(given or {}, path) else f"in {source}"
+        # Where the user wrote it: a key typed on the command line is not "in configs/demo.toml",
+        # and one inside a table given whole is named by the flag that gave it.
+        flag = next((f for f in reversed(flags) if path[:len(f)] == f), None) if path else None
+        where = f"given as --{'.'.join(flag)} on the command line" if flag else f"in {source}"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(path[-1], allowed, n=1) if path else []
@@ -123,15 +130,6 @@ def _explain(model: type[BaseModel], error: ValidationError, source: str, given:
         else:
             lines.append(f"  {key} = {err.get('input')!r}: {msg} ({where})")
     return "\n".join(lines)
-
-
-def _has(tree: dict[str, Any], path: list[str]) -> bool:
-    """Is the dotted key `path` (or a table holding it) set in `tree`?"""
-    for part in path:
-        if not isinstance(tree, dict) or part not in tree:
-            return False
-        tree = tree[part]
-    return True
 
 
 def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], list[str]]:

@@ -87,6 +87,11 @@ def test_an_error_says_where_the_key_was_written_and_what_to_write():
         load_learner_config(demo, ["--trainer.kl_coef", "high"])
     with pytest.raises(ConfigError, match=r"did you mean 'alpha'"):
         load_learner_config(demo, ["--trainer.lora", "{rank = 4, alpa = 16}"])
+    # a key inside a table given whole is named by the flag the user typed, not one they did not
+    with pytest.raises(ConfigError, match=r"dropout = 0.1: .*\(given as --trainer.lora on the command line\)"):
+        load_learner_config(demo, ["--trainer.lora", "{rank = 4, alpha = 8, dropout = 0.1}"])
+    with pytest.raises(ConfigError, match=r"given as --trainer.lora.dropout on the command line"):
+        load_learner_config(demo, ["--trainer.lora", "{rank = 4, alpha = 8}", "--trainer.lora.dropout", "0.1"])
     with pytest.raises(ConfigError) as e:
         load_learner_config(demo, ["--run.nproc", "2", "--trainer.compute_dtype", "float16"])
     line = str(e.value).splitlines()[1]
