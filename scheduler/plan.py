@@ -10,8 +10,10 @@ and exact activation choose and their cost — or, with `--active rtx4090=3,rtx3
 the fleet you already chose — the worst-case staleness bound, mean staleness by closed form
 (PQS and IQS) and by the simulator (ECHO-2 pipeline: publication every I steps, broadcast
 delay, the learner's blocking back-pressure), utilization ρ, the predicted bubble, $/step,
-and warnings. Values come from, in increasing priority: built-in defaults, the
-`--config` TOML, command-line flags. Keys read from `--config` (all optional):
+and warnings. Values come from, in increasing priority: built-in defaults (a large run: B = 512,
+S = 3, q = 1, T_train = 120 s), the `--config` TOML, command-line flags. Keys read from
+`--config` (all optional; one it leaves out is echo-learner's default, as the learner would run
+the file):
 
     [trainer]   batch_prompts          groups per step G (B = G · group_size)
     [rollout]   group_size             n
@@ -111,27 +113,32 @@ def _int_key(data: dict, table: str, key: str, source: str) -> int | None:
     return value
 
 
+# What echo-learner runs where its config leaves a key out (learner.config; a unit test holds
+# the two together): a learner config given to plan is planned as the learner would run it, not
+# with plan's own defaults, which describe a large run (B = 512, S = 3, q = 1).
+LEARNER_DEFAULTS = {("trainer", "batch_prompts"): 8, ("rollout", "group_size"): 8, ("buffer", "max_staleness"): 2,
+                    ("buffer", "queue_factor"): 2.0, ("buffer", "type"): "queue-drop", ("buffer", "backpressure"): True}
+
+
 def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
-    """Plan inputs from a learner-style TOML (see the module docstring for the keys)."""
+    """Plan inputs from a learner-style TOML (see the module docstring for the keys); a key it
+    leaves out is the learner's default."""
     data = read_toml(path)
+    for (table, key), value in LEARNER_DEFAULTS.items():
+        section = data.setdefault(table, {})
+        if isinstance(section, dict):
+            section.setdefault(key, value)
     values: dict[str, Any] = {}
-    prompts = _int_key(data, "trainer", "batch_prompts", path)
     n = _int_key(data, "rollout", "group_size", path)
-    if n is not None:
-        values["group_size"] = n
-    if prompts is not None:
-        values["batch"] = prompts * (n if n is not None else PlanInputs().group_size)
-    if (s := _int_key(data, "buffer", "max_staleness", path)) is not None:
-        values["max_staleness"] = s
+    values["group_size"] = n
+    values["batch"] = _int_key(data, "trainer", "batch_prompts", path) * n
+    values["max_staleness"] = _int_key(data, "buffer", "max_staleness", path)
     if (i := _int_key(data, "publish", "every", path)) is not None:
         values["publish_every"] = i
-    buffer = data.get("buffer", {})
-    if "queue_factor" in buffer:
-        values["queue_factor"] = float(buffer["queue_factor"])
-    if "type" in buffer:
-        values["buffer"] = buffer["type"]
-    if "backpressure" in buffer:
-        values["blocking"] = bool(buffer["backpressure"])
+    buffer = data["buffer"]
+    values["queue_factor"] = float(buffer["queue_factor"])
+    values["buffer"] = buffer["type"]
+    values["blocking"] = bool(buffer["backpressure"])
     try:
         sched = SchedulerSection.model_validate(data.get("scheduler", {}))
     except ValidationError as e:
@@ -378,11 +385,13 @@ def render_plan(plan: dict) -> str:
          f"wait ({capd['rule']} rule) {pipe['wait_per_period_s']:.3g} s per period, bubble {pipe['bubble']:.1%}"),
         (f"cost       ${cost['dollars_per_step']:.4f}/step = (T + wait/I)·${cost['learner_per_hour'] + cost['workers_per_hour']:.3f}/h / 3600 "
          f"(learner {cost['learner_per_hour']:.2f} + workers {cost['workers_per_hour']:.3f})"
-         f" + bandwidth ${cost['bandwidth_per_version']:.4f}/version / I"
-         f" (${cost['bandwidth_per_hour']:.3f}/h at {inp['snapshot_gb']:g} GB a version)"),
+         + (f" + bandwidth ${cost['bandwidth_per_version']:.4f}/version / I"
+            f" (${cost['bandwidth_per_hour']:.3f}/h at {inp['snapshot_gb']:g} GB a version)" if inp["snapshot_gb"] else
+            "; bandwidth not counted: give a version's size on the wire (--snapshot-gb, [scheduler] snapshot_gb)")),
         "",
         (f"staleness  worst case s_max ≤ I − 1 + ⌈(T_b + B/R)/T⌉ = {stale['bound']} "
-         f"(under overlap: I + ⌈(1 − 1/I)·T_b/T⌉ = {stale['bound_under_overlap']}; budget S = {S})"),
+         f"(under overlap: I + ⌈(1 − 1/I)·T_b/T⌉ = {stale['bound_under_overlap']}; budget S = {S}; "
+         "ECHO-2 App. A: a group trained as soon as it is generated, no queue)"),
         f"  {'mean staleness':<34}{'PQS':>7}{'IQS':>7}{'total':>7}{'max':>5}",
         f"  {'closed form (I = 1, instant sync)':<34}{cf['pqs']:>7.2f}{cf['iqs']:>7.2f}{cf['total']:>7.2f}",
         (f"  {'  + snapshot lag (I−1)/2 + T_b/T_eff':<34}{'':>14}{stale['closed_form_with_lag']:>7.2f}"
@@ -391,6 +400,11 @@ def render_plan(plan: dict) -> str:
          + (f" with no staleness filter: above S = {S}, groups that stale are dropped, see the simulator)"
             if stale['closed_form_with_lag'] > S else ")")),
     ]
+    if cf["total"] > stale["bound"]:
+        lines.append(f"  (the mean is above the worst case because the two models differ: the mean's keeps C = "
+                     f"{pipe['concurrency']} slots busy and queues what training cannot take yet (IQS), App. A's "
+                     "bound counts no queue; the learner's lease window and staleness filter keep what it trains "
+                     f"within S = {S})")
     sim = stale.get("simulator")
     if sim:
         lines += [
@@ -399,7 +413,8 @@ def render_plan(plan: dict) -> str:
             (f"  simulator: bubble {sim['bubble']:.1%}, dropped {sim['dropped_overflow']} overflow + "
              f"{sim['dropped_stale']} stale of {sim['started']} groups, mean length sampled "
              f"{sim['sampled_mean_length']:.0f} / trained {sim['trained_mean_length']:.0f} tokens "
-             f"({sim['steps']} steps, {sim['rollouts_per_s'] / 1e6:.2f} M rollouts/s)"),
+             "(the model's own lengths, mean 1000 at σ: staleness is in steps and does not depend on them; "
+             f"{sim['steps']} steps simulated at {sim['rollouts_per_s'] / 1e6:.2f} M rollouts/s)"),
         ]
     if plan["warnings"]:
         lines.append("")

@@ -112,6 +112,36 @@ def test_config_file_then_flags(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert code == 0 and plan["inputs"]["alpha"] == 1.1 and plan["inputs"]["publish_every"] == 3
 
 
+def test_what_a_config_leaves_out_is_planned_as_the_learner_runs_it(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A learner config without [buffer] queue_factor was planned at plan's q = 1 (and S = 3,
+    B = 512) where the learner runs q = 2, S = 2, B = 64."""
+    from learner.config import LearnerConfig
+    from scheduler.plan import LEARNER_DEFAULTS
+
+    learner = LearnerConfig()
+    assert LEARNER_DEFAULTS == {
+        ("trainer", "batch_prompts"): learner.trainer.batch_prompts, ("rollout", "group_size"): learner.rollout.group_size,
+        ("buffer", "max_staleness"): learner.buffer.max_staleness, ("buffer", "queue_factor"): learner.buffer.queue_factor,
+        ("buffer", "type"): learner.buffer.type, ("buffer", "backpressure"): learner.buffer.backpressure}
+    cfg = tmp_path / "learner.toml"
+    cfg.write_text(f'[scheduler]\npool = "{REPO / "configs/pools/demo-local.toml"}"\nt_train_s = 30.0\nt_bcast_s = 3.0\n')
+    code, plan = run_json(capsys, ["--config", str(cfg), "--no-simulate"])
+    inp = plan["inputs"]
+    assert code == 0 and (inp["batch"], inp["group_size"], inp["max_staleness"], inp["queue_factor"]) == (
+        learner.trainer.batch_prompts * learner.rollout.group_size, learner.rollout.group_size,
+        learner.buffer.max_staleness, learner.buffer.queue_factor)
+
+
+def test_a_mean_above_the_worst_case_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's plan printed a mean staleness of 4.07 under a worst case of 3 without a word."""
+    assert cli(["--pool", str(REPO / "configs/pools/consumer-gpus-8b.toml"), "--batch", "256", "-S", "4", "-I", "2",
+                "--t-train", "60", "--t-bcast", "30", "--no-simulate"]) == 0
+    out = capsys.readouterr().out
+    assert "no queue" in out and "the mean is above the worst case because the two models differ" in out
+    assert "bandwidth not counted: give a version's size" in out
+
+
 def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[scheduler]\nalfa = 1.2\n")
