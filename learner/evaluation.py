@@ -1,8 +1,8 @@
 """Where eval rounds run, picked once from `[eval] where` (a tagged union: `learner.config.EvalSection`).
 
     workers  greedy, version-stamped eval leases (`learner.evals.EvalBook`, served by the control
-             API); a round opens at a publication when `[run] eval_every` updates passed since the
-             last one, and the last version's round is waited for before the run stops. The
+             API); a round opens at the first publication after the run's updates pass a multiple of
+             `[run] eval_every` (updates, not versions: a resume's versions skip ahead), and the last version's round is waited for before the run stops. The
              trainer holds the round's version aside (`Trainer.hold_for_eval`), and every answer
              is checked in one teacher-forced pass to be that version's greedy completion: an
              answer a worker wrote itself (a token far below the best, or one that stops where
@@ -76,10 +76,14 @@ class Evaluation:
         self.first_accuracy: float | None = parts.resumed.get("first_eval_accuracy")
         self._step_of: dict[int, int] = {}  # version -> the update that made it
 
+    def _updates(self, version: int) -> int:
+        """The run's updates so far, which `[run] eval_every` counts: after a resume, versions skip
+        numbers (a schedule by versions evaluated at v52 and v60 for eval_every 30, not at 30)."""
+        return self.parts.updates() if self.parts.updates is not None else version
+
     def _made(self, version: int) -> None:
         # Bounded: an entry per update, for the run's whole length, was a week's growth
-        remember(self._step_of, version, self.parts.updates() if self.parts.updates is not None else version,
-                 keep=STEPS_KEPT)
+        remember(self._step_of, version, self._updates(version), keep=STEPS_KEPT)
 
     def _event(self, version: int, **fields) -> dict:
         """An eval event of the run log. Its `step` is the update that made `version`, as in the
@@ -114,6 +118,7 @@ class WorkerEvaluation(Evaluation):
         self.final_timeout_s = section.final_timeout_s
         self.book = EvalBook(parts.prompts, parts.lease_ttl, section.prompts_per_lease, lifetime=3 * parts.lease_ttl)
         self.opened = 0  # the version of the newest round
+        self.opened_update = 0  # the run's updates when the newest round opened
         self.held = -1  # the version the trainer holds aside for checking answers
         self.checking: asyncio.Task | None = None  # the check of a finished round, on the trainer thread
         self.forged = 0  # answers over the run that were not the version's greedy completion
@@ -205,13 +210,16 @@ class WorkerEvaluation(Evaluation):
     async def start(self, version: int) -> None:
         self._made(version)
         await self._open(version)
+        self.opened_update = self._updates(version)
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
         self._made(version)
-        due = self.parts.eval_every and version - self.opened >= self.parts.eval_every
+        every, updates = self.parts.eval_every, self._updates(version)
+        due = every and updates // every > self.opened_update // every  # a multiple of every passed since
         due = due or self.book.abandoned is not None  # nobody could finish the last one: evaluate this one
         if published and (last or (due and self.book.round is None)):
             await self._open(version)
+            self.opened_update = updates
             self.parts.changed()  # waiting workers holding this version can evaluate it
         return None
 
@@ -264,7 +272,7 @@ class LearnerEvaluation(Evaluation):
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
         self._made(version)
         every = self.parts.eval_every
-        if not (last or (every and version % every == 0)):
+        if not (last or (every and self._updates(version) % every == 0)):
             return None
         return await self._evaluate(version)  # the step's record carries it too
 

@@ -194,3 +194,31 @@ def test_the_update_of_each_version_is_kept_for_the_recent_ones_only():
 
     asyncio.run(run())
     assert len(ev._step_of) == STEPS_KEPT and max(ev._step_of) == 3 * STEPS_KEPT - 1
+
+
+def test_a_resumed_run_keeps_the_eval_schedule_of_its_updates():
+    """Resumed after update 20 with eval_every 30, its versions two ahead of its updates: a new
+    user's run evaluated v52 and v60 on the workers (and v45, v96 for eval_every 50), never the
+    30th update. Both variants now count updates."""
+    updates = [20]
+    p = parts(30, resumed={"eval_accuracy": 0.3, "updates": 20}, accuracies=[0.4, 0.5, 0.6])
+    p.updates = lambda: updates[0]
+    learner = make_evaluation(LearnerEval(), p)
+    workers = WorkerEvaluation(WorkersEval(), p)
+    opened, evaluated = [], []
+    book_open = workers.book.open
+    workers.book.open = lambda version, now: (opened.append((updates[0], version)), book_open(version, now))
+
+    async def run():
+        await learner.start(22)
+        await workers.start(22)
+        for u in range(21, 71):
+            updates[0] = u
+            workers.book.round = None  # every round answered at once
+            if await learner.stepped(u + 2, u % 2 == 0, u == 70) is not None:
+                evaluated.append(u)
+            await workers.stepped(u + 2, u % 2 == 0 or u == 70, u == 70)
+
+    asyncio.run(run())
+    assert evaluated == [30, 60, 70]
+    assert opened == [(20, 22), (30, 32), (60, 62), (70, 72)]
