@@ -5,7 +5,7 @@
     machine.key   the secret machine tokens are keyed by (`scheduler.providers.machine_token`);
                   no worker is given it, and a resumed run keeps it
     url           the control API's address (a resumed run binds the same port: workers come back)
-    checkpoints/  `latest` and `step-N` (learner.train.trainer)
+    checkpoints/  `latest` and `step-N`, N the update (learner.train.trainer)
     ledger.jsonl, metrics.jsonl, summary.json, workers/, model/
 """
 

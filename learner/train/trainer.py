@@ -456,7 +456,7 @@ class Trainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        path = Path(directory) / f"step-{self.version:06d}"
+        path = Path(directory) / f"step-{self.updates:06d}"  # the update: a resume's versions skip ahead of it
         model_state, optim_state = get_state_dict(self.policy, self.optimizer)
         with _single_process_quiet():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path / "state")
@@ -610,12 +610,20 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
     if keep <= 0:
         return []
     latest = (directory / "latest").resolve() if (directory / "latest").exists() else None
-    found = sorted((p for p in directory.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-                   key=lambda p: int(p.name[5:]))
+    found = sorted((p for p in directory.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=_updates_of)
     old = [p for p in found[:-keep] if p.resolve() != latest]
     for p in old:
         shutil.rmtree(p, ignore_errors=True)
     return old
+
+
+def _updates_of(checkpoint: Path) -> int:
+    """The update a checkpoint was saved at: its learner state says (one saved before 2026-11-28
+    is named by its version, which a resume puts ahead of the updates), else its name."""
+    try:
+        return int(json.loads((checkpoint / "learner_state.json").read_text())["updates"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return int(checkpoint.name[5:])
 
 
 @contextlib.contextmanager

@@ -375,6 +375,12 @@ def test_old_checkpoints_are_pruned_but_never_the_latest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000040", "step-000100", "step-000120",
                                                           "step-notes"]
     assert prune_checkpoints(tmp_path, 0) == []  # keep all
+    # Named by update now; one named by its version before (a resume put v125 at update 121) is
+    # ordered by the update its state records, not its name
+    (tmp_path / "step-000125" / "state").mkdir(parents=True)
+    (tmp_path / "step-000125" / "learner_state.json").write_text('{"version": 125, "updates": 121}')
+    (tmp_path / "step-000122" / "state").mkdir(parents=True)
+    assert [p.name for p in prune_checkpoints(tmp_path, 2)] == ["step-000100", "step-000120"]
 
 
 def test_one_rank_saves_and_resumes_a_checkpoint_without_a_process_group_or_a_warning(tiny_model, tmp_path):
@@ -400,6 +406,7 @@ with torch.no_grad():
 trainer.load_checkpoint(path)
 assert all(torch.equal(v, saved[k]) for k, v in trainer.policy.state_dict().items())
 trainer.version += 1
+trainer.updates += 1
 newer = trainer.save_checkpoint({str(tmp_path)!r}, {{}})
 from pathlib import Path
 assert sorted(p.name for p in Path({str(tmp_path)!r}).glob("step-*")) == [newer.name]  # keep_checkpoints = 1
