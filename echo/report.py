@@ -11,8 +11,9 @@ from pathlib import Path
 
 def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """A run's step records and eval records, by step. A resumed run writes the steps after its
-    checkpoint again: the last record of a step is the one that stands (the plot went back in x
-    where both were drawn). A line a kill cut short is skipped."""
+    checkpoint again, after a `resume` event naming the checkpoint's step: what came after that
+    step before the event is dropped (the plot went back in x where both were drawn), and the
+    last record of a step stands. A line a kill cut short is skipped."""
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -21,6 +22,10 @@ def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
         except json.JSONDecodeError:
             continue
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            continue
+        if rec.get("event") == "resume":  # the killed process's records past its checkpoint are redone
+            steps = {k: v for k, v in steps.items() if k <= rec["step"]}
+            evals = {k: v for k, v in evals.items() if k <= rec["step"]}
             continue
         if "loss" in rec:
             steps[rec["step"]] = rec

@@ -108,6 +108,9 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         run_dir.announce(url)
         if run_dir.resumed:
             display.note(recovery.note(trainer.updates, cfg.run.steps, checkpoint))
+            # what the killed process logged after the checkpoint is redone from here: readers drop it
+            log.write({"event": "resume", "step": trainer.updates, "version": trainer.version,
+                       "checkpoint": checkpoint.name if checkpoint else None})
 
         accounting = Accounting(cost, b.done_fraction, registry=api.registry, publisher=publisher, metrics=metrics,
                                 fleet=fleet, budget=Budget(cfg.scheduler.max_total_dollars), group_size=cfg.rollout.group_size)

@@ -607,6 +607,14 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
     assert len(surviving) == len(set(surviving))
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert summary["steps"] == 24
+    # The run log marks the resume at the checkpoint's update (versions equalled updates before the
+    # crash): what the killed process logged past it is redone after, and a reader keeps each step once.
+    from echo.report import load_run
+
+    marks = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"event": "resume"' in line]
+    assert [(m["step"], m["checkpoint"]) for m in marks] == [(checkpoint, f"step-{checkpoint:06d}")]
+    assert [r["step"] for r in load_run(lp.run_dir)[0]] == list(range(1, 25))
 
     # `--resume` of a finished run evaluated again, re-saved its last checkpoint and replaced its
     # summary with one of zero groups trained: it says the run is finished and how to train on,

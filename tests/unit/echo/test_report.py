@@ -38,3 +38,16 @@ def test_a_run_without_a_step_is_named_not_drawn_empty(tmp_path, capsys):
     assert "no training step yet" in capsys.readouterr().err and not (tmp_path / "report.png").exists()
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_step(1, 1, 0.5)) + "\n")
     assert cli([str(tmp_path)]) == 0 and (tmp_path / "report.png").exists()
+
+
+def test_a_resume_event_drops_what_the_killed_process_logged_past_its_checkpoint(tmp_path):
+    """The resumed run redoes steps 11-14 (and the eval at 12) after its `resume` event: the killed
+    process's 13 and 14, not redone this time (the run ended at 12), must not stand either."""
+    lines = [_step(s, s, 0.1) for s in range(1, 15)]
+    lines.append({"event": "eval", "step": 12, "version": 12, "eval_accuracy": 0.9})
+    lines.append({"event": "resume", "step": 10, "version": 14, "checkpoint": "step-000010"})
+    lines += [_step(s, s + 4, 0.2) for s in (11, 12)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    steps, evals = load_run(tmp_path)
+    assert [(r["step"], r["reward_mean"]) for r in steps][-3:] == [(10, 0.1), (11, 0.2), (12, 0.2)]
+    assert evals == []
