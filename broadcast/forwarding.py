@@ -118,6 +118,23 @@ class Forwarding:
         while len(self._versions) > KEEP_VERSIONS:
             self._versions.popitem(last=False)
 
+    def hops(self, key: str, member: str) -> tuple[set[str], bool] | None:
+        """`member`'s parents in the route of `key` (the source's id for a head), and whether it
+        forwards to anyone there; None when `key` is no route remembered here, or `member` is
+        not in it: what a link sample about `key` from `member` may speak of."""
+        known = self._versions.get(key_version(key))
+        route = known.routes.get(key) if known is not None else None
+        if route is None:
+            return None
+        parents, forwards = set(), False
+        for t, chain in enumerate(route.chains):
+            for pos, hop in enumerate(chain):
+                if hop.id == member:
+                    ancestors = route.ancestors(t, pos)
+                    parents.add(ancestors[0].id if ancestors else route.source.id)
+                    forwards = forwards or bool(route.children(t, pos))
+        return (parents, forwards) if parents else None
+
     def pulled(self, key: str, holder: str, start: int, end: int) -> None:
         """`holder` pulled chunks [start, end) of `key` from the source."""
         known = self._versions.get(key_version(key))

@@ -94,7 +94,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     api = ControlApi(cfg, run_dir.token, run=run, buffer=buffer, lease_book=book, encode=trainer.encode,
                      vocab_size=trainer.vocab_size, model_dir=cfg.model.path, links=links, metrics=metrics,
                      waiters=waiters, evals=evaluation.book, on_eval=evaluation.finished, rescore=rescore,
-                     broadcast=publisher.info, tickets=publisher.tickets, on_note=display.note, rollout=trainer.rollout_params(),
+                     broadcast=publisher.info, tickets=publisher.tickets,
+                     placements=getattr(publisher, "forwarding", None), on_note=display.note, rollout=trainer.rollout_params(),
                      lora=trainer.lora_info(keep=cfg.buffer.max_staleness + 2), machine_key=run_dir.machine_key,
                      task_dirs=task_dirs)
     evaluation.parts.quarantine = lambda worker_id, why: api.registry.quarantine_id(worker_id, "eval", why)

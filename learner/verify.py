@@ -65,6 +65,7 @@ SPREAD_GROUPS = 6  # a worker's recent groups at a staleness before it votes on 
 MAX_DRIFT_STALENESS = 64
 DRIFT_AGE = 50  # batches a group's vote on the drift is heard for
 FORGOTTEN_KEEP = 65536  # forgotten worker ids remembered, so their queued groups make no evidence again
+UPLOADS_KEPT = 16  # children's reports of a relay's upload that bound its own claims: a few versions' worth
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
 
 
@@ -77,7 +78,14 @@ class Evidence:
     gaps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     gap_tokens: int = 0  # over its whole history: standing
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
-    upload_seen: float = 0.0  # bytes/s: the fastest download any child reported from this worker
+    # bytes/s its children reported downloading from it, the recent ones: a relay fast once (or
+    # vouched for once) is believed by what its children see now, not by its best day
+    uploads_seen: deque = field(default_factory=lambda: deque(maxlen=UPLOADS_KEPT))
+
+    @property
+    def upload_seen(self) -> float:
+        """The fastest download a recent child reported from this worker (0: none)."""
+        return max(self.uploads_seen, default=0.0)
     claims_clamped: int = 0
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
     # the learner's own version, where a sampled token never lies outside π's nucleus)
@@ -448,16 +456,16 @@ class Verifier:
 
     def upload_seen(self, worker_id: str, rate: float) -> None:
         """A child measured `rate` (bytes/s) downloading from `worker_id`."""
-        ev = self._of(worker_id)
-        ev.upload_seen = max(ev.upload_seen, rate)
+        self._of(worker_id).uploads_seen.append(rate)
 
-    def believed_upload(self, worker_id: str, claimed: float, declared: float) -> float:
+    def believed_upload(self, worker_id: str, claimed: float, prior: float) -> float:
         """A worker's own upload measurement, capped at `capacity_claim_factor` times the best its
-        children saw (or its declared upload before any child reported): a relay cannot send
-        faster than anyone received from it."""
+        recent children saw: a relay cannot send faster than anyone received from it. Before any
+        child reported, at `prior` (what the table takes its link for: a market's offer, or its
+        declaration bounded by an unknown link's rate): its word alone raises nothing."""
         ev = self._of(worker_id)
-        # Neither seen nor declared: what the planner assumes of an unknown link (UNKNOWN_UPLOAD).
-        cap = self.cfg.capacity_claim_factor * (ev.upload_seen or declared or UNKNOWN_UPLOAD)
+        seen = ev.upload_seen
+        cap = self.cfg.capacity_claim_factor * seen if seen else (prior or UNKNOWN_UPLOAD)
         if claimed > cap:
             ev.claims_clamped += 1
             return cap

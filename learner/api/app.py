@@ -82,7 +82,8 @@ class ControlApi:
     """`waiters`: the parked lease requests (others wake them too: an eval round opens); `evals`: the eval rounds the workers answer (`[eval] where = "workers"`), each finished one
     passed to `on_eval`; `fleet`: a `scheduler.fleet.Fleet` when a scheduler decides who generates;
     `broadcast`: how versions travel, told at join (`learner.publisher`), `tickets` the workers'
-    read tickets in chain mode (the publisher's `tickets`); `rescore`: a
+    read tickets in chain mode (the publisher's `tickets`), `placements` where its routes placed
+    each worker (the publisher's `forwarding`: what a link sample may speak of); `rescore`: a
     `learner.verify.Rescorer`, or None (rewards are taken as claimed); `rollout`: how workers
     play episodes (`learner.train.Trainer.rollout_params`; default: one-turn, from `[rollout]`)."""
 
@@ -91,7 +92,7 @@ class ControlApi:
                  metrics: LearnerMetrics | None = None, waiters: Waiters | None = None,
                  evals: EvalBook | None = None, on_eval=lambda result: None, rescore=None, fleet=None,
                  broadcast: P.BroadcastInfo | None = None, on_note=lambda text: None,
-                 rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None, tickets=None,
+                 rollout: P.RolloutParams | None = None, lora: P.LoraInfo | None = None, tickets=None, placements=None,
                  machine_key: str = "", task_dirs: dict[str, tuple[Path, str]] | None = None):
         self.cfg, self.token, self.run = cfg, token, run
         self.machine_key = machine_key  # what machine tokens are keyed by (`scheduler.providers`); "": none valid
@@ -111,7 +112,7 @@ class ControlApi:
                                 encode=encode, metrics=self.metrics, evals=evals, waiters=waiters)
         self.registry = WorkerRegistry(cfg.server, cfg.verify, run=run, leases=self.leases, buffer=buffer,
                                        links=self.links, verifier=self.verifier, metrics=self.metrics, fleet=fleet,
-                                       tickets=tickets, on_note=on_note)
+                                       tickets=tickets, placements=placements, on_note=on_note)
         shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
                       offload=self.offload, rescore=rescore)
         self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, max_tokens=self.rollout.max_tokens,

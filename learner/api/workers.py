@@ -116,11 +116,12 @@ class WorkerRegistry:
 
     def __init__(self, server: ServerSection, verify: VerifySection, *, run: Run, leases: LeaseRoom,
                  buffer: AsyncBuffer, links: LinkTable, verifier: Verifier, metrics: LearnerMetrics,
-                 fleet=None, tickets=None, on_note=lambda text: None):
+                 fleet=None, tickets=None, placements=None, on_note=lambda text: None):
         self.server, self.verify, self.run = server, verify, run
         self.leases, self.buffer, self.links, self.verifier, self.metrics = leases, buffer, links, verifier, metrics
         self.fleet, self.on_note = fleet, on_note  # on_note: something the operator should read (status line)
         self.tickets = tickets  # chain mode: read tickets (broadcast.tickets.TicketOffice), or None
+        self.placements = placements  # chain mode: the publisher's `broadcast.forwarding.Forwarding` (who was placed where)
         self.workers: dict[str, WorkerInfo] = {}
         # Per address: workers joined, wrong tokens, bans that expire (learner.addresses).
         self.addresses = AddressBook(max_workers=server.max_workers_per_address,
@@ -245,20 +246,36 @@ class WorkerRegistry:
         self._links(w, r, samples)
 
     def _links(self, w: WorkerInfo, r: P.Report, samples: list[LinkSample]) -> None:
-        # A market's offer says the machine's links: that seeds the table, not the worker's word.
+        # A market's offer says the machine's links: that seeds the table, not the worker's word,
+        # which may lower its rates but not raise them above what an unmeasured link is taken for
+        # (a worker declaring 100 Gbit/s was planned as the one stripe every byte went through).
         offered = self.fleet.link_of(w.fleet_key) if self.fleet is not None else None
-        down, up = offered if offered is not None else (w.download_mbit, w.upload_mbit)
-        self.links.declare(w.id, down * MBIT, up * MBIT)
+        unknown = self.links.default
+        down, prior = ((offered[0] * MBIT, offered[1] * MBIT) if offered is not None else
+                       (min(w.download_mbit * MBIT, unknown), min(w.upload_mbit * MBIT, unknown)))
+        self.links.declare(w.id, down, prior)
         if r.rtt_ms is not None:
             self.links.observe_rtt(w.id, r.rtt_ms / 1e3)
         for sample in samples:
+            if self.placements is not None:  # chain mode: a sample speaks of a version's route that placed it
+                placed = self.placements.hops(sample.key, w.id)
+                if placed is None:  # a key no route of the learner's had it in: made up
+                    self.metrics.claims_clamped.labels("link-sample").inc()
+                    continue
+                parents, forwards = placed
+                if sample.parent is not None and sample.parent not in parents:
+                    sample = dataclasses.replace(sample, down=None, parent=None)  # not its parent there
+                if not forwards:
+                    sample = dataclasses.replace(sample, up=None)  # it sent that version to nobody
+                if sample.down is None and sample.up is None:
+                    continue
             # The other end's evidence about its parent's upload, from a worker whose work the learner
             # accepted, about another worker: a fresh identity cannot vouch for its partner's link.
             if sample.parent and sample.down and w.groups_accepted > 0 and sample.parent in self.workers \
                     and sample.parent != w.id:
                 self.verifier.upload_seen(sample.parent, sample.down)
             if sample.up:  # a worker's word on its own upload, believed as far as its children saw
-                up = self.verifier.believed_upload(w.id, sample.up, w.upload_mbit * MBIT)
+                up = self.verifier.believed_upload(w.id, sample.up, prior)
                 if up < sample.up:
                     self.metrics.claims_clamped.labels("upload").inc()
                     sample = dataclasses.replace(sample, up=up)

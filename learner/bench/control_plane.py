@@ -166,7 +166,7 @@ async def _serve(args) -> int:
     api = ControlApi(cfg, BENCH_TOKEN, run=run, buffer=buffer, lease_book=leases, links=links,
                      encode=lambda prompt: tokenizer(prompt.text)["input_ids"], vocab_size=len(tokenizer), model_dir=d,
                      rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance), broadcast=publisher.info,
-                     tickets=publisher.tickets)
+                     tickets=publisher.tickets, placements=getattr(publisher, "forwarding", None))
 
     async def publish(version: int) -> None:
         blob = os.urandom(1 << 16)  # each version its own bytes, as weights are

@@ -948,6 +948,59 @@ def test_a_fresh_identity_cannot_vouch_for_its_partners_upload(tokenizer, tmp_pa
     run_api(tokenizer, test, tmp_path)
 
 
+def test_link_samples_and_declared_links_raise_nothing_a_route_did_not_measure(tokenizer, tmp_path):
+    """A worker with standing declared upload_mbit 100000 and added a made-up sample (100 Gbit/s
+    up, a new key each heartbeat) to every heartbeat: its upload read 100,000 Mbit "measured", the
+    planner made it the one stripe every byte went through, and its slow forwarding then cost the
+    honest fleet 64% (a tester, 2026-11-28). In chain mode a sample counts only for a version
+    whose route placed its worker: its parent there, its upload only where it forwarded, and its
+    own claim capped by what its recent children saw (an unmeasured link's rate before any did)."""
+    from broadcast.forwarding import Forwarding
+    from broadcast.route import Route
+    from broadcast.transport import Hop
+
+    def route(key: str, *chain: str) -> Route:
+        return Route(key=key, root=b"", source=Hop("source", "http://127.0.0.1:9"),
+                     chains=(tuple(Hop(w, "http://127.0.0.1:9") for w in chain),), rates=(None,))
+
+    async def test(api: Api):
+        liar, cred = await api.join("liar", upload_mbit=100000.0)
+        child, cred_c = await api.join("child")
+        for w in (liar, child):
+            api.state.workers[w].groups_accepted = 5  # standing: their work was accepted
+
+        def up_mbit(worker: str) -> float:
+            api.state.links.settle()
+            return api.state.links.to_dict()["peers"][worker]["up"]["mbit"]
+
+        async def beat(credential: str, *links: dict) -> None:
+            status, body, _ = await api.call("/v1/heartbeat", {"upload_mbit": 100000.0, "links": list(links)},
+                                             token=credential)
+            assert status == 200, body
+
+        await beat(cred)
+        assert up_mbit(liar) <= 1000.0  # declared beyond an unknown link: taken for one
+        forwarding = Forwarding()
+        api.state.registry.placements = forwarding  # chain mode
+        forwarding.planned(route("v3", liar, child))
+        forwarding.planned(route("v4", liar, child))
+        lie = {"up": 1.2e10, "up_limited": True}
+        await beat(cred, {"key": "v91-0", **lie}, {"key": "v92-0", **lie})  # keys no route had
+        assert up_mbit(liar) <= 1000.0
+        await beat(cred, {"key": "v3", **lie})  # its own word, before any child measured it
+        assert up_mbit(liar) <= 1000.0
+        await beat(cred_c, {"key": "v3", "parent": "someone-else", "down": 5e9, "down_limited": True},
+                   {"key": "v4", "up": 1e9, "up_limited": True})  # not its parent there; it forwarded nothing
+        assert api.state.verifier.evidence[liar].upload_seen == 0.0 and up_mbit(child) <= 1000.0
+        await beat(cred_c, {"key": "v3", "parent": liar, "down": 50e6, "down_limited": True})  # its child saw 400 Mbit/s
+        assert api.state.verifier.evidence[liar].upload_seen == 50e6
+        await beat(cred, {"key": "v4", **lie})
+        # its claim taken at capacity_claim_factor x what its child saw (800), averaged with the last
+        assert up_mbit(liar) <= (1000.0 + 2 * 400.0) / 2
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_compressed_body_is_refused_not_inflated(tokenizer, tmp_path):
     """aiohttp inflates a `Content-Encoding` body before the handler holds it: 8 KiB on the wire
     that inflate to 8 MiB would count 8 KiB against [server] max_inflight_upload_mb. Refused (415)

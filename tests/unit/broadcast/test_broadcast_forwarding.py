@@ -194,3 +194,15 @@ def test_a_record_whose_blames_are_forgotten_is_dropped():
     assert "flaky" in f.records  # still within the stretch
     f.settle(2 + FORGIVE_VERSIONS)
     assert f.records == {} and f.may_forward("flaky", 2 + FORGIVE_VERSIONS)
+
+
+def test_hops_say_where_a_route_placed_a_member():
+    """What a link sample may speak of (the learner checks worker samples against it): its
+    parents in that version's route, and whether it forwarded; nothing for a key never planned."""
+    fwd = Forwarding()
+    fwd.planned(route_of([["o1", "o2", "x"], ["o2", "o1", "x"]], parents=[[-1, 0, 0], [-1, 0, 0]],
+                         spans=[(0, 4), (4, 8)], key="v7-d6"))
+    assert fwd.hops("v7-d6", "o1") == ({"source", "o2"}, True)
+    assert fwd.hops("v7-d6", "x") == ({"o1", "o2"}, False)
+    assert fwd.hops("v7-d6", "stranger") is None and fwd.hops("v7", "o1") is None
+    assert fwd.hops("v91-0", "o1") is None and fwd.hops("made-up", "o1") is None
