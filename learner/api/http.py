@@ -151,7 +151,7 @@ class Auth:
         self.token, self.workers, self.refused = token, workers, refused  # refused: a Counter by credential kind
         self.failure_delay_s = failure_delay_s  # [server] auth_failure_delay_s: how late a wrong one is answered
         self.machine_key = machine_key  # machine tokens' key ("": none is valid)
-        self.addresses = addresses or AddressBook()
+        self.addresses = addresses if addresses is not None else AddressBook()
         self.trusted_proxies = trusted_proxies or []
 
     @staticmethod

@@ -45,7 +45,9 @@ class LeaseRoom:
         self.book, self.buffer, self.run, self.server = book, buffer, run, server
         self.backpressure, self.metrics, self.evals = backpressure, metrics, evals
         self.encode = encode  # Prompt -> its episode's first token ids (the learner's rendering is authoritative)
-        self.waiters = waiters or Waiters()
+        # `is None`, not `or`: an empty Waiters is falsy (it has a length), and the room made its own,
+        # deaf to the wake-ups of the learner's (an eval round opening): final evals waited 10 s
+        self.waiters = waiters if waiters is not None else Waiters()
         # room goes to who can take it
         self.waiters.eligible = lambda worker: self.book.worker_room(worker.id, time.monotonic()) > 0
         self._token_ids: dict[str, list[int]] = {}

@@ -31,6 +31,7 @@ from echo.wire import CONTENT_TYPE, GroupMsg, SampleMsg, Submission, encode_subm
 from broadcast.star import BlobStore
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
+from learner.admission import Waiters
 from learner.leases import LeaseBook, WorkerCap
 from learner.api import ControlApi, Run
 from learner.verify import Rescorer, Verdict
@@ -100,14 +101,15 @@ def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, 
         (tmp_path / "config.json").write_text("{}")
         run = Run(BlobStore(keep=cfg.publish.keep))
         results = []
-        control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases,
+        waiters = Waiters()  # the learner's, shared with what wakes them (serve.py: an eval round opening)
+        control = ControlApi(cfg, TOKEN, run=run, buffer=buffer, lease_book=leases, waiters=waiters,
                              encode=encode or (lambda prompt: tokenizer(prompt.text)["input_ids"]), vocab_size=len(tokenizer),
                              model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
                              evals=evals, on_eval=results.append, machine_key=MACHINE_KEY, task_dirs=task_dirs,
                              lora=lora)
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
-                                verifier=control.verifier, metrics=control.metrics, waiters=control.leases.waiters,
+                                verifier=control.verifier, metrics=control.metrics, waiters=waiters,
                                 results=results, run=run, links=control.links, eval_room=control.evals,
                                 registry=control.registry, status_room=control.status, lease_room=control.leases)
         run.blobs.add(0, b"weights")
@@ -354,7 +356,7 @@ def test_a_parked_worker_is_told_to_install_the_version_an_eval_round_wants(toke
         await asyncio.sleep(0.3)
         state.run.blobs.add(1, b"weights-1")
         state.evals.open(1, time.monotonic())
-        state.lease_room.changed()  # what opening a round does
+        state.waiters.wake_all()  # what opening a round does (serve.py hands the evaluation this, not the room)
         status, reply, _ = await parked
         assert status == 200 and reply["empty"] == "install" and reply["waited_s"] < 2.0, reply
         status, reply, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred)
