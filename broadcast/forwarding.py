@@ -67,6 +67,7 @@ def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str
         a, b = route.spans[tree]
         return any(r is None or (r[0] < b and a < r[1]) for r in ranges)
 
+    owners = {member for _, member in acked}
     out = set()
     for t, chain in enumerate(route.chains):
         parents = route.parent_list(t)
@@ -75,6 +76,11 @@ def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str
                 continue
             if (t, hop.id) in acked:  # it had the tree whole: its own pull is the lie
                 out.add(hop.id)
+                continue
+            if hop.id in owners and all(r is None for r in pulled[hop.id]):
+                # A member that had a tree whole and pulled the whole version anyway (an honest one
+                # repairs the spans it missed, under the pushed key) is no witness against its parents
+                # in the others: a swallowing stripe owner's own pull framed its honest co-owner.
                 continue
             p = parents[pos]
             while p != SOURCE and took(chain[p].id, t) and (t, chain[p].id) not in acked:

@@ -360,6 +360,16 @@ class Worker:
                     t.cancel()
                 if any(not t.cancelled() and t.exception() is None for t in done):
                     return  # on_complete staged it
+            # A push of some trees began: the relay pulls the spans that did not come from the
+            # route's ancestors, then the source (its own repair), under the pushed key. Wait for
+            # that before pulling the whole version: a whole pull by a member pushed a tree would
+            # tell the learner it swallowed that tree (`broadcast.forwarding`), an honest co-owner
+            # of a stripe another owner swallowed was demoted so.
+            begun = [k for k in keys if k in self.relay.stores]
+            if begun:
+                with contextlib.suppress(asyncio.TimeoutError, BroadcastError):
+                    await asyncio.wait_for(self.relay.wait(begun[0]), self.broadcast.fallback_s)
+                    return
             # Pull only what would be installed: not while idled (the newest comes at activation;
             # an idled fleet pulled every version whole from the learner's uplink) and not a
             # version older than one installed or staged meanwhile.

@@ -95,6 +95,14 @@ def test_a_relay_that_acknowledged_a_push_whole_and_pulled_it_anyway_is_blamed_i
     assert blamed(route, {"c": [None]}, {(0, "hole")}) == {"hole"}  # the plain black hole, as before
     deep = route_of([["a", "hole", "c"]])  # the hole fed by a relay, not the source: its parent is blamed
     assert blamed(deep, {"hole": [None], "c": [None]}, {(0, "a")}) == {"a"}
+    # Stripes: the source pushed o1 tree 0 and o2 tree 1 whole; o1 swallowed its forward of tree 0
+    # and pulled the whole version, its honest co-owner o2 and x repaired tree 0's span (a
+    # tester's run demoted o2 too: o1's pull counted against it in tree 1, where o1 is its child).
+    stripes = route_of([["o1", "o2", "x"], ["o2", "o1", "x"]], parents=[[-1, 0, 0], [-1, 0, 0]], spans=[(0, 4), (4, 8)])
+    owners = {(0, "o1"), (1, "o2")}
+    assert blamed(stripes, {"o1": [None], "o2": [(0, 4)], "x": [(0, 4)]}, owners) == {"o1"}
+    assert blamed(stripes, {"o2": [(4, 8)]}, owners) == {"o2"}  # its own tree: still its lie
+    assert blamed(stripes, {"x": [None]}, owners) == {"o1", "o2"}  # a non-owner's whole pull: every tree, as before
     f = Forwarding()
     f.planned(route_of([["hole", "c"]], key="v1"))
     f.pushed("v1", "hole", 0)

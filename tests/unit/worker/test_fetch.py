@@ -62,3 +62,35 @@ def test_the_worker_reports_the_engine_and_device_that_run_not_auto():
     worker.engine = SimpleNamespace(version=3, name="transformers", device="cpu")
     after = worker._info()
     assert (after.engine, after.device, after.version) == ("transformers", "cpu", 3)
+
+
+def test_a_worker_a_push_began_for_waits_for_its_relays_repair_before_pulling_the_whole_version(caplog):
+    """A stripe co-owner pushed its own tree (the store is open) but not another owner's pulled
+    the whole version at `fallback_s`, and the learner took that pull for a lie about the tree it
+    had: its relay repairs the missing spans itself, so the worker waits once more first."""
+    import time as clock
+
+    from broadcast.manifest import build_manifest
+    from broadcast.signing import sign_manifest
+
+    async def run() -> float:
+        key = SigningKey.generate()
+        worker = Worker(load_worker_config(None, []), "http://127.0.0.1:1", "token")
+        worker.broadcast = P.BroadcastInfo(mode="chain", public_key=key.public_key().to_text(), fallback_s=0.3)
+        worker.engine = SimpleNamespace(version=3)
+        worker.relay = Relay("w", key.public_key(), host="127.0.0.1", port=0)
+        await worker.relay.start()
+        try:
+            await worker.relay._new_store(sign_manifest(key, build_manifest(bytes(1 << 18), 5, chunk_size=1 << 16)))
+            start = clock.monotonic()
+            # (the open store stands for the pushed delta: v6's, keyed "v5" here, whole key "v6")
+            await worker._fetch(None, P.PushAnnouncement(version=6, key="v6", delta_key="v5",
+                                                         source=f"http://127.0.0.1:{_closed_port()}"))
+            return clock.monotonic() - start
+        finally:
+            await worker.relay.stop()
+
+    with caplog.at_level(logging.INFO, logger="echo.worker"):
+        waited = asyncio.run(run())
+    assert waited >= 2 * 0.3  # the push's wait, then the repair's, before the whole pull
+    assert any("pulling v6" in r.getMessage() for r in caplog.records)
