@@ -88,13 +88,19 @@ def main(argv: list[str] | None = None) -> int:
         return follow(cfg, world, args.resume)
     more_files()  # the control API holds a few connections per worker
     run_dir = RunDir(cfg, args.resume)
-    port = cfg.server.port or (run_dir.port(0) if run_dir.resumed else 0)
-    if port and port_in_use(cfg.server.host, port):  # said now, not in a traceback after the model loaded
-        print(f"echo-learner: {cfg.server.host}:{port} is in use"
-              + (f": is {run_dir} served by a learner already? Stop it first" if run_dir.resumed else "")
-              + "; or choose another --server.port (0: a free one)", file=sys.stderr)
+    if run_dir.resumed and (holder := run_dir.hold()) is not None:
+        print(f"echo-learner: {run_dir} is served by another learner ({holder}); stop it first", file=sys.stderr)
         close(world)
         return 2
+    port = cfg.server.port or (run_dir.port(0) if run_dir.resumed else 0)
+    if port and port_in_use(cfg.server.host, port):  # said now, not in a traceback after the model loaded
+        print(f"echo-learner: {cfg.server.host}:{port} is in use; "
+              + ("the run had it: choose another with --server.port N" if run_dir.resumed and not cfg.server.port
+                 else "choose another --server.port (0: a free one)"), file=sys.stderr)
+        close(world)
+        return 2
+    if not run_dir.resumed:
+        run_dir.hold()  # a fresh run's, now that it will serve: a --resume of it meanwhile is refused
     workers = LocalWorkers(cfg.workers, run_dir / "workers", run_dir.token, cfg.run.seed)
     try:
         return serving.run(serve(cfg, world, run_dir, workers, args.json))

@@ -62,6 +62,28 @@ class RunDir:
         tmp.write_text(url + "\n")
         os.replace(tmp, self.path / "url")
 
+    def hold(self) -> str | None:
+        """Hold the run directory for this process (released when it exits, however it exits);
+        None when it is ours, else who holds it: a second learner resumed on a live run
+        directory on another port overwrote its url and raced its checkpoints (a new user)."""
+        import fcntl
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = (self.path / "learner.lock").open("a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            return holder
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}\n")
+        lock.flush()
+        self._lock = lock  # held while this object (the run) lives
+        return None
+
     def checkpoint(self) -> Path | None:
         """The checkpoint a resumed run starts from (None: a fresh run, or none was saved)."""
         return latest_checkpoint(self.path) if self.resumed else None

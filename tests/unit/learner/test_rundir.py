@@ -58,3 +58,24 @@ def test_a_port_in_use_is_said_in_one_line_before_anything_loads(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and f"127.0.0.1:{port} is in use" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # no run directory left behind
+
+
+def test_a_run_directory_another_learner_serves_is_not_resumed_beside_it(tmp_path, capsys, tiny_model):
+    """`--resume RUN --server.port N` beside the learner serving RUN started a second learner on
+    it, which overwrote its url file (a new user). The run directory is held while served."""
+    import os
+
+    from learner.config import load_learner_config
+    from learner.main import main
+    from learner.rundir import RunDir
+
+    cfg = load_learner_config(None, ["--model.path", str(tiny_model), "--run.dir", str(tmp_path)])
+    live = RunDir(cfg)
+    live.create(cfg)
+    assert live.hold() is None  # the learner serving it
+    code = main(["--resume", str(live.path), "--server.port", "0", "--run.steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"is served by another learner (pid {os.getpid()})" in err and "Traceback" not in err
+    assert not (live.path / "url").exists()
+    live._lock.close()  # the first learner ends: the directory may be resumed
+    assert RunDir(cfg, live.path).hold() is None
