@@ -19,7 +19,7 @@ install: $(STAMP)
 model: install           ## build the tiny demo model (skipped when it exists)
 	$(BIN)/echo-rl build-model --config configs/demo.toml
 
-demo: model              ## learner + 3 local workers learn arithmetic with GRPO on this machine
+demo: model              ## learner + the cheapest sufficient local workers (of 8) learn arithmetic with GRPO here
 	$(BIN)/echo-learner --config configs/demo.toml
 
 poker: install           ## the poker demo (ECHO-2 App. D): build and warm-start the model, train, score it
