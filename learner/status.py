@@ -35,7 +35,9 @@ def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_pro
             f"  model {cfg.model.path} ({params / 1e6:.2f}M params{fsdp}), "
             f"task {cfg.task.name}, B = {G}×{cfg.rollout.group_size} = {cfg.batch_rollouts} rollouts/step, "
             f"S = {S}, I = {cfg.publish_every}, buffer {cfg.buffer.type}, eval on {cfg.eval.where} ({eval_prompts} prompts)\n"
-            f"  status: v = newest published snapshot, idle = share of wall time the trainer waited for data, "
+            f"  status: v = newest published snapshot, reward = mean reward of the groups the step trained"
+            + (" (those whose rewards differ: above what workers sample)" if cfg.dynamic_sampling else "")
+            + ", idle = share of wall time the trainer waited for data, "
             + ("signal = share of the groups since the last step whose rewards differ (the rest are skipped: "
                "[buffer] dynamic_sampling), " if cfg.dynamic_sampling else "")
             + "recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "

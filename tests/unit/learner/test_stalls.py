@@ -89,3 +89,16 @@ def test_an_infeasible_schedule_is_said_once_not_each_time_its_measured_numbers_
     asyncio.run(run())
     assert notes == [f"scheduler: {messages[0]}; activating every available worker",
                      f"scheduler: {messages[3]}; activating every available worker"]
+
+
+def test_the_banner_defines_every_status_column():
+    """The status line's `reward` was defined in the README only (a new user)."""
+    from learner.config import load_learner_config
+    from learner.status import banner
+
+    for sampling in ("true", "false"):
+        cfg = load_learner_config(None, ["--buffer.dynamic_sampling", sampling])
+        text = banner(cfg, "http://127.0.0.1:1", "runs/x", "t" * 32, 300_000, 1, 10)
+        for column in ("v =", "reward =", "idle =", "recycled =", "queue =", "length ="):
+            assert column in text, (column, text)
+        assert ("signal =" in text) == (sampling == "true")
