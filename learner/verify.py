@@ -131,7 +131,8 @@ class Evidence:
     def copy(self) -> Evidence:
         """To add a batch to without keeping it (a first pass)."""
         return replace(self, rewards=deque(self.rewards, maxlen=WINDOW), gaps=deque(self.gaps, maxlen=WINDOW),
-                       token_checks=deque(self.token_checks, maxlen=TOKEN_WINDOW))
+                       token_checks=deque(self.token_checks, maxlen=TOKEN_WINDOW),
+                       uploads_seen=deque(self.uploads_seen, maxlen=UPLOADS_KEPT))
 
 
 @dataclass(frozen=True)
