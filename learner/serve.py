@@ -109,6 +109,9 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         run_dir.announce(url)
         if run_dir.resumed:
             display.note(recovery.note(trainer.updates, cfg.run.steps, checkpoint))
+            if lr := trainer.resumed.get("lr_resumed"):
+                display.note(f"the learning-rate schedule spans [run] steps = {cfg.run.steps} now: update "
+                             f"{trainer.updates + 1} runs at {lr['now']:.3g} (the checkpoint's schedule had {lr['was']:.3g})")
             # what the killed process logged after the checkpoint is redone from here: readers drop it
             log.write({"event": "resume", "step": trainer.updates, "version": trainer.version,
                        "checkpoint": checkpoint.name if checkpoint else None})

@@ -224,7 +224,7 @@ class Trainer:
         norms = [self._update(samples, share, tokens, old, ref, gaps, sums)
                  for share, tokens in zip(shares, slice_tokens)]
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this update ran at (after the step: the next one's)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update ran at (after the step: the next one's)
         self.scheduler.step()
         self.version += 1
         self.updates += 1
@@ -495,6 +495,15 @@ class Trainer:
         learner_state = json.loads((path / "learner_state.json").read_text())
         self.version = int(learner_state["version"])
         self.updates = int(learner_state.get("updates", self.version))
+        # The rate of the next update by this run's schedule: a resume with another [run] steps
+        # ran its first update at the rate restored with the optimizer, the old schedule's, then
+        # jumped to the new one's (a new user: 3e-05, then 1.4e-04).
+        was = [g["lr"] for g in self.optimizer.param_groups]
+        now = [base * f(self.updates) for base, f in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, now):
+            group["lr"] = lr
+        if any(abs(a - b) > 1e-3 * max(abs(a), abs(b), 1e-30) for a, b in zip(was, now)):
+            learner_state["lr_resumed"] = {"was": was[0], "now": now[0]}
         return learner_state
 
     def export(self, directory: Path) -> Path | None:

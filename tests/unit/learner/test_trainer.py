@@ -413,3 +413,34 @@ assert sorted(p.name for p in Path({str(tmp_path)!r}).glob("step-*")) == [newer.
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_resume_with_more_steps_runs_its_first_update_on_the_new_schedule(tiny_model, tmp_path):
+    """`--resume RUN --run.steps 160` after a 100-step linear run: update 101 ran at the rate
+    restored with the optimizer (the old schedule's 3e-05), update 102 at the new one's (1.4e-04),
+    and the log said so. The rate is the new schedule's from the first update, and said at start."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+from learner.config import load_learner_config
+from learner.train.trainer import Trainer, lr_factor
+common = ["--model.path", {str(tiny_model)!r}, "--rollout.group_size", "4", "--trainer.batch_prompts", "4",
+          "--trainer.schedule", "linear", "--trainer.warmup_steps", "0", "--trainer.lr", "3e-4"]
+first = Trainer(load_learner_config(None, [*common, "--run.steps", "100"]))
+for _ in range(100):
+    first.optimizer.step()
+    first.scheduler.step()
+first.updates = first.version = 100
+path = first.save_checkpoint({str(tmp_path)!r}, {{}})
+cfg = load_learner_config(None, [*common, "--run.steps", "160"])
+longer = Trainer(cfg, checkpoint=path)
+t = cfg.trainer
+now = 3e-4 * lr_factor(100, "linear", 0, 160, t.min_lr_ratio)
+assert abs(longer.optimizer.param_groups[0]["lr"] - now) < 1e-12, longer.optimizer.param_groups[0]["lr"]
+assert abs(longer.resumed["lr_resumed"]["was"] - 3e-4 * lr_factor(100, "linear", 0, 100, t.min_lr_ratio)) < 1e-12
+assert "lr_resumed" not in Trainer(load_learner_config(None, [*common, "--run.steps", "100"]), checkpoint=path).resumed
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
