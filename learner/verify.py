@@ -80,7 +80,7 @@ class Evidence:
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
     # bytes/s its children reported downloading from it, the recent ones: a relay fast once (or
     # vouched for once) is believed by what its children see now, not by its best day
-    uploads_seen: deque = field(default_factory=lambda: deque(maxlen=UPLOADS_KEPT))
+    uploads_seen: tuple[float, ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
 
     @property
     def upload_seen(self) -> float:
@@ -131,8 +131,7 @@ class Evidence:
     def copy(self) -> Evidence:
         """To add a batch to without keeping it (a first pass)."""
         return replace(self, rewards=deque(self.rewards, maxlen=WINDOW), gaps=deque(self.gaps, maxlen=WINDOW),
-                       token_checks=deque(self.token_checks, maxlen=TOKEN_WINDOW),
-                       uploads_seen=deque(self.uploads_seen, maxlen=UPLOADS_KEPT))
+                       token_checks=deque(self.token_checks, maxlen=TOKEN_WINDOW))
 
 
 @dataclass(frozen=True)
@@ -457,7 +456,8 @@ class Verifier:
 
     def upload_seen(self, worker_id: str, rate: float) -> None:
         """A child measured `rate` (bytes/s) downloading from `worker_id`."""
-        self._of(worker_id).uploads_seen.append(rate)
+        ev = self._of(worker_id)
+        ev.uploads_seen = (*ev.uploads_seen, rate)[-UPLOADS_KEPT:]
 
     def believed_upload(self, worker_id: str, claimed: float, prior: float) -> float:
         """A worker's own upload measurement, capped at `capacity_claim_factor` times the best its
