@@ -104,6 +104,8 @@ class _Version:
     pulls: dict[str, list[tuple[str, int, int]]]  # member -> (key, first chunk, end) of its pulls from the source
     blamed: set[str]
     acked: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  # key -> (tree, member) pushed whole by the source
+    # key -> member -> (its parents, whether it forwards): built once a route, looked up per link sample
+    places: dict[str, dict[str, tuple[set[str], bool]]] = field(default_factory=dict)
 
 
 class Forwarding:
@@ -121,6 +123,14 @@ class Forwarding:
         known = self._versions.setdefault(version, _Version({}, set(), {}, set()))
         known.routes[route.key] = route
         known.members.update(hop.id for chain in route.chains for hop in chain)
+        places: dict[str, tuple[set[str], bool]] = {}
+        for t, chain in enumerate(route.chains):
+            for pos, hop in enumerate(chain):
+                parents, forwards = places.get(hop.id, (set(), False))
+                ancestors = route.ancestors(t, pos)
+                parents.add(ancestors[0].id if ancestors else route.source.id)
+                places[hop.id] = (parents, forwards or bool(route.children(t, pos)))
+        known.places[route.key] = places
         while len(self._versions) > KEEP_VERSIONS:
             self._versions.popitem(last=False)
 
@@ -129,17 +139,7 @@ class Forwarding:
         forwards to anyone there; None when `key` is no route remembered here, or `member` is
         not in it: what a link sample about `key` from `member` may speak of."""
         known = self._versions.get(key_version(key))
-        route = known.routes.get(key) if known is not None else None
-        if route is None:
-            return None
-        parents, forwards = set(), False
-        for t, chain in enumerate(route.chains):
-            for pos, hop in enumerate(chain):
-                if hop.id == member:
-                    ancestors = route.ancestors(t, pos)
-                    parents.add(ancestors[0].id if ancestors else route.source.id)
-                    forwards = forwards or bool(route.children(t, pos))
-        return (parents, forwards) if parents else None
+        return known.places.get(key, {}).get(member) if known is not None else None
 
     def pulled(self, key: str, holder: str, start: int, end: int) -> None:
         """`holder` pulled chunks [start, end) of `key` from the source."""
