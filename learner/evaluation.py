@@ -117,7 +117,6 @@ class WorkerEvaluation(Evaluation):
         super().__init__(parts)
         self.final_timeout_s = section.final_timeout_s
         self.book = EvalBook(parts.prompts, parts.lease_ttl, section.prompts_per_lease, lifetime=3 * parts.lease_ttl)
-        self.opened = 0  # the version of the newest round
         self.opened_update = 0  # the run's updates when the newest round opened
         self.held = -1  # the version the trainer holds aside for checking answers
         self.checking: asyncio.Task | None = None  # the check of a finished round, on the trainer thread
@@ -133,7 +132,7 @@ class WorkerEvaluation(Evaluation):
         if self.parts.hold is not None:
             self.held = await self.parts.hold()
         self.book.open(version, time.monotonic())
-        self.opened = version
+        self.opened_update = self._updates(version)
         self.reasks = self.round_forged = self.round_redecoded = 0
 
     def finished(self, result: EvalResult) -> None:
@@ -210,7 +209,6 @@ class WorkerEvaluation(Evaluation):
     async def start(self, version: int) -> None:
         self._made(version)
         await self._open(version)
-        self.opened_update = self._updates(version)
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
         self._made(version)
@@ -219,7 +217,6 @@ class WorkerEvaluation(Evaluation):
         due = due or self.book.abandoned is not None  # nobody could finish the last one: evaluate this one
         if published and (last or (due and self.book.round is None)):
             await self._open(version)
-            self.opened_update = updates
             self.parts.changed()  # waiting workers holding this version can evaluate it
         return None
 
