@@ -124,10 +124,12 @@ def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
     """Plan inputs from a learner-style TOML (see the module docstring for the keys); a key it
     leaves out is the learner's default."""
     data = read_toml(path)
+    for table in ("trainer", "rollout", "buffer", "publish", "scheduler"):
+        if not isinstance(data.setdefault(table, {}), dict):
+            raise ConfigError(f"{table} = {data[table]!r} in {path}: [{table}] must be a table (a [{table}] header "
+                              "followed by its keys)")
     for (table, key), value in LEARNER_DEFAULTS.items():
-        section = data.setdefault(table, {})
-        if isinstance(section, dict):
-            section.setdefault(key, value)
+        data[table].setdefault(key, value)
     values: dict[str, Any] = {}
     n = _int_key(data, "rollout", "group_size", path)
     values["group_size"] = n
@@ -136,11 +138,18 @@ def _from_config(path: str) -> tuple[dict[str, Any], Path | None]:
     if (i := _int_key(data, "publish", "every", path)) is not None:
         values["publish_every"] = i
     buffer = data["buffer"]
-    values["queue_factor"] = float(buffer["queue_factor"])
+    q = buffer["queue_factor"]
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or q < 1:
+        raise ConfigError(f"[buffer] queue_factor = {q!r} in {path}: expected a number ≥ 1 (q: queue-drop capacity in batches)")
+    if buffer["type"] not in ("queue-drop", "queue-max"):
+        raise ConfigError(f"[buffer] type = {buffer['type']!r} in {path}: expected \"queue-drop\" or \"queue-max\"")
+    if not isinstance(buffer["backpressure"], bool):
+        raise ConfigError(f"[buffer] backpressure = {buffer['backpressure']!r} in {path}: expected true or false")
+    values["queue_factor"] = float(q)
     values["buffer"] = buffer["type"]
-    values["blocking"] = bool(buffer["backpressure"])
+    values["blocking"] = buffer["backpressure"]
     try:
-        sched = SchedulerSection.model_validate(data.get("scheduler", {}))
+        sched = SchedulerSection.model_validate(data["scheduler"])
     except ValidationError as e:
         bad = "; ".join(f"[scheduler] {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"{path}: {bad}") from None

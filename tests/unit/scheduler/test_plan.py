@@ -154,6 +154,18 @@ def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 2 and "multiple" in out["error"]
 
 
+@pytest.mark.parametrize("text, named", [
+    ('[buffer]\nqueue_factor = "x"\n', "queue_factor"), ("[buffer]\nqueue_factor = 0.5\n", "queue_factor"),
+    ('[buffer]\ntype = "ring"\n', "type"), ('[buffer]\nbackpressure = "no"\n', "backpressure"),
+    ("buffer = 3\n", "[buffer] must be a table"), ('rollout = "big"\n', "[rollout] must be a table")])
+def test_malformed_buffer_values_are_named_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           text: str, named: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    code, out = run_json(capsys, ["--config", str(cfg)])
+    assert code == 2 and named in out["error"] and str(cfg) in out["error"]
+
+
 def test_staleness_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["staleness", "--concurrency", "64", "--batch", "128", "--queue-factor", "1", "--utilization", "0.8",
             "--tailness-multiplier", "1.5"]
