@@ -90,6 +90,19 @@ class Evaluation:
         step records: after a resume, whose versions skip ahead, the two differ."""
         return {"event": "eval", "step": self._step_of.get(version, version), "version": version, **fields}
 
+    def _carried(self, version: int) -> bool:
+        """A resume from a checkpoint whose eval was of these very weights: its result carries over,
+        shown and counted but not evaluated again nor logged again (the run log has its event)."""
+        resumed = self.parts.resumed
+        if resumed.get("eval_accuracy") is None or resumed.get("eval_version") != version:
+            return False
+        accuracy = resumed["eval_accuracy"]
+        self.last = EvalResult(version, accuracy, 0, 0.0, 0, 0)
+        self.parts.cost.record_eval(accuracy)
+        self.parts.metrics.eval_accuracy.set(accuracy)
+        self.parts.note(f"eval v{version}: {accuracy:.3f} (from the checkpoint, which evaluated these weights)")
+        return True
+
     @property
     def prompts(self) -> list[Prompt]:
         return self.parts.prompts
@@ -208,6 +221,9 @@ class WorkerEvaluation(Evaluation):
 
     async def start(self, version: int) -> None:
         self._made(version)
+        if self._carried(version):
+            self.opened_update = self._updates(version)  # the schedule goes on from the checkpoint's update
+            return
         await self._open(version)
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
@@ -239,16 +255,14 @@ class LearnerEvaluation(Evaluation):
     def __init__(self, section: LearnerEval, parts: EvalParts):
         super().__init__(parts)
 
-    def _record(self, version: int, accuracy: float, seconds: float | None) -> None:
-        """Every eval, the first and a resumed one's included, is an event of the run log and a
-        line for the operator, as on the workers (`seconds` None: carried over from a checkpoint)."""
-        self.last = EvalResult(version, accuracy, 0, seconds or 0.0, 0, 0)
+    def _record(self, version: int, accuracy: float, seconds: float) -> None:
+        """Every eval, the first included, is an event of the run log and a line for the
+        operator, as on the workers."""
+        self.last = EvalResult(version, accuracy, 0, seconds, 0, 0)
         self.parts.cost.record_eval(accuracy)
         self.parts.metrics.eval_accuracy.set(accuracy)
-        self.parts.log(self._event(version, eval_accuracy=accuracy, where="learner",
-                                   seconds=None if seconds is None else round(seconds, 3)))
-        self.parts.note(f"eval v{version}: {accuracy:.3f} ("
-                        + ("from the checkpoint" if seconds is None else f"on the learner, {seconds:.1f} s") + ")")
+        self.parts.log(self._event(version, eval_accuracy=accuracy, where="learner", seconds=round(seconds, 3)))
+        self.parts.note(f"eval v{version}: {accuracy:.3f} (on the learner, {seconds:.1f} s)")
 
     async def _evaluate(self, version: int) -> float:
         started = time.monotonic()
@@ -258,13 +272,8 @@ class LearnerEvaluation(Evaluation):
 
     async def start(self, version: int) -> None:
         self._made(version)
-        resumed = self.parts.resumed
-        if resumed.get("eval_accuracy") is None:
-            accuracy = await self._evaluate(version)
-        else:
-            accuracy = resumed["eval_accuracy"]
-            self._record(version, accuracy, None)
-        self.first_accuracy = resumed.get("first_eval_accuracy", accuracy)
+        accuracy = self.last.accuracy if self._carried(version) else await self._evaluate(version)
+        self.first_accuracy = self.parts.resumed.get("first_eval_accuracy", accuracy)
 
     async def stepped(self, version: int, published: bool, last: bool) -> float | None:
         self._made(version)

@@ -230,6 +230,9 @@ def test_resume_continues_from_the_last_checkpoint(learner_factory):
     assert resumed.returncode == 0, out[-3000:]
     steps = [r["step"] for r in lp.records()]
     assert steps == [1, 2, 3, 4, 5, 6, 7]  # the log continues; nothing is retrained from zero
+    events = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [e["version"] for e in events if e.get("event") == "eval"]
+    assert evals.count(4) == 1 and evals[-1] == 7, evals  # v4's eval came with the checkpoint: not run twice
     assert json.loads((lp.run_dir / "checkpoints" / "latest" / "learner_state.json").read_text())["version"] == 7
     assert worker.wait(30) == 0
     # `--resume` of a finished run: test_untrusted's killed-mid-run test.

@@ -78,6 +78,40 @@ def test_a_resumed_run_keeps_its_first_accuracy():
     assert (ev.first_accuracy, ev.last.accuracy) == (0.05, 0.5)
 
 
+def test_a_resume_does_not_evaluate_again_the_weights_its_checkpoint_evaluated():
+    """The checkpoint's eval was of the version it resumes from: carried over (shown, counted, in
+    the next checkpoint), with no second round and no second event of the same accuracy. Of an
+    older version, the resumed weights are evaluated: they never were."""
+    resumed = {"eval_accuracy": 0.6, "eval_version": 12, "first_eval_accuracy": 0.1}
+    log, woken = [], []
+    workers = WorkerEvaluation(WorkersEval(), parts(eval_every=4, resumed=resumed, log=log, woken=woken))
+    opened = []
+    workers.book.open = lambda version, now: opened.append(version)
+    learner = LearnerEvaluation(LearnerEval(), parts(eval_every=4, resumed=resumed, log=log, accuracies=[0.7]))
+
+    async def run():
+        await workers.start(12)
+        await learner.start(12)
+
+    asyncio.run(run())
+    assert opened == [] and log == [] and workers.book.round is None
+    for ev in (workers, learner):
+        assert (ev.last.version, ev.last.accuracy, ev.first_accuracy) == (12, 0.6, 0.1)
+        assert ev.checkpoint_state() == resumed and ev.parts.metrics.eval_accuracy._value.get() == 0.6
+    stale = {**resumed, "eval_version": 11}
+    workers = WorkerEvaluation(WorkersEval(), parts(eval_every=4, resumed=stale))
+    workers.book.open = lambda version, now: opened.append(version)
+    learner = LearnerEvaluation(LearnerEval(), parts(eval_every=4, resumed=stale, log=log, accuracies=[0.7]))
+
+    async def again():
+        await workers.start(12)
+        await learner.start(12)
+
+    asyncio.run(again())
+    assert opened == [12] and [(e["version"], e["eval_accuracy"]) for e in log] == [(12, 0.7)]
+    assert learner.first_accuracy == 0.1
+
+
 def test_a_checked_round_reports_the_checked_accuracy_everywhere():
     """One answer of three is not the held version's greedy one: it is left out, its worker
     quarantined, and the accuracy the log, the checkpoint and the Prometheus gauge show is over
@@ -166,7 +200,7 @@ def test_an_eval_event_names_the_update_that_made_its_version_not_only_the_versi
     version + 1): an eval event's `step` is the update, as in the step records, and its `version`
     the version, so a plot of accuracy against steps puts the point where it belongs."""
     log, updates = [], [4]
-    p = parts(5, resumed={"eval_accuracy": 0.3}, log=log)
+    p = parts(5, resumed={"eval_accuracy": 0.3, "eval_version": 9}, log=log)  # carried over: no event
     p.updates = lambda: updates[0]
     learner = make_evaluation(LearnerEval(), p)
     workers = WorkerEvaluation(WorkersEval(), p)
@@ -179,7 +213,7 @@ def test_an_eval_event_names_the_update_that_made_its_version_not_only_the_versi
 
     asyncio.run(run())
     workers.finished(EvalResult(10, 0.5, 8, 1.0, 1, 0))  # no check configured: recorded, marked unchecked
-    assert [(e["where"], e["step"], e["version"]) for e in log] == [("learner", 4, 9), ("workers", 5, 10)]
+    assert [(e["where"], e["step"], e["version"]) for e in log] == [("workers", 5, 10)]
 
 
 def test_the_update_of_each_version_is_kept_for_the_recent_ones_only():
@@ -201,7 +235,7 @@ def test_a_resumed_run_keeps_the_eval_schedule_of_its_updates():
     user's run evaluated v52 and v60 on the workers (and v45, v96 for eval_every 50), never the
     30th update. Both variants now count updates."""
     updates = [20]
-    p = parts(30, resumed={"eval_accuracy": 0.3, "updates": 20}, accuracies=[0.4, 0.5, 0.6])
+    p = parts(30, resumed={"eval_accuracy": 0.3, "eval_version": 22, "updates": 20}, accuracies=[0.4, 0.5, 0.6])
     p.updates = lambda: updates[0]
     learner = make_evaluation(LearnerEval(), p)
     workers = WorkerEvaluation(WorkersEval(), p)
@@ -221,4 +255,4 @@ def test_a_resumed_run_keeps_the_eval_schedule_of_its_updates():
 
     asyncio.run(run())
     assert evaluated == [30, 60, 70]
-    assert opened == [(20, 22), (30, 32), (60, 62), (70, 72)]
+    assert opened == [(30, 32), (60, 62), (70, 72)]  # v22's eval came with the checkpoint
