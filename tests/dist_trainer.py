@@ -46,6 +46,8 @@ def main() -> int:
     p.add_argument("--save-at", type=int, default=0, help="write a checkpoint after this many steps")
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument("--skipped", type=int, default=0, help="groups skipped by dynamic sampling in each batch's sample")
+    p.add_argument("--evaluate-first", action="store_true",
+                   help="a learner-side eval before the first step, as the learner's v0 eval ([eval] where = 'learner')")
     p.add_argument("overrides", nargs="*", help="extra --section.key VALUE config overrides")
     args = p.parse_args()
     cfg = load_learner_config(None, [
@@ -61,6 +63,12 @@ def main() -> int:
         return 0
     drive = Lockstep(trainer, world)
     first = drive.call("snapshot")
+    accuracy = None
+    if args.evaluate_first:
+        from echo.tasks import load_task
+
+        task = load_task("arith", {})
+        accuracy = drive.call("evaluate", task, task.eval_prompts()[:4])
     losses, token_checks = [], []
     while trainer.version < args.steps:
         stats = drive.call("step", synthetic_batch(trainer.version, trainer.vocab_size, args.skipped))
@@ -74,7 +82,7 @@ def main() -> int:
     (args.out / "final.safetensors").write_bytes(blob)
     (args.out / "result.json").write_text(json.dumps({
         "ranks": world.size, "losses": losses, "token_checks": token_checks, "first_snapshot_sha256": hashlib.sha256(first).hexdigest(),
-        "parameters": trainer.num_parameters}))
+        "parameters": trainer.num_parameters, "accuracy": accuracy}))
     close(world)
     return 0
 

@@ -128,6 +128,16 @@ def shard(policy: torch.nn.Module, layers: list[torch.nn.Module], world: World,
     return policy
 
 
+def as_root(model: torch.nn.Module) -> None:
+    """Make the FSDP2 root of `model` the root before anything calls a module under it.
+
+    FSDP2 settles which state is the root at the first forward: generation calls the HF model
+    under the root, and done before any forward through the root (the v0 eval on the learner),
+    each layer took itself for a root and the first update refused ("FSDP state has already
+    been lazily initialized"). A no-op once settled."""
+    model._get_fsdp_state()._lazy_init()
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A parameter whole: gathered from every rank if sharded (a collective), else itself."""
     from torch.distributed.tensor import DTensor

@@ -41,7 +41,7 @@ from echo.hf import TokenBatch
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo
 from learner.config import LearnerConfig
-from learner.train.dist import World, sharded_alone
+from learner.train.dist import World, as_root, sharded_alone
 from learner.train.losses import LossStats, group_advantages, grpo_loss
 from learner.train.microbatch import pack, split_by_tokens
 from echo.lora import AdapterMeta, base_digest, probe_tokens, read_adapter_meta
@@ -575,6 +575,7 @@ class Trainer:
             raise RuntimeError("hold_for_eval() first: no eval copy is held")
         copy = self._eval_copy
         if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
+            as_root(copy)
             copy.unshard()
         try:
             with self._autocast():
@@ -595,6 +596,7 @@ class Trainer:
         here, could not run on them.)"""
         episodes = dataclasses.replace(self.episodes, task=task)
         if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
+            as_root(self.policy)
             self.policy.unshard()
         try:
             with self._autocast():

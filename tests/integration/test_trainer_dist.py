@@ -88,8 +88,11 @@ def test_bf16_mixed_precision_trains_alike_on_one_and_two_ranks(small_model, tmp
     from safetensors.torch import load_file
 
     bf16 = ("--trainer.compute_dtype", "bfloat16")
-    one = torchrun(1, small_model, tmp_path / "b1", overrides=bf16)
-    two = torchrun(2, small_model, tmp_path / "b2", overrides=bf16)
+    # Each first evaluates on the learner, as a multi-turn run's v0 eval does: generation under a
+    # sharded root before any forward through it made the first update die.
+    one = torchrun(1, small_model, tmp_path / "b1", "--evaluate-first", overrides=bf16)
+    two = torchrun(2, small_model, tmp_path / "b2", "--evaluate-first", overrides=bf16)
+    assert one["accuracy"] == two["accuracy"] is not None
     assert one["losses"] == pytest.approx(two["losses"], abs=2e-3)
     w0, w1, w2 = load_file(small_model / "model.safetensors"), weights(tmp_path / "b1"), weights(tmp_path / "b2")
     mean = lambda a, b: float(sum((a[k] - b[k]).abs().sum() for k in a) / sum(a[k].numel() for k in a))  # noqa: E731

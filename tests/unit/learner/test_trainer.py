@@ -299,6 +299,25 @@ def test_bf16_computes_through_fsdp2_mixed_precision_on_one_rank_too(tiny_model)
     assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
 
 
+def test_a_sharded_learner_evaluates_before_its_first_update_and_then_trains(tiny_model):
+    """[eval] where = 'learner' (every multi-turn task) on a sharded model (bf16, or 2 ranks):
+    generation calls the HF model under the FSDP root, and the v0 eval ran before any forward
+    through the root, so each layer made itself a root and the first update died ("FSDP state
+    has already been lazily initialized"). The held eval copy generates the same way."""
+    from echo.tasks import load_task
+
+    trainer = _trainer(tiny_model, "--trainer.compute_dtype", "bfloat16", "--eval.where", "learner")
+    assert trainer.world.sharded
+    task = load_task("arith", {})
+    accuracy = trainer.evaluate(task, task.eval_prompts()[:4])
+    stats = trainer.step(synthetic_batch(0, trainer.vocab_size))
+    assert 0.0 <= accuracy <= 1.0 and math.isfinite(stats["loss"])
+    held = _trainer(tiny_model, "--trainer.compute_dtype", "bfloat16")
+    held.hold_for_eval()
+    assert len(held.held_greedy_returns(task.eval_prompts()[:2])) == 2
+    assert math.isfinite(held.step(synthetic_batch(0, held.vocab_size))["loss"])
+
+
 def test_preflight_predicts_qwen3_8b_lora_on_one_a100_with_versions_the_adapters_size():
     """LoRA rank 32 on every linear of Qwen3-8B: the frozen bf16 base and the adapter's fp32 state
     fit one 80 GB A100 where full training does not; a version is ~175 MB against 16.4 GB."""
