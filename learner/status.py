@@ -41,7 +41,7 @@ def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_pro
             + ("signal = share of the groups since the last step whose rewards differ (the rest are skipped: "
                "[buffer] dynamic_sampling), " if cfg.dynamic_sampling else "")
             + "recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
-              "of what workers sampled vs what was trained")
+              "(an episode's: the policy's turns, not the environment's) of what workers sampled vs what was trained")
 
 
 class StatusDisplay:

@@ -57,6 +57,14 @@ def test_length_bias_is_reported():
     assert m["sampled_mean_length"] == 5.0 and m["trained_mean_length"] == 2.0
 
 
+def test_an_episodes_length_is_the_policys_tokens_not_the_environments():
+    """A multi-turn sample's completion interleaves the policy's turns with the environment's
+    replies (mask 0): the length bias is about what the policy wrote."""
+    hand = Group("p", 0, [1], [[5] * 10, [5] * 6], [[-0.1] * 10, [-0.1] * 6], [1.0, 0.0],
+                 masks=[[1, 1, 0, 0, 0, 0, 0, 1, 1, 1], [1, 0, 0, 0, 0, 1]])
+    assert hand.mean_length == 3.5 and group(0, length=4).mean_length == 4.0
+
+
 def test_invariant_holds_under_random_traffic():
     import random
 
