@@ -78,14 +78,24 @@ class Evidence:
     gaps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     gap_tokens: int = 0  # over its whole history: standing
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
-    # bytes/s its children reported downloading from it, the recent ones: a relay fast once (or
-    # vouched for once) is believed by what its children see now, not by its best day
-    uploads_seen: tuple[float, ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
+    # (child, bytes/s) its children reported downloading from it, the recent ones: a relay fast
+    # once (or vouched for once) is believed by what its children see now, not by its best day
+    uploads_seen: tuple[tuple[str, float], ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
 
     @property
     def upload_seen(self) -> float:
         """The fastest download a recent child reported from this worker (0: none)."""
-        return max(self.uploads_seen, default=0.0)
+        return max((rate for _, rate in self.uploads_seen), default=0.0)
+
+    @property
+    def upload_vouched(self) -> float:
+        """The fastest download from this worker that two recent children each reported (0: fewer
+        than two did): one child's word, a colluding sybil's, lifts nothing above the prior."""
+        best: dict[str, float] = {}
+        for child, rate in self.uploads_seen:
+            best[child] = max(best.get(child, 0.0), rate)
+        rates = sorted(best.values(), reverse=True)
+        return rates[1] if len(rates) > 1 else 0.0
     claims_clamped: int = 0
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
     # the learner's own version, where a sampled token never lies outside π's nucleus)
@@ -454,19 +464,23 @@ class Verifier:
             ev = self._of(worker_id)
             ev.lease_rate = max(0.8 * ev.lease_rate, rollouts / seconds)  # decays: a machine may slow down
 
-    def upload_seen(self, worker_id: str, rate: float) -> None:
-        """A child measured `rate` (bytes/s) downloading from `worker_id`."""
+    def upload_seen(self, worker_id: str, rate: float, child: str) -> None:
+        """`child` measured `rate` (bytes/s) downloading from `worker_id`."""
         ev = self._of(worker_id)
-        ev.uploads_seen = (*ev.uploads_seen, rate)[-UPLOADS_KEPT:]
+        ev.uploads_seen = (*ev.uploads_seen, (child, rate))[-UPLOADS_KEPT:]
 
     def believed_upload(self, worker_id: str, claimed: float, prior: float) -> float:
-        """A worker's own upload measurement, capped at `capacity_claim_factor` times the best its
+        """A worker's own upload measurement, capped at `capacity_claim_factor` times what its
         recent children saw: a relay cannot send faster than anyone received from it. Before any
         child reported, at `prior` (what the table takes its link for: a market's offer, or its
-        declaration bounded by an unknown link's rate): its word alone raises nothing."""
+        declaration bounded by an unknown link's rate): its word alone raises nothing. Above the
+        prior only as far as two children saw (`upload_vouched`): a colluding child reporting
+        100 Gbit/s from its partner had it planned as the one stripe of every version (a tester,
+        2026-11-28)."""
         ev = self._of(worker_id)
-        seen = ev.upload_seen
-        cap = self.cfg.capacity_claim_factor * seen if seen else (prior or UNKNOWN_UPLOAD)
+        prior = prior or UNKNOWN_UPLOAD
+        vouched, seen, factor = ev.upload_vouched, ev.upload_seen, self.cfg.capacity_claim_factor
+        cap = factor * vouched if vouched else min(prior, factor * seen) if seen else prior
         if claimed > cap:
             ev.claims_clamped += 1
             return cap

@@ -256,7 +256,11 @@ class WorkerRegistry:
         self.links.declare(w.id, down, prior)
         if r.rtt_ms is not None:
             self.links.observe_rtt(w.id, r.rtt_ms / 1e3)
+        most_down = down or unknown  # its own word on its download raises it no further (nor what it vouches)
         for sample in samples:
+            if sample.down is not None and sample.down > most_down:
+                self.metrics.claims_clamped.labels("download").inc()
+                sample = dataclasses.replace(sample, down=most_down)
             if self.placements is not None:  # chain mode: a sample speaks of a version's route that placed it
                 placed = self.placements.hops(sample.key, w.id)
                 if placed is None:  # a key no route of the learner's had it in: made up
@@ -273,7 +277,7 @@ class WorkerRegistry:
             # accepted, about another worker: a fresh identity cannot vouch for its partner's link.
             if sample.parent and sample.down and w.groups_accepted > 0 and sample.parent in self.workers \
                     and sample.parent != w.id:
-                self.verifier.upload_seen(sample.parent, sample.down)
+                self.verifier.upload_seen(sample.parent, sample.down, w.id)
             if sample.up:  # a worker's word on its own upload, believed as far as its children saw
                 up = self.verifier.believed_upload(w.id, sample.up, prior)
                 if up < sample.up:

@@ -1003,6 +1003,59 @@ def test_link_samples_and_declared_links_raise_nothing_a_route_did_not_measure(t
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_colluding_child_cannot_lift_its_partners_upload_nor_its_own_download(tokenizer, tmp_path):
+    """Two workers with standing, placed parent and child by a real route: the child reported a
+    100 Gbit/s download from its partner, which then claimed that upload: believed 99,976 Mbit
+    "measured", planned as the one stripe of a version, which it then forwarded slowly (-69% of the
+    honest rollouts; a tester, 2026-11-28). One child's word now lowers a relay's cap but raises
+    it no higher than its prior; two children raise it as far as the slower of them saw. A
+    worker's own download sample counts no higher than its prior, which bounds what it vouches."""
+    from broadcast.forwarding import Forwarding
+    from broadcast.route import Route
+    from broadcast.transport import Hop
+
+    def route(key: str, *chain: str) -> Route:
+        return Route(key=key, root=b"", source=Hop("source", "http://127.0.0.1:9"),
+                     chains=(tuple(Hop(w, "http://127.0.0.1:9") for w in chain),), rates=(None,))
+
+    async def test(api: Api):
+        liar, cred = await api.join("liar")
+        sybil, cred_s = await api.join("sybil")
+        honest, cred_h = await api.join("honest")
+        for w in (liar, sybil, honest):
+            api.state.workers[w].groups_accepted = 5  # standing: their work was accepted
+        forwarding = Forwarding()
+        api.state.registry.placements = forwarding  # chain mode
+        for key in ("v3", "v4", "v5", "v6"):
+            forwarding.planned(route(key, liar, sybil, honest))  # the honest one below the sybil
+        forwarding.planned(route("v7", liar, honest))
+
+        def mbit(worker: str, way: str) -> float:
+            api.state.links.settle()
+            return api.state.links.to_dict()["peers"][worker][way]["mbit"]
+
+        async def beat(credential: str, *links: dict) -> None:
+            status, body, _ = await api.call("/v1/heartbeat", {"upload_mbit": 100000.0, "download_mbit": 100000.0,
+                                                               "links": list(links)}, token=credential)
+            assert status == 200, body
+
+        fast = 1.25e10  # 100 Gbit/s
+        await beat(cred_s, {"key": "v3", "parent": liar, "down": fast, "down_limited": True})
+        await beat(cred, {"key": "v3", "up": fast, "up_limited": True})
+        assert mbit(liar, "up") <= 1000.0 and mbit(sybil, "down") <= 1000.0
+        assert api.state.verifier.evidence[liar].upload_vouched == 0.0
+        await beat(cred_s, {"key": "v4", "parent": liar, "down": fast, "down_limited": True})
+        await beat(cred, {"key": "v4", "up": fast, "up_limited": True})
+        assert mbit(liar, "up") <= 1000.0  # the same child twice is still one child
+        # A second child, honest, saw 100 Mbit/s: the two together vouch for the slower
+        await beat(cred_h, {"key": "v7", "parent": liar, "down": 12.5e6, "down_limited": True})
+        assert api.state.verifier.evidence[liar].upload_vouched == 12.5e6
+        await beat(cred, {"key": "v5", "up": fast, "up_limited": True})
+        assert mbit(liar, "up") <= (1000.0 + 2 * 100.0) / 2  # capped at 200, averaged with the last
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_compressed_body_is_refused_not_inflated(tokenizer, tmp_path):
     """aiohttp inflates a `Content-Encoding` body before the handler holds it: 8 KiB on the wire
     that inflate to 8 MiB would count 8 KiB against [server] max_inflight_upload_mb. Refused (415)
