@@ -31,6 +31,9 @@ The learner cannot tell a relay that forwarded nothing from a child that pulled 
 its parent. So only pulls by workers whose work the learner accepted are counted (the publisher
 filters them); a framing child pays a full download from the learner for each demotion it
 causes, and a demoted honest relay only stops forwarding for a while (docs/untrusted-workers.md).
+And a worker on record for not forwarding (until its blames are forgiven) is no witness at all:
+demoted to a tail, a black hole that swallowed its parents' pushes and pulled had every honest
+parent above it demoted with it, version after version.
 """
 
 from __future__ import annotations
@@ -55,11 +58,13 @@ MAX_PULLS = 8
 Ranges = Sequence["tuple[int, int] | None"]  # chunk ranges pulled from the source; None: the whole version
 
 
-def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str]] = frozenset()) -> set[str]:
+def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str]] = frozenset(),
+           unheard: Set[str] = frozenset()) -> set[str]:
     """The members of `route` that did not pull a tree's chunks from the source, nearest above
     each member that did (`pulled`: member id -> the ranges it pulled); and a member that pulled
     a tree's chunks after acknowledging the source's push of that tree whole (`acked`: (tree,
-    member id)), in the place of any below it."""
+    member id)), in the place of any below it. The pulls of `unheard` members blame nobody above
+    them (workers already on record for not forwarding)."""
     def took(member: str, tree: int) -> bool:
         ranges = pulled.get(member, ())
         if route.spans is None:
@@ -76,6 +81,10 @@ def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str
                 continue
             if (t, hop.id) in acked:  # it had the tree whole: its own pull is the lie
                 out.add(hop.id)
+                continue
+            if hop.id in unheard:
+                # On record for not forwarding: a black hole demoted to a tail swallowed its honest
+                # parents' pushes, pulled as its software does, and had both demoted, again and again
                 continue
             if hop.id in owners and all(r is None for r in pulled[hop.id]):
                 # A member that had a tree whole and pulled the whole version anyway (an honest one
@@ -166,13 +175,13 @@ class Forwarding:
         are forgotten are dropped (one per worker ever blamed, kept for good, was a week's growth)."""
         self.records = {w: r for w, r in self.records.items()
                         if r.leaf_until > version or version - r.blamed_at <= FORGIVE_VERSIONS}
-        demoted = []
+        demoted, unheard = [], set(self.records)
         for known in self._versions.values():
             guilty: set[str] = set()
             for key, route in known.routes.items():
                 pulled = {holder: [(a, b) if k == key else None for k, a, b in mine]  # another key: the whole version
                           for holder, mine in known.pulls.items()}
-                guilty |= blamed(route, pulled, known.acked.get(key, set()))
+                guilty |= blamed(route, pulled, known.acked.get(key, set()), unheard)
             for worker in sorted(guilty - known.blamed):
                 known.blamed.add(worker)
                 r = self.records.setdefault(worker, Record())

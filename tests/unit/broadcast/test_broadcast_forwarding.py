@@ -55,9 +55,11 @@ def test_each_blame_doubles_the_versions_a_worker_is_a_leaf_and_a_leaf_cannot_be
     assert f.settle(1) == [("hole", 1 + FIRST_LEAF_VERSIONS)]
     assert f.settle(2) == []  # one blame per worker per version, however often it is settled
     assert not f.may_forward("hole", 2) and f.may_forward("hole", 3) and f.may_forward("a", 2)
-    f.planned(route_of([["a", "c", "hole"]], parents=[[-1, 0, 1]], pull=["hole"], key="v2"))  # a leaf has no children
-    f.pulled("v2", "hole", 0, 8)
-    assert f.settle(2) == [("c", 2 + FIRST_LEAF_VERSIONS)]  # it pulled from the source, not from its tail
+    f.planned(route_of([["a", "c", "hole", "n"]], parents=[[-1, 0, 1, 1]], pull=["hole", "n"], key="v2"))  # leaves
+    f.pulled("v2", "hole", 0, 8)  # on record: no witness
+    assert f.settle(2) == []
+    f.pulled("v2", "n", 0, 8)
+    assert f.settle(2) == [("c", 2 + FIRST_LEAF_VERSIONS)]  # it pulled from the source, not from its parent
     f.planned(route_of([["hole", "a"]], key="v3-d2"))  # the delta's route; the full version's has the others
     f.planned(route_of([["b"]], key="v3"))
     f.pulled("v3", "a", 0, 8)  # missed by the delta's push, it pulls the full version
@@ -110,6 +112,27 @@ def test_a_relay_that_acknowledged_a_push_whole_and_pulled_it_anyway_is_blamed_i
     f.pulled("v1", "hole", 0, 8)
     f.pulled("v1", "c", 0, 8)
     assert f.settle(1) == [("hole", 1 + FIRST_LEAF_VERSIONS)]
+
+
+def test_a_worker_on_record_for_not_forwarding_is_no_witness_against_its_parents():
+    """A black hole, once demoted and then planned as the tail under two honest relays,
+    swallowed their pushes and pulled the whole version as its software does: both honest
+    parents were demoted, again and again for 400 versions (a tester, 2026-11-28). Its pulls
+    now blame nobody until its own blames are forgiven; an honest child's still do."""
+    f = Forwarding()
+    f.planned(route_of([["hole", "c"]], key="v1"))
+    f.pushed("v1", "hole", 0)
+    f.pulled("v1", "hole", 0, 8)
+    f.pulled("v1", "c", 0, 8)
+    assert f.settle(2) == [("hole", 2 + FIRST_LEAF_VERSIONS)]
+    f.planned(route_of([["a", "b", "hole"], ["b", "a", "hole"]], parents=[[-1, 0, 1], [-1, 0, 1]],
+                       spans=[(0, 4), (4, 8)], key="v5"))
+    f.pulled("v5", "hole", 0, 8)  # it pulled the version its parents pushed it
+    assert f.settle(6) == []
+    assert f.may_forward("a", 6) and f.may_forward("b", 6)
+    f.planned(route_of([["a", "c"]], key="v7"))
+    f.pulled("v7", "c", 0, 8)  # an honest child's pull is heard as before
+    assert f.settle(8) == [("a", 8 + FIRST_LEAF_VERSIONS)]
 
 
 async def black_hole_relay() -> tuple[web.AppRunner, str]:
