@@ -212,7 +212,19 @@ def cli(argv: list[str]) -> int:
     model = build_model(tokenizer, hidden=args.hidden, layers=args.layers, seed=args.seed, positions=positions)
     n_params = sum(p.numel() for p in model.parameters())
     evals = task.eval_prompts()[: cfg.eval.limit or None]
-    progress = lambda bar, job: lambda loss: bar.update(job, advance=1, description=f"warm start loss {loss:.3f}")  # noqa: E731
+    def progress(bar, job):
+        """The bar on a terminal; into a log (no terminal), a line every tenth of the warm start:
+        a 13-minute poker build printed nothing at all."""
+        every, done = max(1, args.warmup_steps // 10), [0]
+        plain = not bar.console.is_terminal and not args.json
+
+        def step(loss: float) -> None:
+            bar.update(job, advance=1, description=f"warm start loss {loss:.3f}")
+            done[0] += 1
+            if plain and (done[0] % every == 0 or done[0] == args.warmup_steps):
+                print(f"warm start {done[0]}/{args.warmup_steps}: loss {loss:.3f} "
+                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        return step
     if task.episodic:
         created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)

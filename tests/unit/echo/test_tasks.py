@@ -422,3 +422,16 @@ def test_build_model_takes_the_overrides_its_own_errors_suggest(tmp_path, capsys
     assert "unknown option --bogus" in capsys.readouterr().err
     assert cli([*small, "--eval.where", "learner"]) == 0
     assert "greedy eval return" in capsys.readouterr().out and (out / "config.json").exists()
+
+
+def test_build_model_says_how_its_warm_start_goes_into_a_log(tmp_path, capsys):
+    """Into a log (no terminal) the progress bar draws nothing: a 13-minute poker build printed
+    not a line. A line every tenth of the warm start now."""
+    from learner.tinymodel import cli
+
+    config = tmp_path / "arith.toml"
+    config.write_text(f'[model]\npath = "{tmp_path / "m"}"\n[task]\nname = "arith"\neval_size = 2\n')
+    assert cli(["--config", str(config), "--hidden", "32", "--layers", "1", "--warmup-steps", "20",
+                "--warmup-batch", "4"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm start ")]
+    assert [line.split(":")[0] for line in lines] == [f"warm start {k}/20" for k in range(2, 21, 2)]
