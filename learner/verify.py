@@ -82,20 +82,22 @@ class Evidence:
     # once (or vouched for once) is believed by what its children see now, not by its best day
     uploads_seen: tuple[tuple[str, float], ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
 
+    def _latest(self) -> list[float]:
+        """Each recent child's latest report, fastest first: a relay that forwards slowly now is
+        taken at what its children see now, not at their best of the last 16 reports."""
+        return sorted(dict(self.uploads_seen).values(), reverse=True)
+
     @property
     def upload_seen(self) -> float:
-        """The fastest download a recent child reported from this worker (0: none)."""
-        return max((rate for _, rate in self.uploads_seen), default=0.0)
+        """The fastest download a recent child last reported from this worker (0: none)."""
+        return next(iter(self._latest()), 0.0)
 
     @property
     def upload_vouched(self) -> float:
-        """The fastest download from this worker that two recent children each reported (0: fewer
-        than two did): one child's word, a colluding sybil's, lifts nothing above the prior."""
-        best: dict[str, float] = {}
-        for child, rate in self.uploads_seen:
-            best[child] = max(best.get(child, 0.0), rate)
-        rates = sorted(best.values(), reverse=True)
-        return rates[1] if len(rates) > 1 else 0.0
+        """The fastest download from this worker that two recent children each last reported (0:
+        fewer than two did): one child's word, a colluding sybil's, lifts nothing above the prior."""
+        latest = self._latest()
+        return latest[1] if len(latest) > 1 else 0.0
     claims_clamped: int = 0
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
     # the learner's own version, where a sampled token never lies outside π's nucleus)

@@ -362,3 +362,24 @@ def test_a_forger_with_a_long_honest_history_is_caught_within_a_window():
         forged += 1
     assert [x.worker_id for x in verdicts] == ["forger"] and forged < WINDOW // 4, forged
     assert "on its last" in verdicts[0].message
+
+
+def test_a_relays_upload_is_believed_as_its_children_see_it_now_and_raised_only_by_two():
+    """Each child's latest report counts, not the best of the last 16: a relay that forwarded
+    fast and then slowly (just under fallback_s) kept its fast claims believed for 8 versions.
+    One child lowers the cap; raising it above the prior takes two."""
+    v = Verifier(VerifySection(capacity_claim_factor=2.0))
+    prior = 125e6  # 1,000 Mbit/s: an unknown link
+    assert v.believed_upload("r", 1e10, prior) == prior  # its word alone
+    for _ in range(8):
+        v.upload_seen("r", 50e6, "c1")
+    assert v.believed_upload("r", 1e10, prior) == 100e6
+    v.upload_seen("r", 15e3, "c1")  # now it forwards at 15 kB/s
+    assert v.believed_upload("r", 1e10, prior) == 30e3
+    v.upload_seen("r", 1e10, "sybil")  # one child's word lifts nothing: c1 and it vouch for c1's
+    assert v.believed_upload("r", 1e10, prior) == 30e3
+    v.upload_seen("r", 400e6, "c2")  # the second fastest of the children's latest
+    assert v.believed_upload("r", 1e10, prior) == 800e6
+    v = Verifier(VerifySection(capacity_claim_factor=2.0))
+    v.upload_seen("r", 1e10, "sybil")
+    assert v.believed_upload("r", 1e10, prior) == prior  # above the prior, one child is not enough
