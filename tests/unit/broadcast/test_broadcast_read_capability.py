@@ -276,3 +276,40 @@ def test_a_holder_pulls_a_version_at_most_twice_over_from_a_node():
     assert statuses[0][1] >= 512 << 10 and statuses[1][1] >= 1 << 20
     assert statuses[4][0] == 200 and statuses[4][1] >= 1 << 20  # another holder's share is its own
     assert given_back < 1 << 19  # most of the cut-short pull went back to its holder's share
+
+
+def test_a_relay_serves_pulls_only_to_the_members_below_it_in_the_route():
+    """16 sybil identities, each with its own valid ticket, took their two versions' worth from
+    an honest worker's relay: 157 MB in 75 s of its upload (a tester, 2026-11-28). A relay that
+    got a version along a route serves pulls of it only to the members below it there (a NAT
+    child, a repair walking up its ancestors); others pull from their own parents or the source."""
+    blob = os.urandom(1 << 18)
+
+    async def fetch(node, url: str, ticket: str) -> int:
+        node.read_token = ticket
+        transport = await node.transport_for(url)
+        try:
+            async with transport.pull(url, "v1", 0, 1):
+                return 200
+        except Refused as e:
+            return e.status
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        await src.publish(blob, 1, chunk_size=64 << 10)
+        a, b, c = (Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("a", "b", "c"))
+        client = Relay("client", KEY.public_key())
+        for node in (a, b, c, client):
+            await node.start()
+        try:
+            assert await src.push("v1", [[a.hop, b.hop, c.hop]]) == [True]
+            await c.wait("v1")
+            return {who: await fetch(client, a.url, issue(KEY, who)) for who in ("b", "c", "sybil", "a")}
+        finally:
+            for node in (client, c, b, a):
+                await node.stop()
+            await src.stop()
+
+    out = asyncio.run(run())
+    assert out == {"b": 200, "c": 200, "sybil": 403, "a": 403}, out
