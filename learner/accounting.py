@@ -28,6 +28,22 @@ MAX_INSTALL_S = 3600.0  # an install claimed longer than this is not an install 
 UNMEASURED_KEEP = 32  # published versions whose broadcast time is still awaited
 
 
+#: A plan with more members is logged as its summary: a 1,000-worker plan's chains, parents and
+#: links were ~50 KB of every step record, half a gigabyte of run log over a week.
+PLAN_LOG_MEMBERS = 64
+
+
+def logged_plan(plan: dict) -> dict:
+    """A version's plan as the run log keeps it: whole for a few workers, else without the
+    per-worker lists (the members, trees and pulling members are counted; the routes themselves
+    are the source's route feed's)."""
+    members = {w for chain in plan.get("chains", ()) for w in chain}
+    if len(members) <= PLAN_LOG_MEMBERS:
+        return plan
+    return {**{k: v for k, v in plan.items() if k not in ("chains", "parents", "links_mbit", "pull")},
+            "members": len(members), "trees": len(plan.get("chains", ())), "pulling": len(plan.get("pull", ()))}
+
+
 class Accounting:
     def __init__(self, cost: CostMeter, done_fraction: float, *, registry: WorkerRegistry,
                  publisher, metrics: LearnerMetrics, fleet=None, budget: Budget = Budget(), group_size: int = 1):
@@ -66,7 +82,7 @@ class Accounting:
         if bandwidth:
             out["dollars_bandwidth"] = round(bandwidth, 8)
         for version, wire in wires.items():
-            out["snapshot_bytes"] = {"version": version, **wire}
+            out["snapshot_bytes"] = {"version": version, **wire, "plans": {k: logged_plan(v) for k, v in wire["plans"].items()}}
         bcast = self.broadcast_times()
         if bcast:
             out["t_bcast"] = round(max(bcast.values()), 4)

@@ -101,3 +101,30 @@ def test_versions_never_received_are_given_up_on():
         acct.published(v)
         acct.broadcast_times()
     assert len(acct.published_at) == UNMEASURED_KEEP and min(acct.published_at) == 1003 - UNMEASURED_KEEP
+
+
+def test_a_big_fleets_plans_are_logged_as_their_summary_and_billed_whole():
+    """A 1,000-worker plan's chains, parents and per-worker links were ~50 KB of every step
+    record: half a gigabyte of run log over a week. A plan of more than 64 members is logged as
+    its summary (the bandwidth bill reads the whole plan before); a small one is logged whole."""
+    import json
+
+    from learner.accounting import PLAN_LOG_MEMBERS
+
+    def plan(n: int) -> dict:
+        ids = [f"w{i}" for i in range(n)]
+        return {"kind": "chains", "predicted_s": 1.0, "bytes": 1 << 20, "shares": [1.0], "chains": [ids],
+                "parents": [list(range(-1, n - 1))], "pull": [], "links_mbit": {w: [100.0, 20.0] for w in ids}}
+
+    registry = SimpleNamespace(active=lambda now: [], workers={},
+                               buffer=SimpleNamespace(buffer=SimpleNamespace(stats=SimpleNamespace(accepted=0))))
+    records = {}
+    for n in (PLAN_LOG_MEMBERS, 1000):
+        wire = {"raw": 1 << 20, "chunk": 1 << 16, "full": 1 << 20, "delta": None, "plans": {"v1": plan(n)}}
+        acct = Accounting(CostMeter(3.6), 1.0, registry=registry,
+                          publisher=SimpleNamespace(wire_bytes={1: wire}), metrics=LearnerMetrics(), group_size=4)
+        records[n] = acct.step(wait=0.0, train=1.0)
+    small, big = records[PLAN_LOG_MEMBERS]["snapshot_bytes"]["plans"]["v1"], records[1000]["snapshot_bytes"]["plans"]["v1"]
+    assert len(small["chains"][0]) == PLAN_LOG_MEMBERS and "links_mbit" in small
+    assert big["members"] == 1000 and big["trees"] == 1 and not {"chains", "parents", "links_mbit"} & set(big)
+    assert big["predicted_s"] == 1.0 and len(json.dumps(records[1000])) < 2000
