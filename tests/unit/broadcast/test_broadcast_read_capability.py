@@ -21,6 +21,17 @@ from broadcast.transport import Hop, Refused
 KEY = SigningKey.generate()
 
 
+async def fetch(node, url: str, ticket: str) -> int:
+    """The status of `node`'s pull of v1's first chunk from `url`, presenting `ticket`."""
+    node.read_token = ticket
+    transport = await node.transport_for(url)
+    try:
+        async with transport.pull(url, "v1", 0, 1):
+            return 200
+    except Refused as e:
+        return e.status
+
+
 def test_nothing_is_served_without_the_read_capability():
     key = KEY
     TOKEN = issue(KEY, "w1")  # issued now: one made at import expired before a long suite reached this test
@@ -123,15 +134,6 @@ def test_the_source_refuses_a_revoked_worker_at_once_and_relays_when_its_ticket_
     by a relay once it expires (its heartbeat replies no longer renew it); another worker's
     renewed ticket keeps working at both."""
     blob = os.urandom(1 << 18)
-
-    async def fetch(node, url: str, ticket: str) -> int:
-        node.read_token = ticket
-        transport = await node.transport_for(url)
-        try:
-            async with transport.pull(url, "v1", 0, 1):
-                return 200
-        except Refused as e:
-            return e.status
 
     async def run():
         src = Source(KEY, read_token=issue(KEY, "learner"))
@@ -284,15 +286,6 @@ def test_a_relay_serves_pulls_only_to_the_members_below_it_in_the_route():
     got a version along a route serves pulls of it only to the members below it there (a NAT
     child, a repair walking up its ancestors); others pull from their own parents or the source."""
     blob = os.urandom(1 << 18)
-
-    async def fetch(node, url: str, ticket: str) -> int:
-        node.read_token = ticket
-        transport = await node.transport_for(url)
-        try:
-            async with transport.pull(url, "v1", 0, 1):
-                return 200
-        except Refused as e:
-            return e.status
 
     async def run():
         src = Source(KEY, read_token=issue(KEY, "learner"))

@@ -83,31 +83,26 @@ def test_a_resume_does_not_evaluate_again_the_weights_its_checkpoint_evaluated()
     the next checkpoint), with no second round and no second event of the same accuracy. Of an
     older version, the resumed weights are evaluated: they never were."""
     resumed = {"eval_accuracy": 0.6, "eval_version": 12, "first_eval_accuracy": 0.1}
-    log, woken = [], []
-    workers = WorkerEvaluation(WorkersEval(), parts(eval_every=4, resumed=resumed, log=log, woken=woken))
-    opened = []
-    workers.book.open = lambda version, now: opened.append(version)
-    learner = LearnerEvaluation(LearnerEval(), parts(eval_every=4, resumed=resumed, log=log, accuracies=[0.7]))
+    log, opened = [], []
 
-    async def run():
-        await workers.start(12)
-        await learner.start(12)
+    def resume_both(state: dict) -> tuple[WorkerEvaluation, LearnerEvaluation]:
+        workers = WorkerEvaluation(WorkersEval(), parts(eval_every=4, resumed=state, log=log))
+        workers.book.open = lambda version, now: opened.append(version)
+        learner = LearnerEvaluation(LearnerEval(), parts(eval_every=4, resumed=state, log=log, accuracies=[0.7]))
 
-    asyncio.run(run())
-    assert opened == [] and log == [] and workers.book.round is None
-    for ev in (workers, learner):
+        async def run():
+            await workers.start(12)
+            await learner.start(12)
+
+        asyncio.run(run())
+        return workers, learner
+
+    both = resume_both(resumed)
+    assert opened == [] and log == [] and both[0].book.round is None
+    for ev in both:
         assert (ev.last.version, ev.last.accuracy, ev.first_accuracy) == (12, 0.6, 0.1)
         assert ev.checkpoint_state() == resumed and ev.parts.metrics.eval_accuracy._value.get() == 0.6
-    stale = {**resumed, "eval_version": 11}
-    workers = WorkerEvaluation(WorkersEval(), parts(eval_every=4, resumed=stale))
-    workers.book.open = lambda version, now: opened.append(version)
-    learner = LearnerEvaluation(LearnerEval(), parts(eval_every=4, resumed=stale, log=log, accuracies=[0.7]))
-
-    async def again():
-        await workers.start(12)
-        await learner.start(12)
-
-    asyncio.run(again())
+    _, learner = resume_both({**resumed, "eval_version": 11})
     assert opened == [12] and [(e["version"], e["eval_accuracy"]) for e in log] == [(12, 0.7)]
     assert learner.first_accuracy == 0.1
 
