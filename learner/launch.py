@@ -39,7 +39,7 @@ def launch(cfg: LearnerConfig, argv: list[str], as_json: bool, check_only: bool)
         return 0
     # --nproc would reach torchrun's own parser (a prefix of its --nproc-per-node): pass the config key.
     args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.run.nproc),
+    cmd = [sys.executable, "-m", "learner.launch", "--standalone", "--nproc_per_node", str(cfg.run.nproc),
            "-m", "learner.main", *args, "--run.nproc", str(cfg.run.nproc)]
     env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent())  # its ranks follow it (see main)
@@ -74,3 +74,20 @@ def follow(cfg: LearnerConfig, world: World, resume: Path | None) -> int:
     Lockstep(trainer, world).follow()
     close(world)
     return 0
+
+
+def torchrun(argv: list[str]) -> int:
+    """torchrun, quiet when it is stopped: the launcher's end (Ctrl-C, `kill`) sends it SIGTERM,
+    which torchrun raises as a 20-line traceback under the learner's own "interrupted" line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":  # the launcher's torchrun (`launch`)
+    sys.exit(torchrun(sys.argv[1:]))
