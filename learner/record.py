@@ -16,6 +16,12 @@ from learner.metrics import LearnerMetrics, RunLog, dumps
 from learner.status import StatusDisplay
 
 
+def logged(x: float) -> float:
+    """A step statistic as the run log keeps it: six significant digits, not six decimals (an
+    8B run's lr of 5e-7 was logged as 1e-6, a small KL as 0)."""
+    return float(f"{x:.6g}")
+
+
 class RunRecord:
     def __init__(self, log: RunLog, display: StatusDisplay, as_json: bool, *, metrics: LearnerMetrics,
                  buffer: AsyncBuffer, leases: LeaseBook, registry: WorkerRegistry):
@@ -64,7 +70,7 @@ class RunRecord:
         return {
             "step": updates, "time": round(time.time(), 3), "version": version,
             "published_version": published_version,
-            **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
+            **{k: logged(v) if isinstance(v, float) else v for k, v in stats.items()},
             "avg_staleness": batch.avg_staleness, "max_staleness": batch.max_staleness,
             "staleness": batch.staleness, **batch.reuse_fields(), "recycled": buf["recycled"],
             "queue_size": buf["queue_size"], "dropped_overflow": buf["dropped_overflow"],

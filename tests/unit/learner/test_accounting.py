@@ -128,3 +128,12 @@ def test_a_big_fleets_plans_are_logged_as_their_summary_and_billed_whole():
     assert len(small["chains"][0]) == PLAN_LOG_MEMBERS and "links_mbit" in small
     assert big["members"] == 1000 and big["trees"] == 1 and not {"chains", "parents", "links_mbit"} & set(big)
     assert big["predicted_s"] == 1.0 and len(json.dumps(records[1000])) < 2000
+
+
+def test_step_statistics_keep_six_significant_digits_not_six_decimals():
+    """An 8B run's learning rate of 5e-7 read 1e-6 in the run log, and a cosine floor of 3.81e-5
+    read 3.8e-5 (a resumed run's last rate looked wrong by 0.4%)."""
+    from learner.record import logged
+
+    assert logged(5e-7) == 5e-7 and logged(3.81414961939e-05) == 3.81415e-05
+    assert logged(0.123456789) == 0.123457 and logged(float("inf")) == float("inf")
