@@ -82,7 +82,8 @@ class Accounting:
         if bandwidth:
             out["dollars_bandwidth"] = round(bandwidth, 8)
         for version, wire in wires.items():
-            out["snapshot_bytes"] = {"version": version, **wire, "plans": {k: logged_plan(v) for k, v in wire["plans"].items()}}
+            plans = {k: logged_plan(v) for k, v in wire.get("plans", {}).items()}
+            out["snapshot_bytes"] = {"version": version, **wire, "plans": plans}
         bcast = self.broadcast_times()
         if bcast:
             out["t_bcast"] = round(max(bcast.values()), 4)

@@ -212,6 +212,7 @@ def cli(argv: list[str]) -> int:
     model = build_model(tokenizer, hidden=args.hidden, layers=args.layers, seed=args.seed, positions=positions)
     n_params = sum(p.numel() for p in model.parameters())
     evals = task.eval_prompts()[: cfg.eval.limit or None]
+
     def progress(bar, job):
         """The bar on a terminal; into a log (no terminal), a line every tenth of the warm start:
         a 13-minute poker build printed nothing at all."""
@@ -225,6 +226,7 @@ def cli(argv: list[str]) -> int:
                 print(f"warm start {done[0]}/{args.warmup_steps}: loss {loss:.3f} "
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         return step
+
     if task.episodic:
         created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
