@@ -94,7 +94,12 @@ class Evaluation:
         """A resume from a checkpoint whose eval was of these very weights: its result carries over,
         shown and counted but not evaluated again nor logged again (the run log has its event)."""
         resumed = self.parts.resumed
-        if resumed.get("eval_accuracy") is None or resumed.get("eval_version") != version:
+        if resumed.get("eval_accuracy") is None:
+            return False
+        if "eval_update" in resumed:  # a killed run's resume numbers its versions past the lost ones: by update
+            if resumed["eval_update"] != self._updates(version):
+                return False
+        elif resumed.get("eval_version") != version:
             return False
         accuracy = resumed["eval_accuracy"]
         self.last = EvalResult(version, accuracy, 0, 0.0, 0, 0)
@@ -110,6 +115,7 @@ class Evaluation:
     def checkpoint_state(self) -> dict:
         last = self.last
         return {"eval_accuracy": last.accuracy if last else None, "eval_version": last.version if last else None,
+                "eval_update": self._step_of.get(last.version) if last else None,
                 "first_eval_accuracy": self.first_accuracy}
 
     def finished(self, result: EvalResult) -> None:

@@ -68,8 +68,8 @@ def test_on_the_learner_every_n_updates_and_the_last():
     assert [(e["version"], e["eval_accuracy"], e["where"]) for e in log] == [
         (0, 0.1, "learner"), (3, 0.2, "learner"), (6, 0.3, "learner"), (7, 0.4, "learner")]
     assert all(e["seconds"] >= 0 for e in log)
-    assert ev.first_accuracy == 0.1 and ev.checkpoint_state() == {"eval_accuracy": 0.4, "eval_version": 7,
-                                                                  "first_eval_accuracy": 0.1}
+    assert ev.first_accuracy == 0.1 and ev.checkpoint_state() == {
+        "eval_accuracy": 0.4, "eval_version": 7, "eval_update": 7, "first_eval_accuracy": 0.1}
 
 
 def test_a_resumed_run_keeps_its_first_accuracy():
@@ -101,10 +101,23 @@ def test_a_resume_does_not_evaluate_again_the_weights_its_checkpoint_evaluated()
     assert opened == [] and log == [] and both[0].book.round is None
     for ev in both:
         assert (ev.last.version, ev.last.accuracy, ev.first_accuracy) == (12, 0.6, 0.1)
-        assert ev.checkpoint_state() == resumed and ev.parts.metrics.eval_accuracy._value.get() == 0.6
+        assert ev.checkpoint_state() == {**resumed, "eval_update": 12}
+        assert ev.parts.metrics.eval_accuracy._value.get() == 0.6
     _, learner = resume_both({**resumed, "eval_version": 11})
     assert opened == [12] and [(e["version"], e["eval_accuracy"]) for e in log] == [(12, 0.7)]
     assert learner.first_accuracy == 0.1
+    # Killed mid-run, the resume numbers its versions past the lost ones (v8's weights come back as
+    # v10): the checkpoint's eval is known by its update, and was run again and logged twice
+    opened.clear(), log.clear()
+    for ev in (WorkerEvaluation(WorkersEval(), parts(4, resumed={**resumed, "eval_version": 8, "eval_update": 8})),
+               LearnerEvaluation(LearnerEval(), parts(4, resumed={**resumed, "eval_version": 8, "eval_update": 8},
+                                                      log=log, accuracies=[0.7]))):
+        ev.parts.updates = lambda: 8
+        if isinstance(ev, WorkerEvaluation):
+            ev.book.open = lambda version, now: opened.append(version)
+        asyncio.run(ev.start(10))
+        assert (ev.last.version, ev.last.accuracy) == (10, 0.6) and ev.checkpoint_state()["eval_update"] == 8
+    assert opened == [] and log == []
 
 
 def test_a_checked_round_reports_the_checked_accuracy_everywhere():
