@@ -68,7 +68,9 @@ class NoSignal:
         self.said = True
         self.note(f"waiting: the last {skipped} groups all had equal rewards within each group, and "
                   "no batch filled: under GRPO such a group has no advantage, so [buffer] dynamic_sampling skips it. "
-                  "The task is too hard (every answer wrong) or too easy for this model: warm-start the model "
+                  "The task is too hard (every answer wrong) or too easy for this model, or the policy stopped "
+                  "exploring (every sample of a group plays out alike: raise rollout.temperature or top_p, or "
+                  "trainer.kl_coef to hold it near the start): warm-start the model "
                   "(echo-rl build-model --warmup-steps), use a larger rollout.group_size, or set "
                   "[buffer] dynamic_sampling = false to take steps without a gradient")
         return True

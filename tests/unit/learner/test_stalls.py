@@ -44,6 +44,7 @@ def test_no_signal_notes_once_when_every_group_is_skipped_and_again_after_progre
     assert not watch.check(stats)
     stats.accepted = stats.skipped_uniform = 16
     assert watch.check(stats) and "equal rewards" in notes[0] and "dynamic_sampling = false" in notes[0]
+    assert "rollout.temperature" in notes[0]  # a poker policy that stopped exploring was told "too hard"
     stats.accepted = stats.skipped_uniform = 40
     assert not watch.check(stats)  # once per stall
     stats.accepted, stats.trained = 41, 1  # a group with signal came, a batch was taken: a new stall may be noted
