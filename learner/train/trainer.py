@@ -205,6 +205,20 @@ class Trainer:
         return torch.autocast(self.world.device.type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
 
+    @contextlib.contextmanager
+    def _generating(self, model: Policy):
+        """`model`'s HF model, to generate with. Generation calls it, not the FSDP root: a sharded
+        root is made the root first (`as_root`) and its part gathered once for the whole of it."""
+        if self.world.sharded:
+            as_root(model)
+            model.unshard()
+        try:
+            with self._autocast():
+                yield model.hf
+        finally:
+            if self.world.sharded:
+                model.reshard()
+
     # --- one update ------------------------------------------------------------------------------
 
     def step(self, batch: BatchInfo) -> dict[str, float]:
@@ -573,16 +587,8 @@ class Trainer:
         the sharded copy is collective)."""
         if self._eval_copy is None:
             raise RuntimeError("hold_for_eval() first: no eval copy is held")
-        copy = self._eval_copy
-        if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
-            as_root(copy)
-            copy.unshard()
-        try:
-            with self._autocast():
-                return self.episodes.greedy_returns(copy.hf, prompts, self._pad)
-        finally:
-            if self.world.sharded:
-                copy.reshard()
+        with self._generating(self._eval_copy) as hf:
+            return self.episodes.greedy_returns(hf, prompts, self._pad)
 
     # --- learner-side eval (tiny models, multi-turn tasks) ---------------------------------------
 
@@ -595,15 +601,8 @@ class Trainer:
         never come, which is why N ranks used to be refused, and multi-turn tasks, evaluated only
         here, could not run on them.)"""
         episodes = dataclasses.replace(self.episodes, task=task)
-        if self.world.sharded:  # generation calls the HF model, not the FSDP root: gather the root's part once
-            as_root(self.policy)
-            self.policy.unshard()
-        try:
-            with self._autocast():
-                returns = episodes.greedy_returns(self.hf, prompts, self._pad)
-        finally:
-            if self.world.sharded:
-                self.policy.reshard()
+        with self._generating(self.policy) as hf:
+            returns = episodes.greedy_returns(hf, prompts, self._pad)
         return sum(returns) / max(1, len(prompts))
 
     def rollout_params(self) -> P.RolloutParams:
