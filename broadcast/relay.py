@@ -198,9 +198,9 @@ class Relay(Node):
         if holder is not None and store.route is not None:
             if store.below is None:  # once a version: a route of 1,000 workers is walked once, not per pull
                 store.below = _below(store.route.route, self.id)
-        if holder is not None and store.below is not None and holder not in store.below:
-            raise Refused(403, f"{self.id}: {holder[:64]!r} is not below this relay in {store.key}'s route; "
-                               "pull from your own parents or from the learner's source")
+            if holder not in store.below:
+                raise Refused(403, f"{self.id}: {holder[:64]!r} is not below this relay in {store.key}'s route; "
+                                   "pull from your own parents or from the learner's source")
         super().pulled(store, holder, start, end)
 
     # -- following the learner's route feed (relays nobody can connect to) -------------------------
