@@ -82,22 +82,23 @@ class Evidence:
     # once (or vouched for once) is believed by what its children see now, not by its best day
     uploads_seen: tuple[tuple[str, float], ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
 
-    def _latest(self) -> list[float]:
-        """Each recent child's latest report, fastest first: a relay that forwards slowly now is
-        taken at what its children see now, not at their best of the last 16 reports."""
-        return sorted(dict(self.uploads_seen).values(), reverse=True)
+    def uploads_latest(self) -> tuple[float, float]:
+        """Of each recent child's latest report (a relay that forwards slowly now is taken at what
+        its children see now, not at their best of the last 16 reports): the fastest, and the
+        fastest that two children each reached (0: none, or fewer than two children): one
+        child's word, a colluding sybil's, lifts nothing above the prior."""
+        latest = sorted(dict(self.uploads_seen).values(), reverse=True) + [0.0, 0.0]
+        return latest[0], latest[1]
 
     @property
     def upload_seen(self) -> float:
         """The fastest download a recent child last reported from this worker (0: none)."""
-        return next(iter(self._latest()), 0.0)
+        return self.uploads_latest()[0]
 
     @property
     def upload_vouched(self) -> float:
-        """The fastest download from this worker that two recent children each last reported (0:
-        fewer than two did): one child's word, a colluding sybil's, lifts nothing above the prior."""
-        latest = self._latest()
-        return latest[1] if len(latest) > 1 else 0.0
+        """The fastest download from this worker that two recent children each last reported."""
+        return self.uploads_latest()[1]
     claims_clamped: int = 0
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
     # the learner's own version, where a sampled token never lies outside π's nucleus)
@@ -481,7 +482,7 @@ class Verifier:
         2026-11-28)."""
         ev = self._of(worker_id)
         prior = prior or UNKNOWN_UPLOAD
-        vouched, seen, factor = ev.upload_vouched, ev.upload_seen, self.cfg.capacity_claim_factor
+        (seen, vouched), factor = ev.uploads_latest(), self.cfg.capacity_claim_factor
         cap = factor * vouched if vouched else min(prior, factor * seen) if seen else prior
         if claimed > cap:
             ev.claims_clamped += 1
