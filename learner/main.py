@@ -22,7 +22,7 @@ from learner.config import load_learner_config
 from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
-from learner.rundir import RunDir, port_in_use
+from learner.rundir import RunDir, finished, port_in_use
 from learner.serve import serve
 from learner.train.dist import DeviceError, close, init_world, under_torchrun
 
@@ -61,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(dump_toml(cfg), end="")
+        return 0
+    if args.resume and (done := finished(args.resume, cfg.run.steps)) is not None:
+        # Resuming a finished run evaluated again, re-saved its last checkpoint and replaced its
+        # summary with one of zero groups trained. Nothing to do (said before a model loads).
+        print(f"echo-learner: {args.resume} already finished: {done} of {cfg.run.steps} updates applied (its "
+              f"summary.json and model/ are the run's); to train on, resume with a larger --run.steps",
+              file=sys.stderr)
         return 0
     if not (cfg.model.path / "config.json").exists():
         print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build a tiny model there "

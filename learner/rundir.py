@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from datetime import datetime
@@ -92,6 +93,25 @@ class RunDir:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     latest = run_dir / "checkpoints" / "latest"
     return latest.resolve() if latest.exists() else None
+
+
+def updates_of(checkpoint: Path) -> int:
+    """The update a checkpoint was saved at: its learner state says (one saved before 2026-11-28
+    is named by its version, which a resume puts ahead of the updates), else its name."""
+    try:
+        return int(json.loads((checkpoint / "learner_state.json").read_text())["updates"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return int(checkpoint.name[5:])
+
+
+def finished(run_dir: Path, steps: int) -> int | None:
+    """The updates a finished run applied, if `steps` asks no more of it (None: it has more to do).
+    Read from disk, so a `--resume` with nothing to do says so before it loads a model."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None or not (run_dir / "summary.json").exists():
+        return None
+    updates = updates_of(checkpoint)
+    return updates if updates >= steps else None
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -8,7 +8,6 @@ handed to the loop (`learner.loop`) and stopped in order.
 from __future__ import annotations
 
 import asyncio
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -49,14 +48,6 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     driver = TrainerDriver(world)
     checkpoint = run_dir.checkpoint()
     trainer = await driver.build(cfg, checkpoint)
-    if run_dir.resumed and trainer.updates >= cfg.run.steps and (run_dir / "summary.json").exists():
-        # A finished run: resuming it evaluated again, re-saved its last checkpoint and replaced
-        # its summary with one of zero groups trained. Nothing to do; say how to train on.
-        print(f"echo-learner: {run_dir.path} already finished: {trainer.updates} of {cfg.run.steps} updates applied "
-              f"(its summary.json and model/ are the run's); to train on, resume with a larger --run.steps",
-              file=sys.stderr)
-        await driver.stop()
-        return 0
     resumed_after = trainer.updates if run_dir.resumed else None
     task = cfg.task.build()
     # The custody record: a resumed run re-issues what was in flight and never reuses a version.

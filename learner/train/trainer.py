@@ -41,6 +41,7 @@ from echo.hf import TokenBatch
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo
 from learner.config import LearnerConfig
+from learner.rundir import updates_of
 from learner.train.dist import World, as_root, sharded_alone
 from learner.train.losses import LossStats, group_advantages, grpo_loss
 from learner.train.microbatch import pack, split_by_tokens
@@ -620,20 +621,11 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
     if keep <= 0:
         return []
     latest = (directory / "latest").resolve() if (directory / "latest").exists() else None
-    found = sorted((p for p in directory.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=_updates_of)
+    found = sorted((p for p in directory.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=updates_of)
     old = [p for p in found[:-keep] if p.resolve() != latest]
     for p in old:
         shutil.rmtree(p, ignore_errors=True)
     return old
-
-
-def _updates_of(checkpoint: Path) -> int:
-    """The update a checkpoint was saved at: its learner state says (one saved before 2026-11-28
-    is named by its version, which a resume puts ahead of the updates), else its name."""
-    try:
-        return int(json.loads((checkpoint / "learner_state.json").read_text())["updates"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return int(checkpoint.name[5:])
 
 
 @contextlib.contextmanager

@@ -620,15 +620,18 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
 
     # `--resume` of a finished run evaluated again, re-saved its last checkpoint and replaced its
     # summary with one of zero groups trained: it says the run is finished and how to train on,
-    # and touches nothing.
+    # and touches nothing, not even its config.toml.
     latest = (lp.run_dir / "checkpoints" / "latest").resolve()
     saved = {p: p.stat().st_mtime_ns for p in latest.rglob("*")}
     summary_bytes = (lp.run_dir / "summary.json").read_bytes()
+    config_mtime = (lp.run_dir / "config.toml").stat().st_mtime_ns
     done = subprocess.run([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env=WATCHED)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "already finished: 24 of 24 updates" in done.stderr and "--run.steps" in done.stderr
+    assert "parameters" not in done.stdout  # said before the model loads (it printed the model's lines first)
     assert (lp.run_dir / "summary.json").read_bytes() == summary_bytes
+    assert (lp.run_dir / "config.toml").stat().st_mtime_ns == config_mtime
     assert {p: p.stat().st_mtime_ns for p in latest.rglob("*")} == saved
 
 
