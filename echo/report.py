@@ -16,13 +16,7 @@ def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     last record of a step stands. A line a kill cut short is skipped."""
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            continue
+    for rec in _records(run_dir):
         if rec.get("event") == "resume":  # the killed process's records past its checkpoint are redone
             steps = {k: v for k, v in steps.items() if k <= rec["step"]}
             evals = {k: v for k, v in evals.items() if k <= rec["step"]}
@@ -34,12 +28,29 @@ def load_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
 
 
-def eval_metric(run_dir: Path) -> str:
-    """What the run's evals measure: "accuracy", or "mean return" for an episodic task (summary.json)."""
+def resumes(run_dir: Path) -> list[int]:
+    """The steps a run was resumed after (each process's cumulative numbers start again there)."""
+    return [rec["step"] for rec in _records(run_dir) if rec.get("event") == "resume"]
+
+
+def _records(run_dir: Path):
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            yield rec
+
+
+def eval_metric(run_dir: Path, evals: list[dict] = ()) -> str:
+    """What the run's evals measure: "accuracy", or "mean return" for an episodic task. The summary
+    says, and each eval event: a run killed or stopped early has no summary (a new user's poker
+    run's plot read "accuracy" for returns in big blinds)."""
     try:
         return str(json.loads((run_dir / "summary.json").read_text()).get("eval_metric", "accuracy"))
     except (OSError, ValueError):
-        return "accuracy"
+        return next((str(e["metric"]) for e in evals if e.get("metric")), "accuracy")
 
 
 def plot(run_dir: Path, out: Path) -> Path:
@@ -52,7 +63,7 @@ def plot(run_dir: Path, out: Path) -> Path:
     x = [r["step"] for r in steps]
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     ax = axes[0]
-    metric = eval_metric(run_dir)
+    metric = eval_metric(run_dir, evals)
     rewards, scores = [r["reward_mean"] for r in steps], [r["eval_accuracy"] for r in evals]
     ax.plot(x, rewards, lw=0.8, alpha=0.6, label="batch reward")
     ax.plot([r["step"] for r in evals], scores, "o-", label=f"greedy eval {metric}")
@@ -69,8 +80,12 @@ def plot(run_dir: Path, out: Path) -> Path:
     ax.plot(x, [r["queue_size"] for r in steps], lw=0.8, label="queue (groups)")
     ax.set_ylabel("groups")
     twin = ax.twinx()
-    twin.plot(x, [100 * r["idle_ratio"] for r in steps], color="tab:red", lw=0.8, label="learner idle % (cumulative)")
+    twin.plot(x, [100 * r["idle_ratio"] for r in steps], color="tab:red", lw=0.8,
+              label="learner idle % (cumulative since the start or a resume)")
     twin.set_ylabel("idle %")
+    for i, step in enumerate(resumes(run_dir)):
+        for a in axes:
+            a.axvline(step, color="grey", ls=":", lw=1, label="resumed here" if a is ax and not i else None)
     handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(handles, [h.get_label() for h in handles], loc="upper right")
     ax.set_xlabel("learner step")

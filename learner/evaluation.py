@@ -60,6 +60,7 @@ class EvalParts:
     stop_ids: frozenset[int] = frozenset()  # the ids that end a turn: a greedy answer ends on one...
     max_new_tokens: int = 0  # ...or is this long
     updates: Callable[[], int] | None = None  # the trainer's update count (a resume's versions skip ahead of it)
+    metric: str = "accuracy"  # what an eval's number is ("mean return": an episodic task's), named in its event
 
 
 STEPS_KEPT = 1024  # versions whose update is remembered for eval events: no round lags that far
@@ -88,7 +89,8 @@ class Evaluation:
     def _event(self, version: int, **fields) -> dict:
         """An eval event of the run log. Its `step` is the update that made `version`, as in the
         step records: after a resume, whose versions skip ahead, the two differ."""
-        return {"event": "eval", "step": self._step_of.get(version, version), "version": version, **fields}
+        return {"event": "eval", "step": self._step_of.get(version, version), "version": version,
+                "metric": self.parts.metric, **fields}
 
     def _carried(self, version: int) -> bool:
         """A resume from a checkpoint whose eval was of these very weights: its result carries over,

@@ -77,7 +77,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         lease_ttl=cfg.server.lease_ttl, hold=partial(driver.call, "hold_for_eval"),
         greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap,
         redecode=partial(driver.call, "held_greedy_returns"), stop_ids=frozenset(trainer.episodes.stop_ids),
-        max_new_tokens=cfg.rollout.max_new_tokens, updates=lambda: driver.updates))
+        max_new_tokens=cfg.rollout.max_new_tokens, updates=lambda: driver.updates,
+        metric="mean return" if task.episodic else "accuracy"))
     # Scores eval answers always, and replays [verify] rescore_fraction of the uploaded episodes (the verifier picks).
     rescore = Rescorer(task, trainer.tokenizer, cfg.verify.reward_tolerance, episodes=trainer.episodes)
     # The task's own model directories (poker's LLM opponent), served to workers without the same copy.

@@ -436,7 +436,7 @@ def test_a_multi_turn_task_trains_through_real_workers(learner_factory, chat_mod
     assert summary["eval_metric"] == "mean return"  # what eval_accuracy_* hold for a multi-turn task
     assert not summary["quarantined"]
     evals = [json.loads(line) for line in (lp.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
-    assert evals and all(e["where"] == "learner" for e in evals)
+    assert evals and all(e["where"] == "learner" and e["metric"] == "mean return" for e in evals)
 
 
 def test_a_multi_turn_task_trains_on_two_bf16_ranks_with_lora(learner_factory, chat_model):

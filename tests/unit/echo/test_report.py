@@ -51,3 +51,19 @@ def test_a_resume_event_drops_what_the_killed_process_logged_past_its_checkpoint
     steps, evals = load_run(tmp_path)
     assert [(r["step"], r["reward_mean"]) for r in steps][-3:] == [(10, 0.1), (11, 0.2), (12, 0.2)]
     assert evals == []
+
+
+def test_a_run_without_a_summary_is_labelled_by_its_eval_events_and_its_resume_marked(tmp_path):
+    """A poker run stopped before its summary: its plot read "accuracy" for returns in big blinds,
+    and its cumulative idle curve jumped at the resume with nothing to say why."""
+    lines = [_step(s, s, -0.5) for s in range(1, 9)]
+    lines.append({"event": "eval", "step": 8, "version": 8, "metric": "mean return", "eval_accuracy": -0.54})
+    lines.append({"event": "resume", "step": 8, "version": 10, "checkpoint": "step-000008"})
+    lines += [_step(s, s + 2, -0.4) for s in (9, 10)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    from echo.report import resumes
+
+    steps, evals = load_run(tmp_path)
+    assert eval_metric(tmp_path, evals) == "mean return" and eval_metric(tmp_path) == "accuracy"
+    assert resumes(tmp_path) == [8]
+    assert plot(tmp_path, tmp_path / "report.png").stat().st_size > 0
