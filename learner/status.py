@@ -37,6 +37,8 @@ def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_pro
             f"S = {S}, I = {cfg.publish_every}, buffer {cfg.buffer.type}, eval on {cfg.eval.where} ({eval_prompts} prompts)\n"
             f"  status: v = newest published snapshot, reward = mean reward of the groups the step trained"
             + (" (those whose rewards differ: above what workers sample)" if cfg.dynamic_sampling else "")
+            + ", eval = the newest greedy eval @ the version it evaluated"
+            + (" (the learner's own weights: newer than v between publications)" if cfg.eval.where == "learner" else "")
             + ", idle = share of wall time the trainer waited for data, "
             + ("signal = share of the groups since the last step whose rewards differ (the rest are skipped: "
                "[buffer] dynamic_sampling), " if cfg.dynamic_sampling else "")

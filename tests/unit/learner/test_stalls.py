@@ -97,9 +97,11 @@ def test_the_banner_defines_every_status_column():
     from learner.config import load_learner_config
     from learner.status import banner
 
-    for sampling in ("true", "false"):
-        cfg = load_learner_config(None, ["--buffer.dynamic_sampling", sampling])
+    for sampling, where in (("true", "workers"), ("false", "learner")):
+        cfg = load_learner_config(None, ["--buffer.dynamic_sampling", sampling, "--eval.where", where])
         text = banner(cfg, "http://127.0.0.1:1", "runs/x", "t" * 32, 300_000, 1, 10)
-        for column in ("v =", "reward =", "idle =", "recycled =", "queue =", "length ="):
+        for column in ("v =", "reward =", "eval =", "idle =", "recycled =", "queue =", "length ="):
             assert column in text, (column, text)
         assert ("signal =" in text) == (sampling == "true")
+        # a learner-side eval is of weights not yet published: `eval 0.280@v3` beside `v0` (a new user)
+        assert ("newer than v" in text) == (where == "learner")
