@@ -89,9 +89,11 @@ class VersionStore:
         self.gone: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
         self._conds = [asyncio.Condition()]  # one per span: a commit wakes only that span's readers
-        self.done = asyncio.get_running_loop().create_future()
+        # Set when the version is whole (its result None: the store as its result made every
+        # version a reference cycle, left to the cyclic collector's full passes)
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.complete:
-            self.done.set_result(self)
+            self.done.set_result(None)
 
     @property
     def key(self) -> str:
@@ -144,7 +146,7 @@ class VersionStore:
             self.have += 1
             self._conds[s].notify_all()
         if self.complete and not self.done.done():
-            self.done.set_result(self)
+            self.done.set_result(None)
 
     async def wait_chunk(self, index: int) -> memoryview:
         """The verified bytes of chunk `index`, waiting until it is verified."""

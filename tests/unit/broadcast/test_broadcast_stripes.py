@@ -350,3 +350,41 @@ def test_make_publisher_picks_the_design_once(tmp_path):
     announced = asyncio.run(run())
     assert announced.model_dump() == {"version": 1, "size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}
     assert star.info.mode == "star" and star.wire_bytes == {}
+
+
+def test_an_evicted_version_is_freed_at_once_not_left_to_the_cyclic_collector():
+    """A learner publishes a version every few seconds for days. Each evicted version was a
+    reference cycle (its `done` future held the store as its result): ~34 objects a version that
+    only a full collection frees, which after 10 minutes of the S = 1 scenario walked 130,000 of
+    them in 170 ms, holding the learner's loop. Evicted at the source and at both relays of a
+    chain, with the collector off, no store of an evicted version may be left."""
+    import gc
+
+    from broadcast.store import VersionStore
+
+    key = SigningKey.generate()
+
+    async def run() -> list[str]:
+        src = Source(key)
+        relays = [Relay(i, key.public_key()) for i in "ab"]
+        for n in (src, *relays):
+            await n.start()
+        try:
+            for v in range(1, 9):
+                await src.publish(random_blob(256 * KIB, seed=v), v, chunk_size=64 * KIB)
+                assert all(await src.push(f"v{v}", [[r.hop for r in relays]]))
+                for r in relays:
+                    await r.wait_settled(f"v{v}", 30)
+            held = {id(s) for n in (src, *relays) for s in n.stores.values()} | before
+            return [o.key for o in gc.get_objects() if isinstance(o, VersionStore) and id(o) not in held]
+        finally:
+            await stop_all(*relays, src)
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, VersionStore)}  # earlier tests' (alive)
+    gc.disable()
+    try:
+        left = asyncio.run(run())
+    finally:
+        gc.enable()
+    assert left == [], f"evicted versions still in memory, waiting for the cyclic collector: {sorted(left)}"
