@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +43,15 @@ def launch(cfg: LearnerConfig, argv: list[str], as_json: bool, check_only: bool)
     cmd = [sys.executable, "-m", "learner.launch", "--standalone", "--nproc_per_node", str(cfg.run.nproc),
            "-m", "learner.main", *args, "--run.nproc", str(cfg.run.nproc)]
     env = {**os.environ, LAUNCHED: "1", "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent())  # its ranks follow it (see main)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops its ranks
-        return proc.wait()
+    # A session of its own (its ranks follow it: see main), so that a Ctrl-C at the terminal and a
+    # SIGINT sent to this pid alone, as a supervisor sends it, reach torchrun the same way: once, from
+    # here. (Before, only the terminal's reached it: `kill -INT` of this pid stopped nothing.)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(), start_new_session=True)
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # torchrun stops its ranks, each saying what the run directory keeps
+            proc.send_signal(signal.SIGINT)
 
 
 def check_rank(cfg: LearnerConfig, world: World, as_json: bool) -> bool:
@@ -70,8 +75,11 @@ def follow(cfg: LearnerConfig, world: World, resume: Path | None) -> int:
 
     torch.set_num_threads(cfg.run.threads)
     checkpoint = latest_checkpoint(resume) if resume else None
-    trainer = Trainer(cfg, world, checkpoint)
-    Lockstep(trainer, world).follow()
+    try:
+        trainer = Trainer(cfg, world, checkpoint)
+        Lockstep(trainer, world).follow()
+    except KeyboardInterrupt:  # torchrun passing on a Ctrl-C: rank 0 says what the run directory keeps
+        return 130
     close(world)
     return 0
 

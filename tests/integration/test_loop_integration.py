@@ -498,10 +498,12 @@ def _alive(pids: set[int]) -> set[int]:
 # ~95 s on a 2-core machine (one-rank resume stays in the default run)
 @pytest.mark.slow
 def test_a_two_rank_learner_killed_twice_applies_exactly_its_steps_and_nothing_outlives_it(learner_factory):
-    """`kill -9` of the launcher takes torchrun, both ranks and the spawned worker with it; each
-    resume continues from the last checkpoint with later version numbers (the crash lost some)
-    yet counts updates, so the run applies exactly `steps` of them and the cosine schedule ends
-    where an uninterrupted run's does, with no traceback from torchrun. ~2-3 min."""
+    """A SIGINT to the launcher's pid alone (a supervisor's, not the terminal's), then `kill -9` of
+    it: each takes torchrun, both ranks and the spawned worker with it (the SIGINT, before, reached
+    nobody past the launcher, which waited on); each resume continues from the last checkpoint
+    with later version numbers (the stop lost some) yet counts updates, so the run applies exactly
+    `steps` of them and the cosine schedule ends where an uninterrupted run's does, with no
+    traceback from torchrun or a rank. ~2-3 min."""
     import subprocess
     import sys
     import time
@@ -518,14 +520,20 @@ def test_a_two_rank_learner_killed_twice_applies_exactly_its_steps_and_nothing_o
                       f"crash {crash}: step {at}")
         tree = _descendants(launcher.pid)
         assert len(tree) >= 4  # torchrun, two ranks, the spawned worker
-        launcher.kill()
-        launcher.wait()
+        if crash == 0:
+            launcher.send_signal(signal.SIGINT)
+            assert launcher.wait(60) == 130, lp.output()[-3000:]
+            assert "echo-learner: interrupted" in lp.output()
+        else:
+            launcher.kill()
+            launcher.wait()
         deadline = time.monotonic() + 60
         while _alive(tree) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not _alive(tree), f"outlived their launcher: {_alive(tree)}"
-        if crash == 0:  # torchrun, stopped with its launcher, printed a 20-line SignalException under it
-            assert "Traceback" not in lp.output(), lp.output()[-3000:]
+        out = lp.output() if crash == 0 else (lp.run_dir.parent / "resume0.log").read_text()
+        # torchrun, stopped with its launcher, printed a 20-line SignalException under it; rank 1, a KeyboardInterrupt
+        assert "Traceback" not in out, out[-3000:]
         log = open(lp.run_dir.parent / f"resume{crash}.log", "w")
         launcher = subprocess.Popen([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--json"],
                                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=WATCHED)
