@@ -181,6 +181,10 @@ class Node:
     async def stop(self) -> None:
         for store in list(self.stores.values()):
             await store.close(BroadcastError("node stopped"))
+        # A stopped node holds no version: aiohttp's middleware cache (1,024 entries) keeps its
+        # handlers, and so the node, alive, and a worker that joins again starts a new one: each
+        # old node kept its versions, a whole model's buffer each.
+        self.stores.clear()
         for transport in set(self._transports.values()):
             await transport.stop()
         self._transports.clear()

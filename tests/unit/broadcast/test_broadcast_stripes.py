@@ -388,3 +388,32 @@ def test_an_evicted_version_is_freed_at_once_not_left_to_the_cyclic_collector():
     finally:
         gc.enable()
     assert left == [], f"evicted versions still in memory, waiting for the cyclic collector: {sorted(left)}"
+
+
+def test_a_stopped_node_lets_go_of_its_versions():
+    """aiohttp's middleware cache (module-wide, 1,024 entries) holds a stopped node's handlers and
+    so the node; a worker that joins again stops its relay and starts another. The old relay kept
+    its versions, each a whole model's buffer: at 8B, 16 GB a version per rejoin."""
+    import gc
+    import weakref
+
+    key = SigningKey.generate()
+
+    async def run() -> list[weakref.ref]:
+        src = Source(key)
+        relays = [Relay(i, key.public_key()) for i in "ab"]
+        for n in (src, *relays):
+            await n.start()
+        try:
+            for v in (1, 2):
+                await src.publish(random_blob(256 * KIB, seed=v), v, chunk_size=64 * KIB)
+                assert all(await src.push(f"v{v}", [[r.hop for r in relays]]))
+                for r in relays:
+                    await r.wait_settled(f"v{v}", 30)
+            return [weakref.ref(s) for n in (src, *relays) for s in n.stores.values()]
+        finally:
+            await stop_all(*relays, src)
+
+    stores = asyncio.run(run())
+    gc.collect()
+    assert len(stores) == 6 and [s for s in stores if s() is not None] == []
