@@ -491,7 +491,8 @@ class Worker:
         log.info("%s: installed v%d in %.3f s", self.name, version, time.perf_counter() - t0)
         # What the engine built to install and generate stays out of the collector's full passes: a
         # fresh-clone CI's vLLM worker held 750k such objects by v8 and a full pass took 396 ms of
-        # its loop. Reference counting still frees them; only cycles among them are never collected.
+        # its loop. Reference counting still frees them; only cycles among them are never collected
+        # (each evicted broadcast version was one until 2026-11-28: its buffer was kept for good).
         gc.freeze()
 
     async def _loop(self, client: LearnerClient) -> None:
