@@ -22,8 +22,10 @@ full snapshots. The blob is signed (chain) or checked by sha256 (star) like any 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,3 +127,12 @@ def adapter_config(rank: int, alpha: float, targets: list[str] | tuple[str, ...]
             "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
             "base_model_name_or_path": base, "inference_mode": True}
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """Around PEFT's model wrapping: it asks transformers for a deprecated attribute, a
+    FutureWarning on every LoRA run's console (learner and workers)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from echo.lora import AdapterMeta, adapter_config, peft_name
+from echo.lora import AdapterMeta, adapter_config, peft_name, quiet_peft
 
 ADAPTER = "default"  # PEFT's name of the trained adapter
 
@@ -36,7 +36,8 @@ def inject(hf, lora, layers: list[torch.nn.Module]):
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     try:
-        get_peft_model(hf, config, adapter_name=ADAPTER, autocast_adapter_dtype=True)
+        with quiet_peft():
+            get_peft_model(hf, config, adapter_name=ADAPTER, autocast_adapter_dtype=True)
     except ValueError as e:  # PEFT: "Target modules ... not found in the base model"
         raise ValueError(f"[trainer.lora] target_modules {list(lora.target_modules)}: {e}") from None
     inside = {id(p) for layer in layers for p in layer.parameters()}
@@ -95,6 +96,7 @@ def export_merged(model_dir: Path, adapter_dir: Path, directory: Path, dtype: to
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    with quiet_peft():
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.to(dtype).save_pretrained(directory)
     return Path(directory)

@@ -460,6 +460,8 @@ def test_a_multi_turn_task_trains_on_two_bf16_ranks_with_lora(learner_factory, c
     assert evals and evals[-1]["step"] == steps  # the learner evaluated on both ranks and the run ended
     assert (lp.run_dir / "model-adapter" / "adapter_model.safetensors").exists()
     assert (lp.run_dir / "model" / "model.safetensors").exists()
+    worker_log = (lp.run_dir.parent.parent / "w1.log").read_text()
+    assert "FutureWarning" not in lp.output() + worker_log  # PEFT's, on every LoRA run's console
 
 
 def _descendants(pid: int) -> set[int]:

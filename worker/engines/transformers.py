@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from echo.hf import Sample, completion_logprobs, sample
-from echo.lora import peft_name
+from echo.lora import peft_name, quiet_peft
 from worker.engines.base import (
     Engine,
     EngineError,
@@ -119,7 +119,8 @@ class TransformersEngine(Engine):
         config = LoraConfig(r=self.lora.rank, lora_alpha=self.lora.alpha, target_modules=list(self.lora.target_modules),
                             lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
         if self.peft is None:
-            self.peft = get_peft_model(self.model, config, adapter_name=name, autocast_adapter_dtype=False)
+            with quiet_peft():
+                self.peft = get_peft_model(self.model, config, adapter_name=name, autocast_adapter_dtype=False)
         else:
             self.peft.add_adapter(name, config)
         self.peft.requires_grad_(False)
