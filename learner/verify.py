@@ -14,7 +14,8 @@ Three pieces of evidence, each kept per worker:
   (`Drift`), one vote per worker and never the judged worker's own, robust to a dishonest
   minority of workers; once a worker with *standing* (its own checked work passed) is heard at
   that staleness, only such workers vote, so a new identity has none. A worker is judged on its
-  *excess*: its mean Σ|log π − log μ| per token beyond that drift; past `max_logprob_gap` nats
+  *excess*: its mean Σ|log π − log μ| per token beyond that drift, summed per staleness (a group
+  below the drift offsets one above it there; `Evidence.mean_gap`); past `max_logprob_gap` nats
   it is dishonest. Labelling a group older (or newer) than it is buys nothing: the excess is
   measured at the staleness the label claims.
 - **Tokens.** Right μ for chosen tokens passes the log-prob check: a worker can write what it
@@ -72,7 +73,7 @@ UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody
 @dataclass
 class Evidence:
     rewards: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # 1 = mismatch, per checked sample
-    # per checked group: (Σ (|log π − log μ| − the fleet's drift at its staleness), tokens); judged on
+    # per checked group: (staleness, Σ (|log π − log μ| − the fleet's drift there), tokens); judged on
     # the recent ones: on its whole history, 4,000 honest groups bought a forger 1,532 groups at
     # 3 nats a token trained before its mean crossed the bound (a tester, 2026-11-28)
     gaps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -133,13 +134,24 @@ class Evidence:
 
     @property
     def mean_gap(self) -> float:
-        """Nats per token beyond the fleet's drift over its last `WINDOW` checked groups."""
+        """Nats per token beyond the fleet's drift over its last `WINDOW` checked groups: summed
+        per staleness, where a group below the drift offsets one above it (an honest worker's
+        groups scatter both ways), and only a staleness's excess counts, never its credit (a
+        worker cannot bank groups below the drift at one staleness against forged ones at
+        another). Each group's excess floored at 0 made honest workers liars where the drift is
+        large and skewed: three honest workers on 2 cores, the policy moving 1–4 nats a token
+        per update late in a run, were all quarantined at 0.50–0.54 (a tester, 2026-11-28)."""
         tokens = self.recent_gap_tokens
-        return sum(g for g, _ in self.gaps) / tokens if tokens else 0.0
+        if not tokens:
+            return 0.0
+        excess: dict[int, float] = {}
+        for staleness, gap, _ in self.gaps:
+            excess[staleness] = excess.get(staleness, 0.0) + gap
+        return sum(max(0.0, e) for e in excess.values()) / tokens
 
     @property
     def recent_gap_tokens(self) -> int:
-        return sum(n for _, n in self.gaps)
+        return sum(n for *_, n in self.gaps)
 
     def copy(self) -> Evidence:
         """To add a batch to without keeping it (a first pass)."""
@@ -223,12 +235,18 @@ class Drift:
         staleness's, else the nearest higher one's, scaled by the updates in between. None for a
         stale staleness with no other worker's stale groups heard; a fresh one is 0 then (held to
         the same weights' numerics)."""
+        return self.reference(staleness, excluding, standing)[0]
+
+    def reference(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> tuple[float | None, bool]:
+        """`at`'s drift, and whether only workers of `standing` voted on it (a worker not yet
+        judged, a forger among them, may have set a drift that is not)."""
         staleness = min(staleness, MAX_DRIFT_STALENESS)
         found = self._reference(staleness, excluding, standing)
         if found is None:
-            return 0.0 if staleness == 0 else None
+            return (0.0 if staleness == 0 else None), False
         k, level = found
-        return level * staleness / k if k > 0 else level
+        by_standing = bool(standing and {g[0] for g in self._heard(k)} & standing)
+        return (level * staleness / k if k > 0 else level), by_standing
 
     def _reference(self, staleness: int, excluding, standing) -> tuple[int, float] | None:
         """The staleness whose votes stand in for `staleness`'s, and their level: itself, else the
@@ -306,7 +324,8 @@ class _Check:
 
     drift: Drift
     tokens: Callable[[tuple], int]  # the tokens a group's Σ is over: its per-token value in the drift is Σ / tokens
-    add: Callable[[Evidence, tuple, float, float], None]  # a group's evidence beyond the drift there (and its spread), into a worker's
+    # a group's evidence beyond the drift there (its spread; whether only workers of standing set that drift), into a worker's
+    add: Callable[[Evidence, tuple, float, float, bool], None]
     enough: Callable[[Evidence], bool]  # enough of a worker's work checked to judge it (and, passing, to vote)
     verdict: Callable[[str, Evidence], Verdict | None]  # on enough evidence: dishonest?
     variance: Callable[[tuple], float]  # a group's model variance (0: none; the drift's spread is not measured)
@@ -420,21 +439,25 @@ class Verifier:
             if worker_id not in evidence:
                 evidence[worker_id] = self._of(worker_id) if record else (self.evidence.get(worker_id) or Evidence()).copy()
             others = unheard | {worker_id}
-            drift = check.drift.at(staleness, others, voting)
+            drift, by_standing = check.drift.reference(staleness, others, voting)
             spread = check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0
             if (drift is None or (spread is None and record)) and check.needs_reference:
                 evidence[worker_id].tokens_unjudged += int(group[4] + group[5])  # the token check's: inside, outside
                 continue
-            check.add(evidence[worker_id], group, drift or 0.0, spread or 1.0)
+            check.add(evidence[worker_id], group, drift or 0.0, spread or 1.0, by_standing)
         return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]
 
     @staticmethod
     def _verdict(check: _Check, worker_id: str, ev: Evidence) -> Verdict | None:
         return check.verdict(worker_id, ev) if check.enough(ev) else None
 
-    def _add_gap(self, ev: Evidence, group: tuple, drift: float, spread: float) -> None:
-        _, _, gap_sum, tokens = group
-        ev.gaps.append((max(0.0, gap_sum - tokens * drift), tokens))
+    def _add_gap(self, ev: Evidence, group: tuple, drift: float, spread: float, by_standing: bool) -> None:
+        """A group below the drift is credit (`Evidence.mean_gap`) only against a drift that workers
+        of standing set: two forgers not yet judged, 47 and 1e30 nats/token off, made a drift of 47
+        that gave their partner at 4 credit enough to pass for the whole window."""
+        _, staleness, gap_sum, tokens = group
+        excess = gap_sum - tokens * drift
+        ev.gaps.append((min(staleness, MAX_DRIFT_STALENESS), excess if by_standing else max(0.0, excess), tokens))
         ev.gap_tokens += tokens
 
     def _gap_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
@@ -445,7 +468,7 @@ class Verifier:
                        f"per token beyond the fleet's drift at their staleness, on its last {ev.recent_gap_tokens} "
                        f"tokens (allowed {self.cfg.max_logprob_gap})")
 
-    def _add_tokens(self, ev: Evidence, group: tuple, drift: float, spread: float) -> None:
+    def _add_tokens(self, ev: Evidence, group: tuple, drift: float, spread: float, by_standing: bool) -> None:
         _, staleness, excess, variance, inside, outside = group
         ev.token_checks.append((excess - inside * drift, variance * spread, int(inside), int(outside), staleness == 0))
 

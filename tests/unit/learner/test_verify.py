@@ -383,3 +383,34 @@ def test_a_relays_upload_is_believed_as_its_children_see_it_now_and_raised_only_
     v = Verifier(VerifySection(capacity_claim_factor=2.0))
     v.upload_seen("r", 1e10, "sybil")
     assert v.believed_upload("r", 1e10, prior) == prior  # above the prior, one child is not enough
+
+
+def test_honest_workers_are_not_liars_where_the_drift_is_large_and_scattered_and_a_forger_still_is():
+    """A tester's three honest workers were all quarantined at 0.50–0.54 nats/token, 75 minutes
+    into a run whose policy moved 1–4 nats a token per update: each group's excess over the
+    fleet's drift was floored at 0, so a worker's mean was half the groups' scatter, whatever its
+    honesty. Here the drift at staleness k grows to k nats/token, each batch's by a factor of
+    e^N(0, 0.6), each group's tokens as skewed as a sharp policy's (most unmoved, a quarter far):
+    on the old code the honest workers were quarantined at ~70% of the climb (eight seeds). A
+    worker adding 1 nat/token to its μ late in the run is still caught within a window."""
+    import random
+
+    from learner.verify import WINDOW
+
+    rng = random.Random(7)
+    v = Verifier(VerifySection(max_logprob_gap=0.5, min_gap_tokens=512))
+
+    def group_gap() -> float:  # one group's per-token |log π − log μ| over its 16 samples, in drift units
+        return sum(0.0 if rng.random() < 0.75 else 4.0 * rng.expovariate(1.0) for _ in range(16)) / 16
+
+    caught = {}
+    for step in range(1000):
+        k = step % 4
+        drift = k * min(1.0, 0.02 + step / 1000) * rng.lognormvariate(0, 0.6)
+        groups = [(w, k, (drift * group_gap() + (1.0 if w == "forger" and step >= 700 else 0.0)) * 40, 40)
+                  for w in ("h1", "h2", "h3", "forger") for _ in range(2)]
+        for verdict in v.logprobs_checked(groups):
+            caught.setdefault(verdict.worker_id, step)
+    assert set(caught) == {"forger"}, (caught, {w: e.mean_gap for w, e in v.evidence.items()})
+    assert (caught["forger"] - 700) * 2 < WINDOW, caught
+    assert all(v.evidence[w].mean_gap < 0.4 for w in ("h1", "h2", "h3"))
