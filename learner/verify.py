@@ -67,6 +67,7 @@ MAX_DRIFT_STALENESS = 64
 DRIFT_AGE = 50  # batches a group's vote on the drift is heard for
 FORGOTTEN_KEEP = 65536  # forgotten worker ids remembered, so their queued groups make no evidence again
 UPLOADS_KEPT = 16  # children's reports of a relay's upload that bound its own claims: a few versions' worth
+VOUCH_VERSIONS = 8  # published versions two children's reports lift a relay above the prior for
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
 
 
@@ -79,17 +80,20 @@ class Evidence:
     gaps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     gap_tokens: int = 0  # over its whole history: standing
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
-    # (child, bytes/s) its children reported downloading from it, the recent ones: a relay fast
-    # once (or vouched for once) is believed by what its children see now, not by its best day
-    uploads_seen: tuple[tuple[str, float], ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
+    # (child, bytes/s, the learner's published version then) its children reported downloading
+    # from it, the recent ones: a relay fast once (or vouched for once) is believed by what its
+    # children see now, not by its best day
+    uploads_seen: tuple[tuple[str, float, int], ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
 
-    def uploads_latest(self) -> tuple[float, float]:
-        """Of each recent child's latest report (a relay that forwards slowly now is taken at what
-        its children see now, not at their best of the last 16 reports): the fastest, and the
-        fastest that two children each reached (0: none, or fewer than two children): one
-        child's word, a colluding sybil's, lifts nothing above the prior."""
-        latest = sorted(dict(self.uploads_seen).values(), reverse=True) + [0.0, 0.0]
-        return latest[0], latest[1]
+    def uploads_latest(self, since: int = 0) -> tuple[float, float]:
+        """Of each recent child's latest report, if made at published version `since` or later (a
+        relay that forwards slowly now is taken at what its children see now, not at their best
+        of the last 16 reports): the fastest, and the fastest that two children each reached (0:
+        none, or fewer than two children): one child's word, a colluding sybil's, lifts nothing
+        above the prior."""
+        latest = {child: (rate, version) for child, rate, version in self.uploads_seen}
+        rates = sorted((rate for rate, version in latest.values() if version >= since), reverse=True) + [0.0, 0.0]
+        return rates[0], rates[1]
 
     @property
     def upload_seen(self) -> float:
@@ -490,22 +494,27 @@ class Verifier:
             ev = self._of(worker_id)
             ev.lease_rate = max(0.8 * ev.lease_rate, rollouts / seconds)  # decays: a machine may slow down
 
-    def upload_seen(self, worker_id: str, rate: float, child: str) -> None:
-        """`child` measured `rate` (bytes/s) downloading from `worker_id`."""
+    def upload_seen(self, worker_id: str, rate: float, child: str, version: int) -> None:
+        """`child` measured `rate` (bytes/s) downloading from `worker_id`, reported when the
+        learner had published `version`."""
         ev = self._of(worker_id)
-        ev.uploads_seen = (*ev.uploads_seen, (child, rate))[-UPLOADS_KEPT:]
+        ev.uploads_seen = (*ev.uploads_seen, (child, rate, version))[-UPLOADS_KEPT:]
 
-    def believed_upload(self, worker_id: str, claimed: float, prior: float) -> float:
+    def believed_upload(self, worker_id: str, claimed: float, prior: float, version: int) -> float:
         """A worker's own upload measurement, capped at `capacity_claim_factor` times what its
         recent children saw: a relay cannot send faster than anyone received from it. Before any
         child reported, at `prior` (what the table takes its link for: a market's offer, or its
         declaration bounded by an unknown link's rate): its word alone raises nothing. Above the
         prior only as far as two children saw (`upload_vouched`): a colluding child reporting
         100 Gbit/s from its partner had it planned as the one stripe of every version (a tester,
-        2026-11-28)."""
+        2026-11-28); and only while they keep seeing it, within `VOUCH_VERSIONS` of `version`
+        (the learner's published one): two sybils' vouches, never followed by newer reports,
+        kept a liar at twice the prior for good, the head of every single chain (a tester,
+        2026-11-28). What lowers the cap stays until newer reports replace it."""
         ev = self._of(worker_id)
         prior = prior or UNKNOWN_UPLOAD
-        (seen, vouched), factor = ev.uploads_latest(), self.cfg.capacity_claim_factor
+        seen, factor = ev.uploads_latest()[0], self.cfg.capacity_claim_factor
+        vouched = ev.uploads_latest(since=version - VOUCH_VERSIONS + 1)[1]
         cap = factor * vouched if vouched else min(prior, factor * seen) if seen else prior
         if claimed > cap:
             ev.claims_clamped += 1

@@ -277,9 +277,9 @@ class WorkerRegistry:
             # accepted, about another worker: a fresh identity cannot vouch for its partner's link.
             if sample.parent and sample.down and w.groups_accepted > 0 and sample.parent in self.workers \
                     and sample.parent != w.id:
-                self.verifier.upload_seen(sample.parent, sample.down, w.id)
+                self.verifier.upload_seen(sample.parent, sample.down, w.id, self.run.published_version)
             if sample.up:  # a worker's word on its own upload, believed as far as its children saw
-                up = self.verifier.believed_upload(w.id, sample.up, prior)
+                up = self.verifier.believed_upload(w.id, sample.up, prior, self.run.published_version)
                 if up < sample.up:
                     self.metrics.claims_clamped.labels("upload").inc()
                     sample = dataclasses.replace(sample, up=up)

@@ -1006,6 +1006,50 @@ def test_link_samples_and_declared_links_raise_nothing_a_route_did_not_measure(t
     run_api(tokenizer, test, tmp_path)
 
 
+def test_two_sybils_lift_a_liars_upload_only_while_they_keep_vouching(tokenizer, tmp_path):
+    """Three identities with standing, the two sybils placed under the liar by real stripes: both
+    vouched once at 100 Gbit/s (each clamped at the 1,000 Mbit/s prior), which made the liar's
+    claim 2,000 Mbit/s "measured", and it stayed so for good without another report: the head of
+    every single chain behind a 1,000 Mbit/s uplink (a tester, 2026-11-28). The lift lasts
+    `VOUCH_VERSIONS` of the learner's published versions, counted by the learner."""
+    from broadcast.forwarding import Forwarding
+    from broadcast.route import Route
+    from broadcast.transport import Hop
+    from learner.verify import VOUCH_VERSIONS
+
+    async def test(api: Api):
+        liar, cred = await api.join("liar")
+        sybils = [await api.join(f"sybil{i}") for i in range(2)]
+        for w in (liar, *(s for s, _ in sybils)):
+            api.state.workers[w].groups_accepted = 5
+        forwarding = Forwarding()
+        api.state.registry.placements = forwarding
+        forwarding.planned(Route(key="v3", root=b"", source=Hop("source", "http://127.0.0.1:9"),
+                                 chains=tuple((Hop(liar, "http://127.0.0.1:9"), Hop(s, "http://127.0.0.1:9"))
+                                              for s, _ in sybils),
+                                 rates=(None, None), spans=((0, 1), (1, 2))))
+        api.state.run.blobs.add(3, b"weights-3")
+
+        async def lie_and_read(version: int) -> float:
+            status, body, _ = await api.call("/v1/heartbeat", {"upload_mbit": 100000.0, "download_mbit": 100000.0,
+                                                               "links": [{"key": "v3", "up": 1.25e10, "up_limited": True}]},
+                                              token=cred)
+            assert status == 200, body
+            return api.state.verifier.believed_upload(liar, 1.25e10, 125e6, version) * 8 / 1e6
+
+        for _, cred_s in sybils:
+            status, body, _ = await api.call("/v1/heartbeat", {"links": [{"key": "v3", "parent": liar, "down": 1.25e10,
+                                                                          "down_limited": True}]}, token=cred_s)
+            assert status == 200, body
+        assert await lie_and_read(3) == 2000.0  # both vouched: the most the factor gives
+        for v in range(4, 3 + VOUCH_VERSIONS + 1):
+            api.state.run.blobs.add(v, b"weights-%d" % v)
+        assert await lie_and_read(api.state.run.published_version) == 1000.0  # nobody saw it since
+        assert api.state.verifier.evidence[liar].uploads_seen[-1][2] == 3  # the learner's version, not the key's
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_colluding_child_cannot_lift_its_partners_upload_nor_its_own_download(tokenizer, tmp_path):
     """Two workers with standing, placed parent and child by a real route: the child reported a
     100 Gbit/s download from its partner, which then claimed that upload: believed 99,976 Mbit

@@ -370,19 +370,19 @@ def test_a_relays_upload_is_believed_as_its_children_see_it_now_and_raised_only_
     One child lowers the cap; raising it above the prior takes two."""
     v = Verifier(VerifySection(capacity_claim_factor=2.0))
     prior = 125e6  # 1,000 Mbit/s: an unknown link
-    assert v.believed_upload("r", 1e10, prior) == prior  # its word alone
+    assert v.believed_upload("r", 1e10, prior, 0) == prior  # its word alone
     for _ in range(8):
-        v.upload_seen("r", 50e6, "c1")
-    assert v.believed_upload("r", 1e10, prior) == 100e6
-    v.upload_seen("r", 15e3, "c1")  # now it forwards at 15 kB/s
-    assert v.believed_upload("r", 1e10, prior) == 30e3
-    v.upload_seen("r", 1e10, "sybil")  # one child's word lifts nothing: c1 and it vouch for c1's
-    assert v.believed_upload("r", 1e10, prior) == 30e3
-    v.upload_seen("r", 400e6, "c2")  # the second fastest of the children's latest
-    assert v.believed_upload("r", 1e10, prior) == 800e6
+        v.upload_seen("r", 50e6, "c1", 0)
+    assert v.believed_upload("r", 1e10, prior, 0) == 100e6
+    v.upload_seen("r", 15e3, "c1", 0)  # now it forwards at 15 kB/s
+    assert v.believed_upload("r", 1e10, prior, 0) == 30e3
+    v.upload_seen("r", 1e10, "sybil", 0)  # one child's word lifts nothing: c1 and it vouch for c1's
+    assert v.believed_upload("r", 1e10, prior, 0) == 30e3
+    v.upload_seen("r", 400e6, "c2", 0)  # the second fastest of the children's latest
+    assert v.believed_upload("r", 1e10, prior, 0) == 800e6
     v = Verifier(VerifySection(capacity_claim_factor=2.0))
-    v.upload_seen("r", 1e10, "sybil")
-    assert v.believed_upload("r", 1e10, prior) == prior  # above the prior, one child is not enough
+    v.upload_seen("r", 1e10, "sybil", 0)
+    assert v.believed_upload("r", 1e10, prior, 0) == prior  # above the prior, one child is not enough
 
 
 def test_honest_workers_are_not_liars_where_the_drift_is_large_and_scattered_and_a_forger_still_is():
@@ -414,3 +414,21 @@ def test_honest_workers_are_not_liars_where_the_drift_is_large_and_scattered_and
     assert set(caught) == {"forger"}, (caught, {w: e.mean_gap for w, e in v.evidence.items()})
     assert (caught["forger"] - 700) * 2 < WINDOW, caught
     assert all(v.evidence[w].mean_gap < 0.4 for w in ("h1", "h2", "h3"))
+
+
+def test_two_childrens_vouch_lifts_a_relay_only_while_they_keep_seeing_it():
+    """Two sybils' vouches, never followed by newer reports, kept a liar at twice the prior for
+    good: the head of every single chain behind a 1,000 Mbit/s uplink (a tester, 2026-11-28).
+    A lift above the prior lasts `VOUCH_VERSIONS` published versions; what lowers the cap stays."""
+    from learner.verify import VOUCH_VERSIONS
+
+    v = Verifier(VerifySection(capacity_claim_factor=2.0))
+    prior = 125e6
+    v.upload_seen("liar", prior, "sybil1", 10)
+    v.upload_seen("liar", prior, "sybil2", 10)
+    assert v.believed_upload("liar", 1e10, prior, 10 + VOUCH_VERSIONS - 1) == 2 * prior
+    assert v.believed_upload("liar", 1e10, prior, 10 + VOUCH_VERSIONS) == prior
+    v.upload_seen("liar", prior, "sybil1", 30)  # one of them again: one child lifts nothing
+    assert v.believed_upload("liar", 1e10, prior, 30) == prior
+    v.upload_seen("slow", 15e3, "c1", 0)
+    assert v.believed_upload("slow", 1e10, prior, 1000) == 30e3
