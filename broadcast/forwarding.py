@@ -34,12 +34,24 @@ causes, and a demoted honest relay only stops forwarding for a while (docs/untru
 And a worker on record for not forwarding (until its blames are forgiven) is no witness at all:
 demoted to a tail, a black hole that swallowed its parents' pushes and pulled had every honest
 parent above it demoted with it, version after version.
+
+Relays' pushes to each other are evidence too (`broadcast.receipts`): a relay reports each push
+a child took whole, with the child's receipt. A child that pulls a tree it gave a receipt for is
+blamed itself, as one that acknowledged the source's push. A report without a valid receipt is
+the relay's word against the child's pull: a *dispute*, which blames neither at first; the one
+of the two in disputes with more distinct workers (within `FORGIVE_VERSIONS`) is blamed. A
+framing child disputes with each parent it frames and an honest parent with the one framer; a
+black hole that claims deliveries disputes with each child it starves. Before these, a tail that
+pulled one chunk of each version demoted both honest relays above it 44 times over 1,000
+versions once its own record was forgiven (a tester, 2026-11-28). A pull is judged only
+`grace_s` after it was made, so its parent's report of the push (a heartbeat away) is heard first.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from broadcast.node import key_version
@@ -59,12 +71,15 @@ Ranges = Sequence["tuple[int, int] | None"]  # chunk ranges pulled from the sour
 
 
 def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str]] = frozenset(),
-           unheard: Set[str] = frozenset()) -> set[str]:
+           unheard: Set[str] = frozenset(), disputed: Set[tuple[int, str, str]] = frozenset(),
+           contested: set[tuple[str, str]] | None = None) -> set[str]:
     """The members of `route` that did not pull a tree's chunks from the source, nearest above
     each member that did (`pulled`: member id -> the ranges it pulled); and a member that pulled
-    a tree's chunks after acknowledging the source's push of that tree whole (`acked`: (tree,
-    member id)), in the place of any below it. The pulls of `unheard` members blame nobody above
-    them (workers already on record for not forwarding)."""
+    a tree's chunks after acknowledging a push of that tree whole (`acked`: (tree, member id)),
+    in the place of any below it. The pulls of `unheard` members blame nobody above them
+    (workers already on record for not forwarding). A pull the member above says it delivered
+    without a receipt (`disputed`: (tree, sender, member)) blames nobody: the pair goes into
+    `contested` (sender, member)."""
     def took(member: str, tree: int) -> bool:
         ranges = pulled.get(member, ())
         if route.spans is None:
@@ -94,8 +109,13 @@ def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str
             p = parents[pos]
             while p != SOURCE and took(chain[p].id, t) and (t, chain[p].id) not in acked:
                 p = parents[p]
-            if p != SOURCE:
-                out.add(chain[p].id)
+            if p == SOURCE:
+                continue
+            if (t, chain[p].id, hop.id) in disputed:  # its word against the pull: weighed by the caller
+                if contested is not None:
+                    contested.add((chain[p].id, hop.id))
+                continue
+            out.add(chain[p].id)
     return out
 
 
@@ -110,9 +130,11 @@ class Record:
 class _Version:
     routes: dict[str, Route]  # by key: the full version's and its delta's
     members: set[str]  # every worker the routes name
-    pulls: dict[str, list[tuple[str, int, int]]]  # member -> (key, first chunk, end) of its pulls from the source
+    pulls: dict[str, list[tuple[str, int, int, float]]]  # member -> (key, first chunk, end, when) of its pulls from the source
     blamed: set[str]
-    acked: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  # key -> (tree, member) pushed whole by the source
+    acked: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  # key -> (tree, member) with a push taken whole
+    disputed: dict[str, set[tuple[int, str, str]]] = field(default_factory=dict)  # key -> (tree, sender, member): no receipt
+    contested: set[tuple[str, str]] = field(default_factory=set)  # (sender, member) disputes already counted
     # key -> member -> (its parents, whether it forwards): built once a route, looked up per link sample
     places: dict[str, dict[str, tuple[set[str], bool]]] = field(default_factory=dict)
 
@@ -120,9 +142,11 @@ class _Version:
 class Forwarding:
     """The learner's record of which workers forwarded what they were given (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.records: dict[str, Record] = {}
         self._versions: OrderedDict[int, _Version] = OrderedDict()
+        self.grace_s, self.clock = grace_s, clock
+        self.disputes: dict[str, dict[str, int]] = {}  # worker -> the workers it disputed with -> the version planned then
 
     def planned(self, route: Route) -> None:
         """Remember a route a version is pushed by (call before its push begins)."""
@@ -156,13 +180,30 @@ class Forwarding:
         if known is not None and holder in known.members:  # bounded: members only, a few pulls each
             mine = known.pulls.setdefault(holder, [])
             if len(mine) < MAX_PULLS:
-                mine.append((key, start, end))
+                mine.append((key, start, end, self.clock()))
 
     def pushed(self, key: str, holder: str, tree: int) -> None:
         """The source's push of `tree` of `key` to `holder` was acknowledged whole."""
         known = self._versions.get(key_version(key))
         if known is not None and holder in known.members:
             known.acked.setdefault(key, set()).add((tree, holder))
+
+    def delivered(self, key: str, sender: str, holder: str, tree: int, receipt: bool) -> bool:
+        """Worker `sender` says its push of `tree` of `key` reached `holder` whole, with `holder`'s
+        valid receipt or without one. Heard only where the route has `sender` above `holder` in
+        that tree (it may have pushed past a failed member); returns whether it was."""
+        known = self._versions.get(key_version(key))
+        route = known.routes.get(key) if known is not None else None
+        if route is None or not 0 <= tree < len(route.chains):
+            return False
+        pos = next((i for i, hop in enumerate(route.chains[tree]) if hop.id == holder), None)
+        if pos is None or sender not in {hop.id for hop in route.ancestors(tree, pos)}:
+            return False
+        if receipt:
+            known.acked.setdefault(key, set()).add((tree, holder))
+        else:
+            known.disputed.setdefault(key, set()).add((tree, sender, holder))
+        return True
 
     def pulls(self, version: int) -> set[str]:
         """Who of `version`'s routes pulled (some of) it from the source."""
@@ -175,13 +216,20 @@ class Forwarding:
         are forgotten are dropped (one per worker ever blamed, kept for good, was a week's growth)."""
         self.records = {w: r for w, r in self.records.items()
                         if r.leaf_until > version or version - r.blamed_at <= FORGIVE_VERSIONS}
-        demoted, unheard = [], set(self.records)
+        self.disputes = {w: kept for w, seen in self.disputes.items()
+                         if (kept := {o: v for o, v in seen.items() if version - v <= FORGIVE_VERSIONS})}
+        demoted, unheard, judged_before = [], set(self.records), self.clock() - self.grace_s
         for known in self._versions.values():
             guilty: set[str] = set()
+            contested: set[tuple[str, str]] = set()
             for key, route in known.routes.items():
-                pulled = {holder: [(a, b) if k == key else None for k, a, b in mine]  # another key: the whole version
-                          for holder, mine in known.pulls.items()}
-                guilty |= blamed(route, pulled, known.acked.get(key, set()), unheard)
+                pulled = {holder: ranges for holder, mine in known.pulls.items()
+                          if (ranges := [(a, b) if k == key else None  # another key: the whole version
+                                         for k, a, b, t in mine if t <= judged_before])}
+                guilty |= blamed(route, pulled, known.acked.get(key, set()), unheard,
+                                 known.disputed.get(key, set()), contested)
+            guilty |= self._weigh(contested - known.contested, version)
+            known.contested |= contested
             for worker in sorted(guilty - known.blamed):
                 known.blamed.add(worker)
                 r = self.records.setdefault(worker, Record())
@@ -191,6 +239,19 @@ class Forwarding:
                 r.leaf_until = version + min(MAX_LEAF_VERSIONS, FIRST_LEAF_VERSIONS << (r.blames - 1))
                 demoted.append((worker, r.leaf_until))
         return demoted
+
+    def _weigh(self, contested: set[tuple[str, str]], version: int) -> set[str]:
+        """Record each (sender, member) dispute; the one of each pair in disputes with more
+        distinct workers is blamed (neither on a tie: one dispute is one word against another)."""
+        for sender, member in contested:
+            self.disputes.setdefault(sender, {})[member] = version
+            self.disputes.setdefault(member, {})[sender] = version
+        out = set()
+        for sender, member in contested:
+            a, b = len(self.disputes[sender]), len(self.disputes[member])
+            if a != b:
+                out.add(sender if a > b else member)
+        return out
 
     def may_forward(self, worker: str, version: int) -> bool:
         r = self.records.get(worker)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Callable
@@ -29,6 +30,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from broadcast.manifest import BroadcastError, Buffer
+from broadcast.receipts import RECEIPT_CHARS
 from broadcast.route import SignedRoute
 from broadcast.signing import SigningKey
 from broadcast.store import VersionGone, VersionStore
@@ -60,6 +62,17 @@ PULL_SHARE = 2
 HEADER_TIMEOUT_S = 30.0  # a connection without a whole request in this long is closed (slow headers)
 SERVER_SCHEME = "http"  # a node's own server: status, health, the route feed (and HTTP streams)
 REFUSAL_DELAY = web.AppKey("refusal_delay_s", float)  # the node's `refusal_delay_s`, for its middleware
+
+
+def receipt_of(reply: str) -> str:
+    """The receipt in a child's answer to a push taken whole (`broadcast.receipts`); "" if none."""
+    try:
+        found = json.loads(reply).get("receipt", "")
+    except (ValueError, AttributeError):
+        return ""
+    # Anything but the receipt's form is dropped here: a child's garbage in its parent's heartbeat
+    # would have the learner refuse the whole heartbeat (echo.protocol.Delivery).
+    return found if isinstance(found, str) and re.fullmatch(f"[0-9a-f]{{{RECEIPT_CHARS}}}", found) else ""
 
 
 def key_version(key: str) -> int | None:
@@ -315,7 +328,7 @@ class Node:
             dt = time.monotonic() - t0
             nbytes = sum(store.manifest.chunks[i].wire_length for i in range(first, end))
             store.stats.pushes.append({"chain": tree, "pos": member, "to": child.id, "seconds": round(dt, 4),
-                                       "bytes": nbytes})
+                                       "bytes": nbytes, "receipt": receipt_of(text)})
             if self.on_pushed is not None:  # the learner's source: whoever acknowledged a whole span has it
                 self.on_pushed(store.key, child.id, tree)
             log.info("%s: pushed %s[%d:%d] to %s in %.2f s (%.1f MiB/s)", self.id, store.key, first, end,

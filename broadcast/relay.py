@@ -46,6 +46,7 @@ import aiohttp
 from broadcast.addresses import connection_limits
 from broadcast.manifest import BroadcastError
 from broadcast.node import MIB, Node
+from broadcast.receipts import receipt
 from broadcast.route import Place, Route, RouteError, SignedRoute
 from broadcast.signing import ChunkCorrupt, SignatureError, SignedManifest, VerifyKey, verify_chunk
 from broadcast.source import Source
@@ -68,6 +69,7 @@ from broadcast.transport import (
 log = logging.getLogger("echo.broadcast")
 #: Chunks below this size are hashed on the event loop (~30 us per 64 KiB), bigger ones in a thread.
 INLINE_VERIFY_BYTES = 1 << 20
+MAX_DELIVERIES = 64  # pushes reported per heartbeat (echo.protocol.Report.deliveries)
 #: Open connections one address (an IPv6 /64) may hold at a relay. A relay's readers are the few
 #: children its routes give it and the learner's probe, a connection or two each; with no limit,
 #: one address holding thousands idle would take the worker's file descriptors, and its relay
@@ -99,6 +101,7 @@ class Relay(Node):
         down_rate: float | None = None,
         max_source_retries: int = 3,
         source_url: str | None = None,
+        receipt_key: bytes | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("connection_limits", connection_limits(CONNECTIONS_PER_ADDRESS, LOOPBACK))
@@ -110,6 +113,7 @@ class Relay(Node):
         self.down = TokenBucket(down_rate) if down_rate else None
         self.max_source_retries = max_source_retries
         self.source_url = source_url
+        self.receipt_key = receipt_key  # signs the receipts of pushes taken whole (broadcast.receipts)
         self._arrivals: dict[str, asyncio.Future] = {}
         self._follower: asyncio.Task | None = None
 
@@ -151,6 +155,14 @@ class Relay(Node):
                 if sample is not None:
                     samples.append(sample)
         return samples
+
+    def deliveries(self, limit: int = MAX_DELIVERIES) -> list[tuple[str, str, int, str]]:
+        """(version key, child, tree, the child's receipt or "") of the pushes children took
+        whole from this relay, newest versions first (report them to the learner)."""
+        out = []
+        for store in reversed(self.stores.values()):
+            out += [(store.key, p["to"], p["chain"], p.get("receipt", "")) for p in store.stats.pushes]
+        return out[:limit]
 
     async def wait_settled(self, key: str, timeout: float) -> VersionStore:
         """Wait until version `key` is `settled` here (received, and every forward of it ended)."""
@@ -356,7 +368,10 @@ class Relay(Node):
         store.stats.spans.append({"first": place.span[0], "by": "push", "from": header.get("from"), "t": time.time()})
         ancestors = list(place.ancestors[sender:])
         if await self._receive(store, reader, s, ancestors[0]):
-            return 200, json.dumps({"have": store.have})
+            reply: dict[str, Any] = {"have": store.have}
+            if self.receipt_key:
+                reply["receipt"] = receipt(self.receipt_key, key, place.tree, ancestors[0].id, self.id)
+            return 200, json.dumps(reply)
         if store.gone is None:  # a bad upstream, not our own shutdown: fetch the rest elsewhere
             self._spawn(store, self._fill(store, s, ancestors, 0, store.last_failure))
         return 502, f"inbound stream failed at chunk {store.next[s]}"

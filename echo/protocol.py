@@ -130,14 +130,24 @@ class Install(Message):
     install_s: Seconds
 
 
+class Delivery(Message):
+    """A push of one tree of a version this worker's relay made, which the child took whole, with
+    the child's receipt ("" if it gave none; `broadcast.receipts`)."""
+
+    key: Annotated[str, StringConstraints(max_length=32)]  # the version's key, e.g. "v12-d11"
+    child: Annotated[str, StringConstraints(max_length=24)]  # a worker id the learner gave ("w17")
+    tree: Annotated[int, Field(ge=0, le=4096)]
+    receipt: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{32})?$")] = ""
+
+
 class Report(Message):
     """What a worker says about itself, at join and in every heartbeat. Claims: the learner
     checks rates against what it measures (`learner.verify.Plausibility`)."""
 
-    # The largest honest report is 13 KiB (`tests/unit/echo/test_protocol.py`). pydantic checks a
+    # The largest honest report is 17 KiB (`tests/unit/echo/test_protocol.py`). pydantic checks a
     # list's length after validating every item: a 240 KiB heartbeat of 120,000 installs took
     # 6.8 ms of the learner's loop to refuse, and eight workers at their request rate a core.
-    max_bytes: ClassVar[int] = 32 << 10
+    max_bytes: ClassVar[int] = 40 << 10
 
     name: Name = ""
     version: Version = -1
@@ -154,6 +164,7 @@ class Report(Message):
     rtt_ms: Annotated[float, Field(ge=0.0, le=600_000.0, allow_inf_nan=False)] | None = None
     installs: Annotated[list[Install], Field(max_length=64)] = []
     links: Annotated[list[dict[str, Any]], Field(max_length=16)] = []  # broadcast.links.LinkSample, checked there
+    deliveries: Annotated[list[Delivery], Field(max_length=32)] = []  # its relay's latest pushes taken whole
 
 
 class LeaseRequest(Message):

@@ -36,7 +36,7 @@ class LearnerMetrics:
         self.relays_probed = Counter("echo_broadcast_relays_probed", "Relay reachability probes at join, by result",
                                      ["result"], registry=r)
         self.claims_clamped = Counter("echo_verify_claims_clamped", "Heartbeat claims capped at what was measured "
-                                      "or published, by what (capacity, upload, download, link-sample, version)",
+                                      "or published, by what (capacity, upload, download, link-sample, version, receipt)",
                                       ["what"], registry=r)
         self.queue = Gauge("echo_buffer_queue_groups", "Groups waiting in the buffer", registry=r)
         self.recycled = Gauge("echo_buffer_recycled_groups", "Groups dropped for exceeding max staleness", registry=r)

@@ -147,6 +147,10 @@ class Worker:
             # (broadcast.links); the learner plans the next broadcast with them.
             rtt_ms=None if self.rtt is None else round(self.rtt * 1e3, 3),
             links=[s.to_dict() for s in self.relay.link_samples()][-16:] if self.relay is not None else [],
+            # The pushes its relay made that children took whole, with their receipts: what clears
+            # it when a child pulls them from the learner anyway (broadcast.receipts).
+            deliveries=[P.Delivery(key=k, child=c, tree=t, receipt=r)
+                        for k, c, t, r in self.relay.deliveries(32)] if self.relay is not None else [],
         )
 
     async def run(self) -> int:
@@ -162,7 +166,7 @@ class Worker:
             try:
                 self.broadcast = joined.broadcast
                 if self.broadcast.mode == "chain":
-                    await self._start_relay(client.worker_id)
+                    await self._start_relay(client.worker_id, client.credential)
                 self.task = await asyncio.to_thread(load_task, joined.task.name, await self._task_options(client, joined.task))
                 self.task.check_here()  # what its environment reads here (poker's LLM opponent), before any lease
                 e = self.cfg.engine
@@ -225,7 +229,7 @@ class Worker:
                 await self.relay.stop()
                 self.relay = None
             if self.broadcast.mode == "chain":
-                await self._start_relay(client.worker_id)
+                await self._start_relay(client.worker_id, client.credential)
             self._notice(client, joined.snapshot)
 
     async def _join(self, client: LearnerClient) -> P.JoinReply:
@@ -312,14 +316,16 @@ class Worker:
                      "this machine's copy differs" if here else f"no copy at {named!r} here")
         return options
 
-    async def _start_relay(self, worker_id: str) -> None:
+    async def _start_relay(self, worker_id: str, credential: str) -> None:
+        from broadcast.receipts import receipt_key
         from broadcast.relay import Relay
         from broadcast.signing import VerifyKey
 
         w = self.cfg.worker
         relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=w.relay_host,
                       port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
-                      transport=w.relay_transport, read_token=self.broadcast.read_token or None)
+                      transport=w.relay_transport, read_token=self.broadcast.read_token or None,
+                      receipt_key=receipt_key(credential.partition(".")[2]))  # `<worker id>.<secret>`
         await relay.start()
         self.relay = relay  # only now: a heartbeat meanwhile would report its unbound port 0
         log.info("%s: relay listening at %s", self.name, self.relay.url)

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from broadcast.addresses import address_key
 from broadcast.links import MBIT, LinkSample, LinkTable
+from broadcast.receipts import valid
 from echo import protocol as P
 from learner.addresses import AddressBook, remember
 from learner.admission import JoinGate, TokenBucket
@@ -244,6 +245,21 @@ class WorkerRegistry:
                 known = item.version
         del w.installs[:-64]
         self._links(w, r, samples)
+        self._deliveries(w, r.deliveries)
+
+    def _deliveries(self, w: WorkerInfo, deliveries: list[P.Delivery]) -> None:
+        """A relay's pushes its children took whole: with a child's valid receipt, the child's own
+        pull of that tree is its lie; without one, the relay's word against it (a dispute,
+        `broadcast.forwarding`), heard only from a relay whose work the learner accepted."""
+        if self.placements is None:
+            return
+        for d in deliveries:
+            child = self.workers.get(d.child)
+            proven = child is not None and valid(child.secret_hash, d.receipt, d.key, d.tree, w.id, d.child)
+            if d.receipt and not proven:  # forged by the relay, or a child's garbage: no proof either way
+                self.metrics.claims_clamped.labels("receipt").inc()
+            if proven or w.groups_accepted > 0:
+                self.placements.delivered(d.key, w.id, d.child, d.tree, receipt=proven)
 
     def _links(self, w: WorkerInfo, r: P.Report, samples: list[LinkSample]) -> None:
         # A market's offer says the machine's links: that seeds the table, not the worker's word,

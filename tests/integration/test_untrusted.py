@@ -428,7 +428,7 @@ def test_oversized_and_unknown_fields_are_refused_and_not_stored(tokenizer, tmp_
                                                                           "received_ago": 0, "install_s": 0}] * 65},
                                          token=cred)
         assert status == 400 and "installs" in body["message"]
-        # A report past its own limit (32 KiB) is not parsed: 240 KiB of installs cost 6.8 ms each.
+        # A report past its own limit (40 KiB) is not parsed: 240 KiB of installs cost 6.8 ms each.
         many = {"installs": [{"version": 1, "installed_ago": 0, "received_ago": 0, "install_s": 0}] * 3000}
         status, body, _ = await api.call("/v1/heartbeat", many, token=cred)
         assert (status, body["error"]) == (413, "oversized")
@@ -836,8 +836,8 @@ def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):
 def test_a_deeply_nested_body_is_a_400_and_metrics_stay_local(tokenizer, tmp_path):
     async def test(api: Api):
         _, cred = await api.join("w")
-        # As deep as each route's limit allows: 100,000 under 256 KiB; a heartbeat's 32 KiB, 16,000.
-        for path, depth in (("/v1/lease", 100_000), ("/v1/heartbeat", 16_000)):
+        # As deep as each route's limit allows: 100,000 under 256 KiB; a heartbeat's 40 KiB, 20,000.
+        for path, depth in (("/v1/lease", 100_000), ("/v1/heartbeat", 20_000)):
             status, body, _ = await api.call(path, raw=b"[" * depth + b"]" * depth, token=cred)
             assert (status, body["error"]) == (400, "bad-request"), (path, status, body)
         async with api.session.get(api.url + "/metrics") as resp:
@@ -1046,6 +1046,46 @@ def test_two_sybils_lift_a_liars_upload_only_while_they_keep_vouching(tokenizer,
             api.state.run.blobs.add(v, b"weights-%d" % v)
         assert await lie_and_read(api.state.run.published_version) == 1000.0  # nobody saw it since
         assert api.state.verifier.evidence[liar].uploads_seen[-1][2] == 3  # the learner's version, not the key's
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_a_relays_report_of_its_pushes_is_checked_against_its_childs_receipt(tokenizer, tmp_path):
+    """A relay's heartbeat says which pushes its children took whole (`deliveries`), each with
+    the child's receipt, an HMAC keyed by the hash of the child's own credential secret. A valid
+    one makes the child's pull of that tree its own lie; a relay cannot forge one (counted, and
+    its report is its word only: a dispute); one not in the receipt's form is a 400 naming it."""
+    from broadcast.forwarding import Forwarding
+    from broadcast.receipts import receipt, receipt_key
+    from broadcast.route import Route
+    from broadcast.transport import Hop
+
+    async def test(api: Api):
+        parent, cred_p = await api.join("parent")
+        child, cred_c = await api.join("child")
+        api.state.workers[parent].groups_accepted = 5
+        forwarding = Forwarding()
+        api.state.registry.placements = forwarding
+        forwarding.planned(Route(key="v3", root=b"", source=Hop("source", "http://127.0.0.1:9"),
+                                 chains=((Hop(parent, "http://127.0.0.1:9"), Hop(child, "http://127.0.0.1:9")),),
+                                 rates=(None,)))
+        signed = receipt(receipt_key(cred_c.partition(".")[2]), "v3", 0, parent, child)  # as the child's relay signs
+
+        async def report(*deliveries: dict) -> tuple[int, dict]:
+            status, body, _ = await api.call("/v1/heartbeat", {"deliveries": list(deliveries)}, token=cred_p)
+            return status, body
+
+        forged = receipt(receipt_key(cred_p.partition(".")[2]), "v3", 0, parent, child)  # the parent's own key
+        assert (await report({"key": "v3", "child": child, "tree": 0, "receipt": forged}))[0] == 200
+        assert api.metric('echo_verify_claims_clamped_total{what="receipt"}') == 1
+        v = forwarding._versions[3]
+        assert v.disputed["v3"] == {(0, parent, child)} and "v3" not in v.acked
+        assert (await report({"key": "v3", "child": child, "tree": 0, "receipt": signed}))[0] == 200
+        assert v.acked["v3"] == {(0, child)}
+        status, body = await report({"key": "v3", "child": child, "tree": 0, "receipt": "not-a-receipt"})
+        assert status == 400 and "deliveries" in body["message"]
+        forwarding.pulled("v3", child, 0, 1)
+        assert forwarding.settle(4) == [(child, 4 + 2)]  # it pulled what it signed for
 
     run_api(tokenizer, test, tmp_path)
 

@@ -237,3 +237,105 @@ def test_hops_say_where_a_route_placed_a_member():
     assert fwd.hops("v7-d6", "x") == ({"o1", "o2"}, False)
     assert fwd.hops("v7-d6", "stranger") is None and fwd.hops("v7", "o1") is None
     assert fwd.hops("v91-0", "o1") is None and fwd.hops("made-up", "o1") is None
+
+
+def test_a_child_that_pulls_what_it_gave_a_receipt_for_is_blamed_not_its_parent():
+    """A tail that took its parents' pushes whole and pulled one chunk of each version demoted
+    both honest relays 44 times over 1,000 versions once its own record was forgiven (a tester,
+    2026-11-28). A parent's report of the push, with the child's receipt, makes the pull the
+    child's lie; a report without one makes it a dispute, which blames neither at first and then
+    the one of the two in disputes with more workers."""
+    f = Forwarding()
+    f.planned(route_of([["p1", "framer"]], key="v1"))
+    assert f.delivered("v1", "p1", "framer", 0, receipt=True)
+    f.pulled("v1", "framer", 0, 1)
+    assert f.settle(2) == [("framer", 2 + FIRST_LEAF_VERSIONS)]
+    f = Forwarding()
+    for v, parent in ((1, "p1"), (2, "p1"), (3, "p2")):  # no receipts: the framer withholds them
+        f.planned(route_of([[parent, "framer"]], key=f"v{v}"))
+        assert f.delivered(f"v{v}", parent, "framer", 0, receipt=False)
+        f.pulled(f"v{v}", "framer", 0, 1)
+        demoted = f.settle(v + 1)
+        assert demoted == ([] if v < 3 else [("framer", 4 + FIRST_LEAF_VERSIONS)]), (v, demoted)
+    assert f.disputes["framer"].keys() == {"p1", "p2"} and f.may_forward("p1", 4) and f.may_forward("p2", 4)
+    f.planned(route_of([["p3", "framer"]], key="v4"))  # on record now: its pulls blame nobody
+    f.pulled("v4", "framer", 0, 8)
+    assert f.settle(5) == []
+
+
+def test_a_relay_that_claims_pushes_its_children_pulled_is_blamed_by_its_disputes():
+    """A black hole that reports pushes it never made, without receipts, disputes with each child
+    it starves; each honest child disputes with it alone."""
+    f = Forwarding()
+    f.planned(route_of([["a", "hole", "c1", "c2"]], parents=[[-1, 0, 1, 1]], key="v1"))
+    for child in ("c1", "c2"):
+        assert f.delivered("v1", "hole", child, 0, receipt=False)
+        f.pulled("v1", child, 0, 8)
+    assert f.settle(2) == [("hole", 2 + FIRST_LEAF_VERSIONS)]
+    assert not f.delivered("v1", "c1", "hole", 0, receipt=True)  # not above it in the route
+    assert not f.delivered("v1", "hole", "stranger", 0, receipt=True) and not f.delivered("v9", "a", "c1", 0, True)
+    assert f.delivered("v1", "a", "c2", 0, receipt=True)  # pushed past the failed member: heard
+
+
+def test_a_pull_is_judged_only_after_its_parents_report_could_arrive():
+    now = [100.0]
+    f = Forwarding(grace_s=6.0, clock=lambda: now[0])
+    f.planned(route_of([["p", "framer"]], key="v1"))
+    f.pulled("v1", "framer", 0, 1)
+    assert f.settle(2) == []  # the parent's heartbeat with its report is still on its way
+    f.delivered("v1", "p", "framer", 0, receipt=True)
+    now[0] += 6.0
+    assert f.settle(3) == [("framer", 3 + FIRST_LEAF_VERSIONS)]
+
+
+def test_a_framing_child_gets_its_honest_parent_demoted_no_more(tmp_path):
+    """The learner's publisher and two real relays, the parent honest: the child takes the push
+    whole and then pulls a chunk from the learner, as a tester's framing tail did (its parents
+    were demoted 44 times over 1,000 versions). With its receipt in the parent's report, the
+    child is the one demoted at the next plan; withholding it (a relay with no receipt key), the
+    parent's word stands against its pull and nobody is demoted."""
+    from broadcast.links import MBIT, LinkTable
+    from broadcast.receipts import receipt_key, valid
+    from broadcast.signing import SigningKey
+    from broadcast.star import BlobStore
+    from learner.publisher import ChainPublisher
+
+    blob = np.random.default_rng(6).integers(0, 256, 2 * MIB, dtype=np.uint8).tobytes()
+
+    async def run(child_signs: bool):
+        links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
+        pub = ChainPublisher(BlobStore(), chunk_bytes=256 << 10, deltas=False, links=links,
+                             key_file=tmp_path / "learner.key", host="127.0.0.1")
+        await pub.start()
+        key = SigningKey.load(tmp_path / "learner.key")
+        keys = {"parent": receipt_key("parent-secret"), "child": receipt_key("child-secret")}
+        relays = {w: Relay(w, key.public_key(), stall_timeout=1, read_token=pub.tickets.issue(w),
+                           receipt_key=keys[w] if w == "parent" or child_signs else None) for w in keys}
+        for r in relays.values():
+            await r.start()
+        links.declare("parent", down=40 * MBIT, up=40 * MBIT)
+        links.declare("child", down=40 * MBIT, up=1 * MBIT)  # the planner puts it below the parent
+        workers = [SimpleNamespace(id=w, relay_url=r.url, version=-1, reachable=True, groups_accepted=3)
+                   for w, r in relays.items()]
+        try:
+            await pub.publish(1, blob, workers)
+            await relays["child"].wait_settled("v1", 30)
+            await relays["parent"].wait_settled("v1", 30)
+            reported = relays["parent"].deliveries()
+            for version_key, child, tree, presented in reported:  # as the learner's registry hears a heartbeat
+                pub.forwarding.delivered(version_key, "parent", child, tree,
+                                         receipt=valid(keys[child], presented, version_key, tree, "parent", child))
+            pub.source.on_pull("v1", "child", 0, 1)  # the framing pull: one chunk of what it holds
+            await pub.publish(2, blob[::-1], workers)
+            return reported, pub.wire_bytes[1]["plans"]["v1"], pub.wire_bytes[2]["demoted"]
+        finally:
+            for r in relays.values():
+                await r.stop()
+            await pub.stop()
+
+    reported, plan, demoted = asyncio.run(run(child_signs=True))
+    assert plan["chains"] == [["parent", "child"]], plan
+    assert [(k, c, t) for k, c, t, _ in reported] == [("v1", "child", 0)] and len(reported[0][3]) == 32
+    assert demoted == {"child": 2 + FIRST_LEAF_VERSIONS}
+    reported, _, demoted = asyncio.run(run(child_signs=False))
+    assert [r[3] for r in reported] == [""] and demoted == {}  # one word against another: nobody, not the parent

@@ -101,7 +101,7 @@ def test_the_largest_honest_report_fits_half_its_body_limit():
     """A heartbeat (a `Report`) is refused past `Report.max_bytes` before it is parsed: pydantic
     checks a list's length only after validating every item, so a 240 KiB body of 120,000
     installs took 6.8 ms of the learner's loop to refuse. The largest report a worker can honestly
-    send (every string at its limit, 64 installs, 16 link samples, numbers at their longest) fits
+    send (every string at its limit, 64 installs, 16 link samples, 32 deliveries, numbers at their longest) fits
     in half of it."""
     import json
 
@@ -112,10 +112,13 @@ def test_the_largest_honest_report_fits_half_its_body_limit():
                  "install_s": 1234567.123456789} for _ in range(64)]
     links = [LinkSample(f"v{1 << 40}-d{(1 << 40) - 1}", 123456789.123, True, 123456789.123, True, "w" * 128).to_dict()
              for _ in range(16)]
+    deliveries = [{"key": f"v{1 << 40}-d{(1 << 40) - 1}", "child": f"w{1 << 40}", "tree": 4096, "receipt": "f" * 32}
+                  for _ in range(32)]
     report = P.Report(name=name, version=1 << 40, rollouts_per_s=1234.5678901234, capacity_per_s=1234.5678901234,
                       expected_rollouts_per_s=1234.5678901234, price_per_hour=9999.123456789, gpu=name, device=name,
                       engine=name, download_mbit=99999.123456789, upload_mbit=99999.123456789,
-                      relay_url="http://" + "h" * 200 + ":65535/", rtt_ms=599999.123456789, installs=installs, links=links)
+                      relay_url="http://" + "h" * 200 + ":65535/", rtt_ms=599999.123456789, installs=installs, links=links,
+                      deliveries=deliveries)
     body = json.dumps(report.model_dump()).encode()
     assert len(body) <= P.Report.max_bytes // 2, len(body)
     assert P.Report.max_bytes < P.MAX_JSON_BYTES and P.LeaseRequest.max_bytes == P.MAX_JSON_BYTES
