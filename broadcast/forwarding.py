@@ -137,6 +137,7 @@ class _Version:
     contested: set[tuple[str, str]] = field(default_factory=set)  # (sender, member) disputes already counted
     # key -> member -> (its parents, whether it forwards): built once a route, looked up per link sample
     places: dict[str, dict[str, tuple[set[str], bool]]] = field(default_factory=dict)
+    positions: dict[str, dict[tuple[int, str], int]] = field(default_factory=dict)  # key -> (tree, member) -> its index
 
 
 class Forwarding:
@@ -157,6 +158,8 @@ class Forwarding:
         known.routes[route.key] = route
         known.members.update(hop.id for chain in route.chains for hop in chain)
         places: dict[str, tuple[set[str], bool]] = {}
+        known.positions[route.key] = {(t, hop.id): pos for t, chain in enumerate(route.chains)
+                                      for pos, hop in enumerate(chain)}
         for t, chain in enumerate(route.chains):
             for pos, hop in enumerate(chain):
                 parents, forwards = places.get(hop.id, (set(), False))
@@ -194,10 +197,13 @@ class Forwarding:
         that tree (it may have pushed past a failed member); returns whether it was."""
         known = self._versions.get(key_version(key))
         route = known.routes.get(key) if known is not None else None
-        if route is None or not 0 <= tree < len(route.chains):
+        pos = known.positions[key].get((tree, holder)) if route is not None else None
+        if pos is None:
             return False
-        pos = next((i for i, hop in enumerate(route.chains[tree]) if hop.id == holder), None)
-        if pos is None or sender not in {hop.id for hop in route.ancestors(tree, pos)}:
+        chain, parents, p = route.chains[tree], route.parent_list(tree), route.parent_list(tree)[pos]
+        while p != SOURCE and chain[p].id != sender:  # its parent, unless that one was pushed past
+            p = parents[p]
+        if p == SOURCE:
             return False
         if receipt:
             known.acked.setdefault(key, set()).add((tree, holder))

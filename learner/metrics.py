@@ -36,8 +36,11 @@ class LearnerMetrics:
         self.relays_probed = Counter("echo_broadcast_relays_probed", "Relay reachability probes at join, by result",
                                      ["result"], registry=r)
         self.claims_clamped = Counter("echo_verify_claims_clamped", "Heartbeat claims capped at what was measured "
-                                      "or published, by what (capacity, upload, download, link-sample, version, receipt)",
+                                      "or published, by what (capacity, upload, download, link-sample, version)",
                                       ["what"], registry=r)
+        self.receipts = Counter("echo_broadcast_receipts", "Pushes relays reported their children took whole, by "
+                                "the child's receipt: valid, none, or invalid (forged, or a child's garbage)",
+                                ["receipt"], registry=r)
         self.queue = Gauge("echo_buffer_queue_groups", "Groups waiting in the buffer", registry=r)
         self.recycled = Gauge("echo_buffer_recycled_groups", "Groups dropped for exceeding max staleness", registry=r)
         self.overflow = Gauge("echo_buffer_overflow_groups", "Groups dropped by queue-drop's capacity", registry=r)

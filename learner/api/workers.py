@@ -63,6 +63,7 @@ class WorkerInfo:
     relay_url: str = ""  # where this worker's broadcast relay listens (chain mode)
     reachable: bool | None = None  # did the learner reach its relay (None: not probed yet)
     installs: list[tuple[int, float, float, float]] = field(default_factory=list)  # (version, installed, received, install s)
+    deliveries: frozenset = frozenset()  # its latest reported pushes (each heartbeat repeats them): checked once
     capacity_per_s: float = 0.0  # believed rollouts per engine-busy second (what the scheduler provisions with)
     claimed_capacity_per_s: float = 0.0  # what the worker said
     quarantined: str = ""  # why the learner stopped taking its work
@@ -253,11 +254,12 @@ class WorkerRegistry:
         `broadcast.forwarding`), heard only from a relay whose work the learner accepted."""
         if self.placements is None:
             return
-        for d in deliveries:
+        seen, w.deliveries = w.deliveries, frozenset(deliveries)
+        for d in w.deliveries - seen:
             child = self.workers.get(d.child)
             proven = child is not None and valid(child.secret_hash, d.receipt, d.key, d.tree, w.id, d.child)
-            if d.receipt and not proven:  # forged by the relay, or a child's garbage: no proof either way
-                self.metrics.claims_clamped.labels("receipt").inc()
+            # an invalid one is forged by the relay, or a child's garbage: no proof either way
+            self.metrics.receipts.labels("valid" if proven else "invalid" if d.receipt else "none").inc()
             if proven or w.groups_accepted > 0:
                 self.placements.delivered(d.key, w.id, d.child, d.tree, receipt=proven)
 

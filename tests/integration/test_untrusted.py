@@ -1053,8 +1053,8 @@ def test_two_sybils_lift_a_liars_upload_only_while_they_keep_vouching(tokenizer,
 def test_a_relays_report_of_its_pushes_is_checked_against_its_childs_receipt(tokenizer, tmp_path):
     """A relay's heartbeat says which pushes its children took whole (`deliveries`), each with
     the child's receipt, an HMAC keyed by the hash of the child's own credential secret. A valid
-    one makes the child's pull of that tree its own lie; a relay cannot forge one (counted, and
-    its report is its word only: a dispute); one not in the receipt's form is a 400 naming it."""
+    one makes the child's pull of that tree its own lie; a relay cannot forge one (counted invalid,
+    and its report is its word only: a dispute); one not in the receipt's form is a 400 naming it."""
     from broadcast.forwarding import Forwarding
     from broadcast.receipts import receipt, receipt_key
     from broadcast.route import Route
@@ -1077,7 +1077,7 @@ def test_a_relays_report_of_its_pushes_is_checked_against_its_childs_receipt(tok
 
         forged = receipt(receipt_key(cred_p.partition(".")[2]), "v3", 0, parent, child)  # the parent's own key
         assert (await report({"key": "v3", "child": child, "tree": 0, "receipt": forged}))[0] == 200
-        assert api.metric('echo_verify_claims_clamped_total{what="receipt"}') == 1
+        assert api.metric('echo_broadcast_receipts_total{receipt="invalid"}') == 1
         v = forwarding._versions[3]
         assert v.disputed["v3"] == {(0, parent, child)} and "v3" not in v.acked
         assert (await report({"key": "v3", "child": child, "tree": 0, "receipt": signed}))[0] == 200

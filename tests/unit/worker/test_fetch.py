@@ -94,3 +94,41 @@ def test_a_worker_a_push_began_for_waits_for_its_relays_repair_before_pulling_th
         waited = asyncio.run(run())
     assert waited >= 2 * 0.3  # the push's wait, then the repair's, before the whole pull
     assert any("pulling v6" in r.getMessage() for r in caplog.records)
+
+
+def test_a_workers_heartbeat_reports_its_relays_pushes_with_the_childs_receipt():
+    """Two real relays, keyed as `echo-worker` keys them (the hash of the credential's secret): the
+    parent pushes a version to the child, the child answers with its receipt, and the parent
+    worker's next report carries it, valid for the learner (`broadcast.receipts`)."""
+    import numpy as np
+
+    from broadcast.receipts import receipt_key, valid
+    from broadcast.source import Source
+    from broadcast.transport import Hop
+
+    blob = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+
+    async def run() -> P.Report:
+        key = SigningKey.generate()
+        worker = Worker(load_worker_config(None, []), "http://127.0.0.1:1", "token")
+        worker.broadcast = P.BroadcastInfo(mode="chain", public_key=key.public_key().to_text())
+        await worker._start_relay("w1", "w1.parent-secret")
+        child = Relay("w2", key.public_key(), host="127.0.0.1", port=0, receipt_key=receipt_key("child-secret"))
+        await child.start()
+        source = Source(key, host="127.0.0.1", port=0)
+        await source.start()
+        try:
+            full, _ = await source.publish(blob, 1, chunk_size=256 << 10)
+            await source.push(full.manifest.key, [[Hop("w1", worker.relay.url), Hop("w2", child.url)]])
+            await child.wait("v1", 30)
+            await worker.relay.wait_settled("v1", 30)
+            return worker._info()
+        finally:
+            await child.stop()
+            await worker.relay.stop()
+            await source.stop()
+
+    report = asyncio.run(run())
+    [d] = report.deliveries
+    assert (d.key, d.child, d.tree) == ("v1", "w2", 0)
+    assert valid(receipt_key("child-secret"), d.receipt, "v1", 0, "w1", "w2")
