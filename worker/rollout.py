@@ -342,7 +342,9 @@ class Worker:
             log.warning("%s: %s", self.name, e)
             return
         if self.pending is None or m.version > self.pending[0]:
-            self.pending, self.pending_manifest = (m.version, bytes(blob)), m
+            # No copy: the relay's buffer (or the delta's decoded one) is staged and installed from,
+            # and kept as the next delta's base; a copy was a model's size more (16 GB at 8B).
+            self.pending, self.pending_manifest = (m.version, blob), m
             self.received_at[m.version] = time.monotonic()
             self.arrived.set()
 

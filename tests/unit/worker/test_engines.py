@@ -474,3 +474,37 @@ def test_lora_engine_refuses_a_different_base(tmp_path):
     b = build_model_dir(tmp_path / "b", tied=False, hidden=32)
     with pytest.raises(EngineError, match="digest"):
         make_engine("transformers", b, "cpu", "float32", 1, 0, lora=learner.info())
+
+
+def test_a_snapshot_is_read_as_views_of_the_buffer_it_arrived_in():
+    """A worker copied each version (`bytes()`) and safetensors copied each tensor out of the
+    copy: three snapshots in RAM at once, 48 GB at 8B (`echo-rl bench install-memory`: +2.0x the
+    snapshot above the relay's buffer, now +0.03x). The tensors are the blob's own bytes, equal to
+    what safetensors reads; a header that points past the blob, or at too few bytes, is refused."""
+    import json
+    import mmap
+    import struct
+
+    import torch
+    from safetensors.torch import load, save
+
+    from worker.engines.base import load_snapshot
+
+    blob = save({"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+                 "empty": torch.zeros(0, 4), "c": torch.randn(2, 2)}, metadata={"format": "pt"})
+    buffer = mmap.mmap(-1, len(blob))
+    buffer[:] = blob
+    view = memoryview(buffer)
+    state, want = load_snapshot(1, view), load(blob)
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    start = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+    assert all(start <= t.data_ptr() < start + len(blob) for t in state.values() if t.numel())  # no copy
+    assert torch.equal(load_snapshot(1, blob)["a"], want["a"])  # bytes (a star download) too
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    header["c"]["data_offsets"] = [header["c"]["data_offsets"][0], 10 ** 12]
+    forged = json.dumps(header).encode()
+    with pytest.raises(SnapshotMismatch, match="do not hold"):
+        load_snapshot(2, struct.pack("<Q", len(forged)) + forged + blob[8 + n:])
+    with pytest.raises(SnapshotMismatch, match="readable"):
+        load_snapshot(3, struct.pack("<Q", 1 << 40) + b"{}")
