@@ -203,16 +203,22 @@ class Relay(Node):
 
     def pulled(self, store: VersionStore, holder: str | None, start: int, end: int) -> None:
         """Only the members below this relay in the version's route pull it from here (a NAT
-        child, a repair walking up its ancestors): 16 sybil identities took their two versions'
-        worth each from an honest worker's relay, 157 MB in 75 s of its upload (a tester,
-        2026-11-28). A version this relay got with no route (pulled by itself) is served to
-        any ticket holder, as before."""
+        child, a repair walking up its ancestors), and only the spans of the trees they are
+        below it in: 16 sybil identities took their two versions' worth each from an honest
+        worker's relay, 157 MB in 75 s of its upload (a tester, 2026-11-28), and a member below
+        it in one stripe could still take every stripe. A version this relay got with no route
+        (pulled by itself) is served to any ticket holder, as before."""
         if holder is not None and store.route is not None:
             if store.below is None:  # once a version: a route of 1,000 workers is walked once, not per pull
-                store.below = _below(store.route.route, self.id)
-            if holder not in store.below:
+                store.below = _below(store.route.route, self.id, store.manifest.num_chunks)
+            spans = store.below.get(holder)
+            if spans is None:
                 raise Refused(403, f"{self.id}: {holder[:64]!r} is not below this relay in {store.key}'s route; "
                                    "pull from your own parents or from the learner's source")
+            if not any(a <= start and end <= b for a, b in spans):
+                raise Refused(403, f"{self.id}: {holder[:64]!r} is below this relay in {store.key}'s route for "
+                                   f"chunks {list(spans)[:4]} only, not [{start}, {end}); pull the rest from its "
+                                   "parents there or from the learner's source")
         super().pulled(store, holder, start, end)
 
     # -- following the learner's route feed (relays nobody can connect to) -------------------------
@@ -477,17 +483,27 @@ class Relay(Node):
             idx += 1
 
 
-def _below(route: Route, node_id: str) -> frozenset[str]:
-    """The members that have `node_id` among their ancestors in some tree of `route`."""
-    out: set[str] = set()
+def _below(route: Route, node_id: str, num_chunks: int) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The members that have `node_id` among their ancestors in some tree of `route`, each with
+    the chunk spans of those trees (adjacent ones merged)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
     for t, chain in enumerate(route.chains):
-        parents = route.parent_list(t)
+        parents, span = route.parent_list(t), route.span(t, num_chunks)
         mine = {pos for pos, hop in enumerate(chain) if hop.id == node_id}
         for pos, p in enumerate(parents):  # parents come before their children in a tree's list
             if p in mine:
                 mine.add(pos)
-                out.add(chain[pos].id)
-    return frozenset(out)
+                spans.setdefault(chain[pos].id, []).append(span)
+    out = {}
+    for member, held in spans.items():
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted(held):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        out[member] = tuple(merged)
+    return out
 
 
 # -- a relay as a process (tests, manual experiments) ------------------------------------------

@@ -81,7 +81,7 @@ class VersionStore:
         self.route: SignedRoute | None = None
         self.manifest_wire = signed.to_wire()  # what streams carry, kept to recognise them cheaply
         self.route_wire: bytes | None = None
-        self.below: frozenset[str] | None = None  # who may pull it from this relay (`Relay.pulled`)
+        self.below: dict[str, tuple[tuple[int, int], ...]] | None = None  # who may pull what from this relay (`Relay.pulled`)
         self.places: list = []  # this node's `broadcast.route.Place`s in the route
         self.span_rates: list[float | None] = [None]  # per span: its tree's rate, if the route is paced
         self.last_failure = ""  # why the latest inbound stream ended early (for repair events)

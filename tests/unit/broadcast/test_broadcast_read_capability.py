@@ -306,3 +306,44 @@ def test_a_relay_serves_pulls_only_to_the_members_below_it_in_the_route():
 
     out = asyncio.run(run())
     assert out == {"b": 200, "c": 200, "sybil": 403, "a": 403}, out
+
+
+def test_a_member_below_a_relay_in_one_stripe_pulls_only_that_stripe_from_it():
+    """A tester read that a member below an honest relay in one tree could pull the whole version
+    from it (every stripe), two versions' worth per identity. Now only the spans of the trees
+    it is below the relay in."""
+    from broadcast.route import route_for
+
+    blob = os.urandom(1 << 19)
+
+    async def pull(node, url: str, ticket: str, start: int, end: int) -> int:
+        node.read_token = ticket
+        transport = await node.transport_for(url)
+        try:
+            async with transport.pull(url, "v1", start, end):
+                return 200
+        except Refused as e:
+            return e.status
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        full, _ = await src.publish(blob, 1, chunk_size=64 << 10)  # 8 chunks: stripes [0, 4) and [4, 8)
+        o1, o2, x = (Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("o1", "o2", "x"))
+        client = Relay("client", KEY.public_key())
+        for node in (o1, o2, x, client):
+            await node.start()
+        try:
+            route = route_for(full.manifest, src.hop, [[o1.hop, o2.hop, x.hop], [o2.hop, o1.hop, x.hop]],
+                              spans=[(0, 4), (4, 8)], parents=[[-1, 0, 0], [-1, 0, 0]])
+            await src.push_route("v1", route)
+            await x.wait("v1", 10)
+            return {(start, end): await pull(client, o1.url, issue(KEY, "x"), start, end)
+                    for start, end in ((0, 4), (1, 3), (4, 8), (0, 8))}
+        finally:
+            for node in (client, x, o2, o1):
+                await node.stop()
+            await src.stop()
+
+    out = asyncio.run(run())
+    assert out == {(0, 4): 200, (1, 3): 200, (4, 8): 403, (0, 8): 403}, out
