@@ -60,6 +60,30 @@ def format_probe(values: list[float]) -> str:
     return ",".join(out)
 
 
+WEIGHTS_KIND = "echo-weights/1"  # a full snapshot's `echo` metadata (its `probe`, `probe_dtype`)
+
+
+def weights_metadata(probe: list[float], probe_dtype: str) -> dict[str, str]:
+    """A full snapshot's metadata: the learner's probe log-probs for it, computed in `probe_dtype`
+    (fixed width, so every version keeps one byte layout and deltas apply)."""
+    # "format": transformers 4 refuses a safetensors file whose metadata names no framework (the export)
+    return {"format": "pt", "echo": WEIGHTS_KIND, "probe": format_probe(probe), "probe_dtype": probe_dtype}
+
+
+def read_weights_probe(blob) -> tuple[tuple[float, ...], str] | None:
+    """A full snapshot's probe and the dtype it was computed in; None when it carries none (a
+    learner before 2026-11-29, a snapshot written by hand) or is malformed."""
+    try:
+        meta = read_metadata(blob)
+        if meta.get("echo") != WEIGHTS_KIND:
+            return None
+        probe = tuple(float(x) for x in meta["probe"].split(","))
+        dtype = meta["probe_dtype"]
+    except (NotAnAdapter, KeyError, ValueError, AttributeError):
+        return None
+    return (probe, dtype) if len(probe) == PROBE_LEN and dtype in ("float32", "bfloat16", "float16") else None
+
+
 def base_digest(model_dir: Path) -> str:
     """sha256 over the base's weight files (name and sha256 of each, sorted): the same for any
     copy of the same checkpoint. Reads every weight byte once (about a minute for 16 GB)."""
@@ -106,7 +130,7 @@ def read_adapter_meta(blob: bytes) -> AdapterMeta:
     meta = read_metadata(blob)
     if meta.get("echo") != ADAPTER_KIND:
         raise NotAnAdapter(f"not an echo LoRA adapter (metadata echo={str(meta.get('echo'))[:40]!r}; "
-                           "full weights carry none)")
+                           f"full weights carry {WEIGHTS_KIND!r} or none)")
     try:
         return AdapterMeta(base=meta["base"], rank=int(meta["rank"]), alpha=float(meta["alpha"]),
                            targets=tuple(t for t in meta["targets"].split(",") if t),

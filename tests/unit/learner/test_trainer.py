@@ -463,3 +463,36 @@ assert "lr_resumed" not in Trainer(load_learner_config(None, [*common, "--run.st
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_full_snapshot_carries_the_learners_probe_at_a_fixed_width(tiny_model):
+    """A vLLM worker checked each install by running the model on its own CPU (an 8B forward per
+    install). The learner now writes its probe log-probs for the version into the snapshot's
+    metadata, computed in the compute dtype, at a fixed width: every version keeps one byte
+    layout (deltas apply) and the worker runs nothing but its own engine."""
+    from echo.lora import probe_tokens, read_weights_probe
+
+    trainer = _trainer(tiny_model, "--trainer.lr", "1e-2")
+    v0 = bytes(trainer.snapshot())
+    trainer.step(synthetic_batch(0, 19))
+    v1 = bytes(trainer.snapshot())
+    assert len(v0) == len(v1) and v0[:8] == v1[:8] and v0 != v1
+    (probe0, dtype), (probe1, _) = read_weights_probe(v0), read_weights_probe(v1)
+    prompt, completion = probe_tokens(trainer.vocab_size)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(trainer.hf, [prompt], [completion], pad_id=trainer._pad)
+    assert dtype == "float32" and list(probe1) == pytest.approx(logp[0].tolist(), abs=1e-6) and probe0 != probe1
+
+
+def test_an_exported_model_with_the_probe_in_its_metadata_loads_in_transformers(tiny_model, tmp_path):
+    """The export is the snapshot's blob, metadata and all: transformers 4 refuses a safetensors
+    file whose metadata names no framework (`format`), so it names one."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(tiny_model)
+    out = trainer.export(tmp_path / "model")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata()["format"] == "pt"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) > 0

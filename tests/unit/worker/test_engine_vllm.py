@@ -196,19 +196,48 @@ def test_lora_refuses_what_did_not_load(lora_setup):
 def test_installs_prove_the_sampler_at_the_runs_temperature_and_top_p(setup, monkeypatch):
     """With the run's sampling (T = 0.8, top-p 0.9) an install also samples the probe prompt with
     vLLM's own sampler and compares its processed log-probs with the trainer's π for those
-    tokens. A sampler that ignored top-p (simulated: it samples at top-p 1) is caught."""
+    tokens. A sampler that ignored top-p (simulated: it samples at top-p 1) is caught. It is
+    vLLM's code that this proves, not the weights: once proved at a setting, later installs skip
+    it (four forwards of the model on the worker's CPU, at 8B)."""
     engine, trainer = setup
-    engine.sampling = (0.8, 0.9)
+    engine.sampling, engine._sampler_proved = (0.8, 0.9), None
     try:
-        engine.install(12, trainer.snapshot(12))
-        assert engine.version == 12 and engine.last_install["probe_error"] < 1e-4
         sample = engine._sample_probe
         monkeypatch.setattr(engine, "_sample_probe", lambda prompt, n, k: (
             (setattr(engine, "sampling", (0.8, 1.0)), sample(prompt, n, k), setattr(engine, "sampling", (0.8, 0.9)))[1]))
         with pytest.raises(InstallVerificationError, match="differ from the trainer"):
-            engine.install(13, trainer.snapshot(13))
+            engine.install(12, trainer.snapshot(12))
         monkeypatch.undo()
+        engine.install(12, trainer.snapshot(12))
+        assert engine.version == 12 and engine.last_install["probe_error"] < 1e-4
+        monkeypatch.setattr(engine, "_sample_probe", lambda *a: pytest.fail("the sampler was proved already"))
         engine.install(13, trainer.snapshot(13))
         assert engine.version == 13
     finally:
-        engine.sampling = (1.0, 1.0)
+        engine.sampling, engine._sampler_proved = (1.0, 1.0), None
+
+
+def test_an_install_is_checked_against_the_learners_own_probe_without_a_forward_on_the_cpu(setup, monkeypatch):
+    """The check of an install ran the model on the worker's CPU (the trainer's π from the
+    snapshot): an 8B forward per install on a consumer machine. A learner's snapshot now carries
+    its own probe log-probs for the version (`echo.lora.weights_metadata`); the engine compares
+    its own with those and runs nothing else. Numbers that are not the weights' are caught."""
+    from safetensors.torch import save
+
+    from echo.lora import weights_metadata
+
+    engine, trainer = setup
+    prompt, completion = engine.reference.probe
+    probe = trainer.logprobs(14, prompt, completion)
+
+    def snapshot(values: list[float]) -> bytes:
+        return save({k: v.contiguous() for k, v in trainer.state(14).items()}, metadata=weights_metadata(values, "float32"))
+
+    monkeypatch.setattr(engine.reference, "logprobs", lambda *a, **k: pytest.fail("a forward of the model on the CPU"))
+    engine.install(14, snapshot(probe))
+    assert engine.version == 14 and engine.last_install["probe_error"] < 1e-4
+    with pytest.raises(InstallVerificationError, match="differ from the trainer"):
+        engine.install(15, snapshot([x - 1.0 for x in probe]))
+    monkeypatch.undo()
+    engine.install(15, trainer.snapshot(15))  # a snapshot without them: checked on the CPU, as before
+    assert engine.version == 15
