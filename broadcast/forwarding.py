@@ -119,6 +119,27 @@ def blamed(route: Route, pulled: Mapping[str, Ranges], acked: Set[tuple[int, str
     return out
 
 
+def _intervals(parents: Sequence[int]) -> list[tuple[int, int]]:
+    """Each member's (entry, exit) in a depth-first walk of a tree given as its parent list."""
+    children: list[list[int]] = [[] for _ in parents]
+    roots = []
+    for i, p in enumerate(parents):
+        (roots if p == SOURCE else children[p]).append(i)
+    out = [(0, 0)] * len(parents)
+    clock, stack = 0, [(r, False) for r in reversed(roots)]
+    entered = [0] * len(parents)
+    while stack:
+        node, done = stack.pop()
+        if done:
+            out[node] = (entered[node], clock)
+            continue
+        clock += 1
+        entered[node] = clock
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children[node]))
+    return out
+
+
 @dataclass
 class Record:
     blames: int = 0
@@ -138,6 +159,10 @@ class _Version:
     # key -> member -> (its parents, whether it forwards): built once a route, looked up per link sample
     places: dict[str, dict[str, tuple[set[str], bool]]] = field(default_factory=dict)
     positions: dict[str, dict[tuple[int, str], int]] = field(default_factory=dict)  # key -> (tree, member) -> its index
+    # key -> per tree, each index's (entry, exit) in a depth-first walk: `a` is above `b` iff its
+    # interval holds b's (a walk up from a tail of 1,000 per reported push was a relay's way to
+    # spend the learner's loop)
+    intervals: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
 
 
 class Forwarding:
@@ -160,12 +185,14 @@ class Forwarding:
         places: dict[str, tuple[set[str], bool]] = {}
         known.positions[route.key] = {(t, hop.id): pos for t, chain in enumerate(route.chains)
                                       for pos, hop in enumerate(chain)}
+        known.intervals[route.key] = [_intervals(route.parent_list(t)) for t in range(len(route.chains))]
         for t, chain in enumerate(route.chains):
+            tree = route.parent_list(t)
+            has_children = set(tree)  # walking each member's ancestors and children was O(n²) for a chain of n
             for pos, hop in enumerate(chain):
                 parents, forwards = places.get(hop.id, (set(), False))
-                ancestors = route.ancestors(t, pos)
-                parents.add(ancestors[0].id if ancestors else route.source.id)
-                places[hop.id] = (parents, forwards or bool(route.children(t, pos)))
+                parents.add(chain[tree[pos]].id if tree[pos] != SOURCE else route.source.id)
+                places[hop.id] = (parents, forwards or pos in has_children)
         known.places[route.key] = places
         while len(self._versions) > KEEP_VERSIONS:
             self._versions.popitem(last=False)
@@ -196,14 +223,13 @@ class Forwarding:
         valid receipt or without one. Heard only where the route has `sender` above `holder` in
         that tree (it may have pushed past a failed member); returns whether it was."""
         known = self._versions.get(key_version(key))
-        route = known.routes.get(key) if known is not None else None
-        pos = known.positions[key].get((tree, holder)) if route is not None else None
-        if pos is None:
+        if known is None or key not in known.routes:
             return False
-        chain, parents, p = route.chains[tree], route.parent_list(tree), route.parent_list(tree)[pos]
-        while p != SOURCE and chain[p].id != sender:  # its parent, unless that one was pushed past
-            p = parents[p]
-        if p == SOURCE:
+        at, above = known.positions[key].get((tree, holder)), known.positions[key].get((tree, sender))
+        if at is None or above is None:
+            return False
+        (a_in, a_out), (h_in, h_out) = known.intervals[key][tree][above], known.intervals[key][tree][at]
+        if not a_in < h_in <= h_out <= a_out:  # its parent, or further up where that one was pushed past
             return False
         if receipt:
             known.acked.setdefault(key, set()).add((tree, holder))

@@ -275,6 +275,14 @@ def test_a_relay_that_claims_pushes_its_children_pulled_is_blamed_by_its_dispute
     assert not f.delivered("v1", "c1", "hole", 0, receipt=True)  # not above it in the route
     assert not f.delivered("v1", "hole", "stranger", 0, receipt=True) and not f.delivered("v9", "a", "c1", 0, True)
     assert f.delivered("v1", "a", "c2", 0, receipt=True)  # pushed past the failed member: heard
+    f.planned(route_of([["o1", "o2", "x"], ["o2", "o1", "x"]], parents=[[-1, 0, 0], [-1, 0, 0]],
+                       spans=[(0, 4), (4, 8)], key="v2"))
+    assert f.delivered("v2", "o1", "x", 0, True) and not f.delivered("v2", "o2", "x", 0, True)  # siblings there
+    assert f.delivered("v2", "o2", "o1", 1, False) and not f.delivered("v2", "o2", "o1", 0, False)
+    chain = [f"w{i}" for i in range(1000)]
+    f.planned(route_of([chain], key="v3"))
+    assert f.delivered("v3", "w0", "w999", 0, True) and not f.delivered("v3", "w999", "w0", 0, True)
+    assert not f.delivered("v3", "w500", "w500", 0, True) and not f.delivered("v3", "w1", "w9", 1, True)
 
 
 def test_a_pull_is_judged_only_after_its_parents_report_could_arrive():
