@@ -62,8 +62,10 @@ FIRST_LEAF_VERSIONS = 2
 MAX_LEAF_VERSIONS = 64
 #: Versions without a blame after which a worker's earlier blames are forgotten.
 FORGIVE_VERSIONS = 2 * MAX_LEAF_VERSIONS
-#: Versions whose routes are remembered for blame: pulls of older ones no longer matter.
+#: Versions whose routes are remembered for blame: pulls of older ones no longer matter (kept
+#: longer, up to `MAX_KEEP_VERSIONS`, while they are younger than `Forwarding.keep_s`).
 KEEP_VERSIONS = 8
+MAX_KEEP_VERSIONS = 64
 #: Pulls remembered per member of a version's routes (a worker may pull one range many times).
 MAX_PULLS = 8
 
@@ -156,6 +158,7 @@ class _Version:
     acked: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  # key -> (tree, member) with a push taken whole
     disputed: dict[str, set[tuple[int, str, str]]] = field(default_factory=dict)  # key -> (tree, sender, member): no receipt
     contested: set[tuple[str, str]] = field(default_factory=set)  # (sender, member) disputes already counted
+    planned_at: float = 0.0  # `Forwarding.clock` when its first route was planned
     # key -> member -> (its parents, whether it forwards): built once a route, looked up per link sample
     places: dict[str, dict[str, tuple[set[str], bool]]] = field(default_factory=dict)
     positions: dict[str, dict[tuple[int, str], int]] = field(default_factory=dict)  # key -> (tree, member) -> its index
@@ -168,10 +171,13 @@ class _Version:
 class Forwarding:
     """The learner's record of which workers forwarded what they were given (module docstring)."""
 
-    def __init__(self, grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, grace_s: float = 0.0, keep_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """`grace_s`: how long after a pull it is judged (a relay's report of its pushes may take
+        that long); `keep_s`: how long a version's routes are kept at least (its children pull
+        up to `fallback_s` after its push began, and are judged `grace_s` after that)."""
         self.records: dict[str, Record] = {}
         self._versions: OrderedDict[int, _Version] = OrderedDict()
-        self.grace_s, self.clock = grace_s, clock
+        self.grace_s, self.keep_s, self.clock = grace_s, keep_s, clock
         self.disputes: dict[str, dict[str, int]] = {}  # worker -> the workers it disputed with -> the version planned then
 
     def planned(self, route: Route) -> None:
@@ -179,7 +185,7 @@ class Forwarding:
         version = key_version(route.key)
         if version is None:
             return
-        known = self._versions.setdefault(version, _Version({}, set(), {}, set()))
+        known = self._versions.setdefault(version, _Version({}, set(), {}, set(), planned_at=self.clock()))
         known.routes[route.key] = route
         known.members.update(hop.id for chain in route.chains for hop in chain)
         places: dict[str, tuple[set[str], bool]] = {}
@@ -194,7 +200,11 @@ class Forwarding:
                 parents.add(chain[tree[pos]].id if tree[pos] != SOURCE else route.source.id)
                 places[hop.id] = (parents, forwards or pos in has_children)
         known.places[route.key] = places
-        while len(self._versions) > KEEP_VERSIONS:
+        # Kept until judged: versions published faster than `keep_s` went out of memory before their
+        # pulls were judged, and a black hole was never blamed (a tester, 2026-11-29); bounded still.
+        while len(self._versions) > KEEP_VERSIONS and (
+                len(self._versions) > MAX_KEEP_VERSIONS
+                or next(iter(self._versions.values())).planned_at < self.clock() - self.keep_s):
             self._versions.popitem(last=False)
 
     def hops(self, key: str, member: str) -> tuple[set[str], bool] | None:

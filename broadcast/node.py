@@ -323,16 +323,19 @@ class Node:
             transport = await self.transport_for(child.url)
             status, text = await guard.run(transport.push(child.url, body()))
         except Exception as e:  # noqa: BLE001 - connection errors, stalls, body-generator errors
-            return 0, f"{type(e).__name__}: {e}"
-        if status == 200:
-            dt = time.monotonic() - t0
-            nbytes = sum(store.manifest.chunks[i].wire_length for i in range(first, end))
-            store.stats.pushes.append({"chain": tree, "pos": member, "to": child.id, "seconds": round(dt, 4),
-                                       "bytes": nbytes, "receipt": receipt_of(text)})
-            if self.on_pushed is not None:  # the learner's source: whoever acknowledged a whole span has it
-                self.on_pushed(store.key, child.id, tree)
-            log.info("%s: pushed %s[%d:%d] to %s in %.2f s (%.1f MiB/s)", self.id, store.key, first, end,
-                     child.id, dt, nbytes / MIB / max(dt, 1e-9))
+            status, text = 0, f"{type(e).__name__}: {e}"
+        if status != 200:  # reported as a push without a receipt: a child that refused it and then
+            # pulled from the learner had this relay blamed, exactly as before receipts (a tester, 2026-11-29)
+            store.stats.refused.append({"chain": tree, "to": child.id, "status": status})
+            return status, text
+        dt = time.monotonic() - t0
+        nbytes = sum(store.manifest.chunks[i].wire_length for i in range(first, end))
+        store.stats.pushes.append({"chain": tree, "pos": member, "to": child.id, "seconds": round(dt, 4),
+                                   "bytes": nbytes, "receipt": receipt_of(text)})
+        if self.on_pushed is not None:  # the learner's source: whoever acknowledged a whole span has it
+            self.on_pushed(store.key, child.id, tree)
+        log.info("%s: pushed %s[%d:%d] to %s in %.2f s (%.1f MiB/s)", self.id, store.key, first, end,
+                 child.id, dt, nbytes / MIB / max(dt, 1e-9))
         return status, text
 
     # -- serving (every transport) --------------------------------------------------------------------

@@ -158,10 +158,12 @@ class Relay(Node):
 
     def deliveries(self, limit: int = MAX_DELIVERIES) -> list[tuple[str, str, int, str]]:
         """(version key, child, tree, the child's receipt or "") of the pushes children took
-        whole from this relay, newest versions first (report them to the learner)."""
+        whole from this relay, and of those they refused or broke (no receipt), newest versions
+        first (report them to the learner)."""
         out = []
         for store in reversed(self.stores.values()):
             out += [(store.key, p["to"], p["chain"], p.get("receipt", "")) for p in store.stats.pushes]
+            out += [(store.key, p["to"], p["chain"], "") for p in store.stats.refused]  # tried: its word only
         return out[:limit]
 
     async def wait_settled(self, key: str, timeout: float) -> VersionStore:

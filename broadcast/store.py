@@ -45,6 +45,7 @@ class TransferStats:
     t_last_forward: float | None = None
     t_complete: float | None = None
     pushes: list[dict] = field(default_factory=list)  # completed push streams sent: chain, to, seconds, bytes
+    refused: list[dict] = field(default_factory=list)  # push streams a child refused or broke: chain, to, status
     repairs: list[dict] = field(default_factory=list)
     spans: list[dict] = field(default_factory=list)  # per span: first chunk, how it came, from whom, when
     corrupt: list[dict] = field(default_factory=list)

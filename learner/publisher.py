@@ -111,7 +111,7 @@ class ChainPublisher(StarPublisher):
         self.public_key = ""
         self._previous: tuple[int, bytes, Manifest] | None = None
         self.pushes: set[asyncio.Task] = set()
-        self.forwarding = Forwarding(grace_s=reports_s)
+        self.forwarding = Forwarding(grace_s=reports_s, keep_s=2 * fallback_s + 2 * reports_s)
         self._planned: dict = {}  # the workers of the latest plans, by id (the registry's live records)
 
     async def start(self) -> str | None:

@@ -495,10 +495,11 @@ class Verifier:
             ev.lease_rate = max(0.8 * ev.lease_rate, rollouts / seconds)  # decays: a machine may slow down
 
     def upload_seen(self, worker_id: str, rate: float, child: str, version: int) -> None:
-        """`child` measured `rate` (bytes/s) downloading from `worker_id`, reported when the
-        learner had published `version`."""
+        """`child` measured `rate` (bytes/s) downloading version `version` from `worker_id`; once
+        per child and version (a report resent pushes no other child's out)."""
         ev = self._of(worker_id)
-        ev.uploads_seen = (*ev.uploads_seen, (child, rate, version))[-UPLOADS_KEPT:]
+        kept = tuple(e for e in ev.uploads_seen if e[0] != child or e[2] != version)
+        ev.uploads_seen = (*kept, (child, rate, version))[-UPLOADS_KEPT:]
 
     def believed_upload(self, worker_id: str, claimed: float, prior: float, version: int) -> float:
         """A worker's own upload measurement, capped at `capacity_claim_factor` times what its
@@ -508,9 +509,10 @@ class Verifier:
         prior only as far as two children saw (`upload_vouched`): a colluding child reporting
         100 Gbit/s from its partner had it planned as the one stripe of every version (a tester,
         2026-11-28); and only while they keep seeing it, within `VOUCH_VERSIONS` of `version`
-        (the learner's published one): two sybils' vouches, never followed by newer reports,
-        kept a liar at twice the prior for good, the head of every single chain (a tester,
-        2026-11-28). What lowers the cap stays until newer reports replace it."""
+        (the learner's published one; a vouch counts at the version it describes): two sybils'
+        vouches, never followed by newer reports, kept a liar at twice the prior for good, the
+        head of every single chain (a tester, 2026-11-28). What lowers the cap stays until newer
+        reports replace it."""
         ev = self._of(worker_id)
         prior = prior or UNKNOWN_UPLOAD
         seen, factor = ev.uploads_latest()[0], self.cfg.capacity_claim_factor

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from broadcast.addresses import address_key
 from broadcast.links import MBIT, LinkSample, LinkTable
+from broadcast.node import key_version
 from broadcast.receipts import valid
 from echo import protocol as P
 from learner.addresses import AddressBook, remember
@@ -295,7 +296,11 @@ class WorkerRegistry:
             # accepted, about another worker: a fresh identity cannot vouch for its partner's link.
             if sample.parent and sample.down and w.groups_accepted > 0 and sample.parent in self.workers \
                     and sample.parent != w.id:
-                self.verifier.upload_seen(sample.parent, sample.down, w.id, self.run.published_version)
+                # stamped with the version it describes: one report resent every heartbeat kept a
+                # liar's lift for as long as two sybils resent it (a tester, 2026-11-29)
+                described = key_version(sample.key)
+                if described is not None:
+                    self.verifier.upload_seen(sample.parent, sample.down, w.id, described)
             if sample.up:  # a worker's word on its own upload, believed as far as its children saw
                 up = self.verifier.believed_upload(w.id, sample.up, prior, self.run.published_version)
                 if up < sample.up:

@@ -1011,7 +1011,8 @@ def test_two_sybils_lift_a_liars_upload_only_while_they_keep_vouching(tokenizer,
     vouched once at 100 Gbit/s (each clamped at the 1,000 Mbit/s prior), which made the liar's
     claim 2,000 Mbit/s "measured", and it stayed so for good without another report: the head of
     every single chain behind a 1,000 Mbit/s uplink (a tester, 2026-11-28). The lift lasts
-    `VOUCH_VERSIONS` of the learner's published versions, counted by the learner."""
+    `VOUCH_VERSIONS` of the learner's published versions after the version a vouch speaks of: a
+    report resent every heartbeat kept it up for as long as it was resent (a tester, 2026-11-29)."""
     from broadcast.forwarding import Forwarding
     from broadcast.route import Route
     from broadcast.transport import Hop
@@ -1037,15 +1038,20 @@ def test_two_sybils_lift_a_liars_upload_only_while_they_keep_vouching(tokenizer,
             assert status == 200, body
             return api.state.verifier.believed_upload(liar, 1.25e10, 125e6, version) * 8 / 1e6
 
-        for _, cred_s in sybils:
-            status, body, _ = await api.call("/v1/heartbeat", {"links": [{"key": "v3", "parent": liar, "down": 1.25e10,
-                                                                          "down_limited": True}]}, token=cred_s)
-            assert status == 200, body
+        async def vouch() -> None:
+            for _, cred_s in sybils:
+                status, body, _ = await api.call("/v1/heartbeat", {"links": [{"key": "v3", "parent": liar, "down": 1.25e10,
+                                                                              "down_limited": True}]}, token=cred_s)
+                assert status == 200, body
+
+        await vouch()
         assert await lie_and_read(3) == 2000.0  # both vouched: the most the factor gives
         for v in range(4, 3 + VOUCH_VERSIONS + 1):
             api.state.run.blobs.add(v, b"weights-%d" % v)
         assert await lie_and_read(api.state.run.published_version) == 1000.0  # nobody saw it since
-        assert api.state.verifier.evidence[liar].uploads_seen[-1][2] == 3  # the learner's version, not the key's
+        await vouch()  # the same v3 report, resent: it speaks of v3, however late it comes
+        assert await lie_and_read(api.state.run.published_version) == 1000.0
+        assert [e[2] for e in api.state.verifier.evidence[liar].uploads_seen] == [3, 3]  # once per child
 
     run_api(tokenizer, test, tmp_path)
 

@@ -300,8 +300,9 @@ def test_a_framing_child_gets_its_honest_parent_demoted_no_more(tmp_path):
     """The learner's publisher and two real relays, the parent honest: the child takes the push
     whole and then pulls a chunk from the learner, as a tester's framing tail did (its parents
     were demoted 44 times over 1,000 versions). With its receipt in the parent's report, the
-    child is the one demoted at the next plan; withholding it (a relay with no receipt key), the
-    parent's word stands against its pull and nobody is demoted."""
+    child is the one demoted at the next plan; withholding it (a relay with no receipt key), or
+    refusing the push (409) so that no receipt is owed, the parent's word stands against its pull
+    and nobody is demoted."""
     from broadcast.links import MBIT, LinkTable
     from broadcast.receipts import receipt_key, valid
     from broadcast.signing import SigningKey
@@ -310,15 +311,20 @@ def test_a_framing_child_gets_its_honest_parent_demoted_no_more(tmp_path):
 
     blob = np.random.default_rng(6).integers(0, 256, 2 * MIB, dtype=np.uint8).tobytes()
 
-    async def run(child_signs: bool):
+    class Refuser(Relay):  # a tester's framer of 2026-11-29: no stream taken, so no receipt owed
+        async def accept_push(self, reader, peer, identity):
+            return 409, "already being pulled"
+
+    async def run(child_signs: bool, refuses: bool = False):
         links = LinkTable(uplink=40 * MBIT, default=40 * MBIT)
         pub = ChainPublisher(BlobStore(), chunk_bytes=256 << 10, deltas=False, links=links,
                              key_file=tmp_path / "learner.key", host="127.0.0.1")
         await pub.start()
         key = SigningKey.load(tmp_path / "learner.key")
         keys = {"parent": receipt_key("parent-secret"), "child": receipt_key("child-secret")}
-        relays = {w: Relay(w, key.public_key(), stall_timeout=1, read_token=pub.tickets.issue(w),
-                           receipt_key=keys[w] if w == "parent" or child_signs else None) for w in keys}
+        relays = {w: (Refuser if refuses and w == "child" else Relay)(
+            w, key.public_key(), stall_timeout=1, read_token=pub.tickets.issue(w),
+            receipt_key=keys[w] if w == "parent" or child_signs else None) for w in keys}
         for r in relays.values():
             await r.start()
         links.declare("parent", down=40 * MBIT, up=40 * MBIT)
@@ -327,7 +333,8 @@ def test_a_framing_child_gets_its_honest_parent_demoted_no_more(tmp_path):
                    for w, r in relays.items()]
         try:
             await pub.publish(1, blob, workers)
-            await relays["child"].wait_settled("v1", 30)
+            if not refuses:
+                await relays["child"].wait_settled("v1", 30)
             await relays["parent"].wait_settled("v1", 30)
             reported = relays["parent"].deliveries()
             for version_key, child, tree, presented in reported:  # as the learner's registry hears a heartbeat
@@ -347,3 +354,21 @@ def test_a_framing_child_gets_its_honest_parent_demoted_no_more(tmp_path):
     assert demoted == {"child": 2 + FIRST_LEAF_VERSIONS}
     reported, _, demoted = asyncio.run(run(child_signs=False))
     assert [r[3] for r in reported] == [""] and demoted == {}  # one word against another: nobody, not the parent
+    reported, _, demoted = asyncio.run(run(child_signs=True, refuses=True))  # refused the push, then pulled
+    assert [r[1:] for r in reported] == [("child", 0, "")] and demoted == {}, (reported, demoted)
+
+
+def test_versions_published_faster_than_the_grace_are_kept_until_their_pulls_are_judged():
+    """A version every 1.5 s, children pulling 10.5 s after a version's plan (`fallback_s`), a
+    6 s grace: the 8 kept versions were gone before their pulls could be judged, and a black
+    hole was blamed 0 times in 200 versions instead of 193 (a tester, 2026-11-29)."""
+    now = [0.0]
+    f = Forwarding(grace_s=6.0, keep_s=2 * 10.0 + 2 * 6.0, clock=lambda: now[0])  # as the publisher keeps them
+    blamed_at = []
+    for v in range(1, 41):
+        blamed_at += [v for worker, _ in f.settle(v) if worker == "hole"]  # as the publisher: then it plans
+        f.planned(route_of([["hole", f"c{v}"]], key=f"v{v}"))
+        if v > 7:
+            f.pulled(f"v{v - 7}", f"c{v - 7}", 0, 8)  # its child gave up on it and pulled
+        now[0] += 1.5
+    assert blamed_at and blamed_at[0] <= 7 + 6 / 1.5 + 1, blamed_at
