@@ -16,8 +16,11 @@ Three pieces of evidence, each kept per worker:
   that staleness, only such workers vote, so a new identity has none. A worker is judged on its
   *excess*: its mean Σ|log π − log μ| per token beyond that drift, summed per staleness (a group
   below the drift offsets one above it there; `Evidence.mean_gap`); past `max_logprob_gap` nats
-  it is dishonest. Labelling a group older (or newer) than it is buys nothing: the excess is
-  measured at the staleness the label claims.
+  it is dishonest. The excess is measured at the staleness the label claims: a group labelled
+  older than it is sits below the drift there, and that credit offsets forged groups at the
+  same staleness, up to the drift per token (a tester, 2026-11-29: at a drift of 2 nats/token,
+  half its tokens forged at 4.5 passed so); the token check sees such tokens as likelier than
+  the label's snapshot gives.
 - **Tokens.** Right μ for chosen tokens passes the log-prob check: a worker can write what it
   likes (greedy answers, a trigger phrase, "Hail to the Thief"'s poisoned completions with right
   rewards) and report π honestly. Sampled tokens betray themselves statistically: a token's
