@@ -69,7 +69,7 @@ from broadcast.transport import (
 log = logging.getLogger("echo.broadcast")
 #: Chunks below this size are hashed on the event loop (~30 us per 64 KiB), bigger ones in a thread.
 INLINE_VERIFY_BYTES = 1 << 20
-MAX_DELIVERIES = 64  # pushes reported per heartbeat (echo.protocol.Report.deliveries)
+MAX_DELIVERIES = 32  # pushes reported per heartbeat (echo.protocol.Report.deliveries: at most 32)
 #: Open connections one address (an IPv6 /64) may hold at a relay. A relay's readers are the few
 #: children its routes give it and the learner's probe, a connection or two each; with no limit,
 #: one address holding thousands idle would take the worker's file descriptors, and its relay

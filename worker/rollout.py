@@ -150,7 +150,7 @@ class Worker:
             # The pushes its relay made that children took whole, with their receipts: what clears
             # it when a child pulls them from the learner anyway (broadcast.receipts).
             deliveries=[P.Delivery(key=k, child=c, tree=t, receipt=r)
-                        for k, c, t, r in self.relay.deliveries(32)] if self.relay is not None else [],
+                        for k, c, t, r in self.relay.deliveries()] if self.relay is not None else [],
         )
 
     async def run(self) -> int:

@@ -122,3 +122,10 @@ def test_the_largest_honest_report_fits_half_its_body_limit():
     body = json.dumps(report.model_dump()).encode()
     assert len(body) <= P.Report.max_bytes // 2, len(body)
     assert P.Report.max_bytes < P.MAX_JSON_BYTES and P.LeaseRequest.max_bytes == P.MAX_JSON_BYTES
+
+
+def test_a_relay_reports_no_more_deliveries_than_a_heartbeat_takes():
+    from broadcast.relay import MAX_DELIVERIES
+
+    field = P.Report.model_fields["deliveries"]
+    assert any(getattr(m, "max_length", None) == MAX_DELIVERIES for m in field.metadata), field.metadata
