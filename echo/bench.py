@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "staleness": ("scheduler.bench.planning:staleness_cli", "closed-form staleness vs the discrete-event simulator on a grid"),
     "simspeed": ("scheduler.bench.planning:speed_cli", "simulator throughput in simulated rollouts/s"),
     "install-memory": ("worker.bench.install_memory:cli", "a worker's host memory to stage and read a version: a copy with tensors copied out (before) vs the relay's buffer with tensor views"),
+    "install-check": ("worker.bench.install_check:cli", "what checking an install costs a vLLM worker's CPU: the trainer's probe computed there (before) vs read from the snapshot"),
     "engines": ("worker.bench.engines:cli", "rollout engines: generation tokens/s, install ms and mismatch_kl, transformers vs vLLM"),
     "overlap": ("learner.bench.overlap:cli", "the overlap capacity rule on the real system: bubble vs pool size and S"),
     "control-plane": ("learner.bench.control_plane:cli", "the control API under many simulated workers with churn: latency per route, loop lag, ledger; --hostile F: a share of them attacking, against a benign run"),

@@ -28,7 +28,9 @@ def _rss_mib(field: str) -> float:
 def _one(way: str, size_mib: int) -> dict:
     """In this process: the snapshot in a relay-like buffer, then staged and read `way`."""
     import torch
-    from safetensors.torch import save
+    from safetensors.torch import load, save
+
+    from worker.engines.base import load_snapshot  # imported before the peak is reset: not counted
 
     rows = max(1, size_mib * MIB // 2 // 8 // 4096)
     blob = save({f"layers.{i}.weight": torch.zeros(rows, 4096, dtype=torch.bfloat16) for i in range(8)})
@@ -41,13 +43,9 @@ def _one(way: str, size_mib: int) -> dict:
         f.write("5")
     before = _rss_mib("VmRSS:")
     if way == "copy":  # what the worker did: stage a copy, and safetensors copies each tensor out
-        from safetensors.torch import load
-
         staged = bytes(view)
         state = load(staged)
     else:
-        from worker.engines.base import load_snapshot
-
         state = load_snapshot(1, view)
     touched = sum(float(t.max()) for t in state.values())  # read every tensor once (no temporary copy)
     return {"way": way, "snapshot_mib": len(view) / MIB, "peak_above_mib": _rss_mib("VmHWM:") - before,

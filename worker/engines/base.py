@@ -120,7 +120,7 @@ def load_snapshot(version: int, weights) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors blob as views of its bytes (no copy), or `SnapshotMismatch`
     saying why it is unreadable. A version arrives in the relay's buffer, and the worker used to
     copy it (`bytes()`) and then have safetensors copy each tensor out: at 8B, 16 GB of store, 16
-    of copy and 16 of tensors at once on a consumer machine's RAM (+2.3x the snapshot measured,
+    of copy and 16 of tensors at once on a consumer machine's RAM (+2.0x the snapshot measured,
     `worker/bench/install_memory.py`). The engines only read the tensors (copied into their own
     weights), so views are enough."""
     import json
