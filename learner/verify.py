@@ -83,13 +83,13 @@ class Evidence:
     gaps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     gap_tokens: int = 0  # over its whole history: standing
     lease_rate: float = 0.0  # rollouts/s the learner measured on this worker's leases (max over recent)
-    # (child, bytes/s, the learner's published version then) its children reported downloading
-    # from it, the recent ones: a relay fast once (or vouched for once) is believed by what its
+    # (child, bytes/s, the version the report speaks of) its children reported downloading from
+    # it, the recent ones: a relay fast once (or vouched for once) is believed by what its
     # children see now, not by its best day
     uploads_seen: tuple[tuple[str, float, int], ...] = ()  # (a tuple: most workers relay nothing, an empty deque is 0.6 KB each)
 
     def uploads_latest(self, since: int = 0) -> tuple[float, float]:
-        """Of each recent child's latest report, if made at published version `since` or later (a
+        """Of each recent child's latest report, if of version `since` or later (a
         relay that forwards slowly now is taken at what its children see now, not at their best
         of the last 16 reports): the fastest, and the fastest that two children each reached (0:
         none, or fewer than two children): one child's word, a colluding sybil's, lifts nothing
@@ -215,7 +215,8 @@ class Drift:
         self._recent: dict[int, deque] = {}
         self._first = 0 if fresh else 1
         self.batch = 0  # batches judged so far: a vote is heard for `DRIFT_AGE` of them
-        self._sums: dict[tuple, dict[str, list[float]]] = {}  # per (staleness, standing): each voter's sums, until the next add
+        # per (staleness, standing): each voter's sums, and whether only workers of standing vote, until the next add
+        self._sums: dict[tuple, tuple[dict[str, list[float]], bool]] = {}
 
     def add(self, staleness: int, gap_sum: float, tokens: int, worker: str = "", variance: float = 0.0) -> None:
         staleness = min(staleness, MAX_DRIFT_STALENESS)
@@ -252,8 +253,7 @@ class Drift:
         if found is None:
             return (0.0 if staleness == 0 else None), False
         k, level = found
-        by_standing = bool(standing and {g[0] for g in self._heard(k)} & standing)
-        return (level * staleness / k if k > 0 else level), by_standing
+        return (level * staleness / k if k > 0 else level), self._tally(k, standing)[1]
 
     def _reference(self, staleness: int, excluding, standing) -> tuple[int, float] | None:
         """The staleness whose votes stand in for `staleness`'s, and their level: itself, else the
@@ -305,23 +305,30 @@ class Drift:
 
     def _votes(self, staleness: int, excluding, standing: set) -> list[list[float]]:
         """Each voting worker's sums at `staleness` (Σ, tokens, Σ², Σ·tokens, tokens², variance,
-        groups): not `excluding`, and of `standing` once one of it is heard. Summed once per
-        (staleness, standing) until the next group arrives: judging a batch asks per group."""
+        groups): not `excluding`, and of `standing` once one of it is heard."""
+        skip = {excluding} if isinstance(excluding, str) else excluding
+        return [acc for worker, acc in self._tally(staleness, standing)[0].items() if worker not in skip]
+
+    def _tally(self, staleness: int, standing: set) -> tuple[dict[str, list[float]], bool]:
+        """Each voter's sums at `staleness`, and whether only workers of `standing` vote there (one
+        of them is heard). Summed once per (staleness, standing) until the next group arrives:
+        judging a batch asks per group."""
         key = (staleness, frozenset(standing))
-        sums = self._sums.get(key)
-        if sums is None:
+        found = self._sums.get(key)
+        if found is None:
             recent = self._heard(staleness)
             heard = {worker for worker, *_ in recent}
-            if heard & standing:
+            by_standing = bool(heard & standing)
+            if by_standing:
                 heard &= standing
-            sums = self._sums[key] = {}
+            sums: dict[str, list[float]] = {}
             for worker, total, tokens, variance, _ in recent:
                 if worker in heard:
                     acc = sums.setdefault(worker, [0.0] * 7)
                     for i, x in enumerate((total, tokens, total * total, total * tokens, tokens * tokens, variance, 1)):
                         acc[i] += x
-        skip = {excluding} if isinstance(excluding, str) else excluding
-        return [acc for worker, acc in sums.items() if worker not in skip]
+            found = self._sums[key] = (sums, by_standing)
+        return found
 
 
 @dataclass(frozen=True)
