@@ -60,6 +60,11 @@ def format_probe(values: list[float]) -> str:
     return ",".join(out)
 
 
+def parse_probe(text: str) -> tuple[float, ...]:
+    """`format_probe`'s values back; ValueError on anything else."""
+    return tuple(float(x) for x in text.split(","))
+
+
 WEIGHTS_KIND = "echo-weights/1"  # a full snapshot's `echo` metadata (its `probe`, `probe_dtype`)
 
 
@@ -77,8 +82,7 @@ def read_weights_probe(blob) -> tuple[tuple[float, ...], str] | None:
         meta = read_metadata(blob)
         if meta.get("echo") != WEIGHTS_KIND:
             return None
-        probe = tuple(float(x) for x in meta["probe"].split(","))
-        dtype = meta["probe_dtype"]
+        probe, dtype = parse_probe(meta["probe"]), meta["probe_dtype"]
     except (NotAnAdapter, KeyError, ValueError, AttributeError):
         return None
     return (probe, dtype) if len(probe) == PROBE_LEN and dtype in ("float32", "bfloat16", "float16") else None
@@ -134,7 +138,7 @@ def read_adapter_meta(blob: bytes) -> AdapterMeta:
     try:
         return AdapterMeta(base=meta["base"], rank=int(meta["rank"]), alpha=float(meta["alpha"]),
                            targets=tuple(t for t in meta["targets"].split(",") if t),
-                           probe=tuple(float(x) for x in meta["probe"].split(",")))
+                           probe=parse_probe(meta["probe"]))
     except (KeyError, ValueError) as e:
         raise NotAnAdapter(f"malformed adapter metadata ({type(e).__name__}: {e})") from None
 

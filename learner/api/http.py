@@ -10,7 +10,6 @@ throttles an address that keeps presenting wrong ones.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import math
 import time
@@ -24,6 +23,7 @@ except ImportError:  # 3.10: aiohttp's own dependency there
     from async_timeout import timeout as deadline
 
 from broadcast.addresses import in_networks
+from broadcast.receipts import receipt_key
 from broadcast.transport import bearer
 from echo import protocol as P
 from learner.addresses import AddressBook, client_address
@@ -56,8 +56,9 @@ def reply(message: P.Message, status: int = 200, headers: dict | None = None) ->
                         content_type="application/json")
 
 
-def secret_hash(secret: str) -> bytes:
-    return hashlib.sha256(secret.encode()).digest()
+# What the learner keeps of a worker's secret, and the key that worker signs its relay's receipts
+# with (the learner checks them with it): one function, so the two cannot drift apart.
+secret_hash = receipt_key
 
 
 ABORTED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)  # the peer went away mid-body

@@ -21,7 +21,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
+import math
+import struct
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,11 +127,6 @@ def load_snapshot(version: int, weights) -> dict[str, torch.Tensor]:
     of copy and 16 of tensors at once on a consumer machine's RAM (+2.0x the snapshot measured,
     `worker/bench/install_memory.py`). The engines only read the tensors (copied into their own
     weights), so views are enough."""
-    import json
-    import math
-    import struct
-    import warnings
-
     import torch
 
     view = memoryview(weights).cast("B")
