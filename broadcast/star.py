@@ -30,12 +30,17 @@ class BlobInfo:
         return {"version": self.version, "size": self.size, "sha256": self.sha256}
 
 
+PUBLISHED_KEPT = 4096  # version numbers remembered as published (ints: a week of versions)
+
+
 class BlobStore:
-    """Immutable versions, newest last; the oldest are forgotten beyond `keep`."""
+    """Immutable versions, newest last; the oldest are forgotten beyond `keep` (their numbers
+    are remembered longer: `never_published`)."""
 
     def __init__(self, keep: int = 4):
         self.keep = keep
         self._blobs: OrderedDict[int, tuple[BlobInfo, bytes]] = OrderedDict()
+        self._published: OrderedDict[int, None] = OrderedDict()
 
     def add(self, version: int, blob: bytes, sha256: str | None = None) -> BlobInfo:
         """Keep `version`; pass its `sha256` when it was computed off the event loop (a 16 GB
@@ -48,7 +53,16 @@ class BlobStore:
         self._blobs[version] = (info, blob)
         while len(self._blobs) > self.keep:
             self._blobs.popitem(last=False)
+        self._published[version] = None
+        while len(self._published) > PUBLISHED_KEPT:
+            self._published.popitem(last=False)
         return info
+
+    def never_published(self, version: int) -> bool:
+        """`version` lies among the versions published here and is none of them: no snapshot had
+        that number (with `[publish] every` > 1 most numbers are never published), so no worker
+        generated with it. Numbers before the first remembered (a resumed run's) are not judged."""
+        return bool(self._published) and next(iter(self._published)) <= version and version not in self._published
 
     @property
     def latest(self) -> BlobInfo | None:

@@ -297,9 +297,10 @@ RANK_VARIANCE_FLOOR = (1.0 - 0.99**3) / 12.0
 
 @torch.no_grad()
 def rank_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, chunk_tokens: int = 0) -> torch.Tensor:
-    """For every completion token of `batch`, `[tokens, 3]`: where it ranks under π (π as sampled
-    from: the temperature, the top-p nucleus) as u − ½, the variance of u under π, and 1 inside
-    the nucleus (0 outside, where u − ½ is ½ and the token is counted apart).
+    """For every completion token of `batch`, `[tokens, 4]`: where it ranks under π (π as sampled
+    from: the temperature, the top-p nucleus) as u − ½, the variance of u under π, 1 inside the
+    nucleus (0 outside, where u − ½ is ½ and the token is counted apart), and its log π (−inf
+    outside), so that one pass checks a group's tokens and its μ (`policy_logprobs`' value).
 
     u is the token's mid-rank: π's mass on likelier tokens plus half its own. A token sampled
     from π has E[u] = ½ and Var u = (1 − Σπ³)/12 (held to at least `RANK_VARIANCE_FLOOR`)
@@ -314,13 +315,16 @@ def rank_terms(model, batch: TokenBatch, *, temperature: float, top_p: float, ch
     step = chunk_tokens_for(head.weight.shape[0], chunk_tokens)
     pieces = []
     for start in range(0, hidden.shape[0], step):
-        p = processed_logits(F.linear(hidden[start : start + step], head.weight, head.bias), temperature,
-                             top_p).softmax(-1)
-        own = p.gather(-1, batch.targets[start : start + step].unsqueeze(-1))
+        logp = processed_logits(F.linear(hidden[start : start + step], head.weight, head.bias), temperature,
+                                top_p).log_softmax(-1)
+        target = batch.targets[start : start + step].unsqueeze(-1)
+        p = logp.exp()
+        own = p.gather(-1, target)
         u = (p * (p > own)).sum(-1) + 0.5 * (p * (p == own)).sum(-1)  # ties share the mid-rank
         variance = (1.0 - p.pow_(3).sum(-1)).clamp(min=RANK_VARIANCE_FLOOR * 12.0) / 12.0
-        pieces.append(torch.stack([u - 0.5, variance, (own.squeeze(-1) > 0).float()], -1))
-    return torch.cat(pieces) if pieces else hidden.new_zeros((0, 3), dtype=torch.float32)
+        pieces.append(torch.stack([u - 0.5, variance, (own.squeeze(-1) > 0).float(), logp.gather(-1, target).squeeze(-1)],
+                                  -1))
+    return torch.cat(pieces) if pieces else hidden.new_zeros((0, 4), dtype=torch.float32)
 
 
 def completion_logprobs(

@@ -38,6 +38,9 @@ class LearnerMetrics:
         self.claims_clamped = Counter("echo_verify_claims_clamped", "Heartbeat claims capped at what was measured "
                                       "or published, by what (capacity, upload, download, link-sample, version)",
                                       ["what"], registry=r)
+        self.claims_checked = Counter("echo_verify_claims_checked", "Stale groups whose log-probs and tokens were "
+                                      "checked against the very version they claim (`[verify] stale_check_fraction`)",
+                                      registry=r)
         self.receipts = Counter("echo_broadcast_receipts", "Pushes relays reported their children took whole, by "
                                 "the child's receipt: valid, none, or invalid (forged, or a child's garbage)",
                                 ["receipt"], registry=r)

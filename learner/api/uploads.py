@@ -208,6 +208,10 @@ class UploadRoom:
                 raise Rejected(409, "unknown-lease", str(e.args[0])) from None
             if g.version > published or g.version < 0:
                 raise Rejected(422, "future-version", f"version {g.version} was never published (newest: {published})")
+            if self.run.blobs.never_published(g.version):  # a label no snapshot had: no version to check it against
+                raise Rejected(422, "unpublished-version",
+                               f"version {g.version} was never published (versions go out every [publish] every "
+                               f"updates; label each group with the version that generated it)")
         lease = book.get(sub.lease_id)
         whole = lease is not None and len(lease.prompts) == len(sub.groups)
         age = time.monotonic() - lease.issued_at if whole and lease.size == len(sub.groups) else None

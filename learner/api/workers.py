@@ -356,11 +356,26 @@ class WorkerRegistry:
 
     def judge_logprobs(self, groups: list[Group], staleness: list[int], group_gaps: list[list[float]],
                        group_tokens: list[list[float]] | None = None,
-                       skipped: list[tuple[Group, int, list[float]]] = ()) -> None:
+                       skipped: list[tuple[Group, int, list[float]]] = (), claims: list[list[float]] = (),
+                       claimable: list[int] = ()) -> None:
         """Judge each worker's groups, fresh and stale, by how far its μ lies from the trainer's π
         beyond the fleet's drift at their staleness, and whether its tokens look sampled from π
         (learner.verify); `skipped`: (group, staleness, token terms) of groups dynamic sampling did
-        not train, token-checked all the same."""
+        not train, token-checked all the same. `claims`: stale groups checked against the version
+        they claim ([index, token terms, gap, tokens], `Trainer._check_claims`): judged as fresh
+        ones, at staleness 0, in place of their gap from the trainer's π and the drift. The other
+        `claimable` groups (their version kept, not drawn) carry no evidence: the drift stands in
+        only where no version can (a lone honest worker was a liar by it, a group labelled older
+        than it was bought credit below it, and sybils with standing could set it)."""
+        exact, claimable = {int(c[0]): c[1:] for c in claims}, set(claimable)
+        if claimable:
+            self.metrics.claims_checked.inc(len(exact))
+            none = [0.0] * 4
+            staleness = [0 if i in exact else k for i, k in enumerate(staleness)]
+            group_gaps = [exact[i][4:] if i in exact else [0.0, 0.0] if i in claimable else gap
+                          for i, gap in enumerate(group_gaps)]
+            group_tokens = [exact[i][:4] if i in exact else none if i in claimable else terms
+                            for i, terms in enumerate(group_tokens or [none] * len(groups))]
         checked = [(g.worker_id, k, gap, int(tokens)) for g, k, (gap, tokens) in zip(groups, staleness, group_gaps)]
         verdicts = self.verifier.logprobs_checked(checked)
         if group_tokens is not None:

@@ -4,7 +4,7 @@ Every measurement runs in a fresh process (ranks under torchrun), on models buil
 a config (random weights, nothing downloaded). Memory is the process's own peak resident set
 (`VmHWM`, reset before the measured step through /proc/self/clear_refs), so it counts what
 torch really allocated on this CPU; tensor accounting is exact bytes of parameters, gradients
-and optimizer state. Four tables, each against a baseline from the same run:
+and optimizer state. The tables, each against a baseline from the same run:
 
 1. tokens: one step's peak as the batch grows 8× at a fixed `micro_batch_tokens`, against the
    same batches in one micro-batch; with the prediction of `learner.train.memory`.
@@ -21,6 +21,8 @@ and optimizer state. Four tables, each against a baseline from the same run:
    8 and 16 layers, vocab 32k and 152k, top-p 1.0 and 0.9, fp32 and bf16 on one rank. The
    measured step has two micro-batches, the smaller first, so the measured one runs with every
    gradient held (as all but the first of a real step do); its phases' peaks are kept too.
+9. claims: a batch of stale groups with a share of them checked against the version they claim
+   (`[verify] stale_check_fraction` 0, 0.25, 1): step time and the host memory the kept versions hold.
 """
 
 from __future__ import annotations
@@ -138,8 +140,12 @@ def child_step(spec: dict) -> dict:
                                      *spec.get("overrides", [])])
     runtime = _status("VmRSS")  # the interpreter with torch, transformers and the learner imported, no model
     trainer = Trainer(cfg, world)
-    vocab, tail = trainer.vocab_size, spec.get("long_tail", False)
-    trainer.step(synthetic_batch(GROUP * max(1, world.size), vocab, seed=1, long_tail=tail))
+    vocab, tail, stale = trainer.vocab_size, spec.get("long_tail", False), spec.get("stale", False)
+    if stale:  # v0 published, so kept: every batch after claims it (table 9)
+        trainer.snapshot()
+    warm = synthetic_batch(GROUP * max(1, world.size), vocab, seed=1, long_tail=tail)
+    warm.learner_version = int(stale)  # stale: the copy the claims are checked on is built here, not measured
+    trainer.step(warm)
     phases = {"forward_backward": 0.0, "optimizer": 0.0}
     if spec.get("grads_held"):
         # Smallest micro-batch first: the measured (largest) one then runs with every gradient
@@ -162,9 +168,12 @@ def child_step(spec: dict) -> dict:
     _reset_peak()
     for i in range(spec.get("steps", 1)):
         t0 = time.perf_counter()
-        stats = trainer.step(synthetic_batch(spec["rows"], vocab, seed=2 + i, long_tail=tail))
+        batch = synthetic_batch(spec["rows"], vocab, seed=2 + i, long_tail=tail)
+        batch.learner_version = trainer.version if stale else 0
+        stats = trainer.step(batch)
         times.append(time.perf_counter() - t0)
-    out = {"rank": world.rank, "ranks": world.size, "peak": max(_status("VmHWM"), *phases.values()), "before": before,
+    out = {"claims_checked": len(stats["claim_checks"]), "kept_bytes": trainer.kept.bytes() if trainer.kept else 0,
+           "rank": world.rank, "ranks": world.size, "peak": max(_status("VmHWM"), *phases.values()), "before": before,
            "runtime": runtime, "phases": phases,
            "step_s": statistics.median(times), "state": _state_bytes(trainer), "params": trainer.num_parameters,
            "padded_token_share": stats["padded_token_share"], "loss": stats["loss"],
@@ -343,6 +352,15 @@ def bench_lora(models: Path, hidden: int, layers: int, vocab: int, rows: int, mi
             for mode, extra in (("full", []), ("lora r16", ["--trainer.lora", "{rank = 16, alpha = 32}"]))]
 
 
+def bench_claims(models: Path, hidden: int, layers: int, vocab: int, rows: int, micro: int) -> list[dict]:
+    """A batch of stale groups, `[verify] stale_check_fraction` of G of them checked against the
+    version they claim (`Trainer._check_claims`), against none checked."""
+    model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+    spec = {"model": str(model), "rows": rows, "micro_batch_tokens": micro, "threads": 2, "steps": 3, "stale": True}
+    return [{"fraction": f, **_run_child("step", {**spec, "overrides": [
+        "--buffer.max_staleness", "8", "--verify.stale_check_fraction", str(f)]})[0]} for f in (0.0, 0.25, 1.0)]
+
+
 def _print_tables(result: dict) -> None:
     t = result.get("tokens")
     if t:
@@ -436,6 +454,20 @@ def _print_new_tables(result: dict) -> None:
                   f"{r['version_bytes']:>14,} {full['version_bytes'] / r['version_bytes']:>8.1f}")
 
 
+def _print_claims_table(result: dict) -> None:
+    cl = result.get("claims")
+    if cl:
+        print("9. stale groups checked against the version they claim ([verify] stale_check_fraction), same batch")
+        print(f"{'fraction':>8} {'groups checked':>14} {'step s':>7} {'× none':>7} {'host memory kept':>17}")
+        for r in cl:
+            if "error" in r:
+                print(f"{r['fraction']:>8}  failed: {r['error']}")
+                continue
+            print(f"{r['fraction']:>8} {r['claims_checked']:>14} {r['step_s']:>7.2f} {r['step_s'] / cl[0]['step_s']:>7.2f} "
+                  f"{r['kept_bytes'] / MiB:>15.1f}Mi")
+        print()
+
+
 def _print_memory_table(result: dict) -> None:
     me = result.get("memory")
     if me:
@@ -454,8 +486,8 @@ def _print_memory_table(result: dict) -> None:
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-rl bench learner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="tokens,logprobs,ranks,fit,packing,precision,lora",
-                   help="tables to run, comma-separated (default: all seven)")
+    p.add_argument("--only", default="tokens,logprobs,ranks,fit,packing,precision,lora,claims",
+                   help="tables to run, comma-separated (default: all but memory)")
     p.add_argument("--micro", type=int, default=512, help="micro_batch_tokens of table 1 (default 512)")
     p.add_argument("--fit-gib", type=float, default=16.0, help="memory limit of table 4 (default 16)")
     p.add_argument("--models", type=Path, default=Path(".echo-cache/bench-models"),
@@ -488,6 +520,8 @@ def cli(argv: list[str]) -> int:
         result["precision"] = bench_precision(models, **small, rows=GROUP if quick else 2 * GROUP, micro=1024)
     if "lora" in only:
         result["lora"] = bench_lora(models, **small, rows=GROUP if quick else 2 * GROUP, micro=1024)
+    if "claims" in only:
+        result["claims"] = bench_claims(models, **small, rows=GROUP if quick else 8 * GROUP, micro=1024 if quick else 4096)
     if "memory" in only:
         result["memory"] = bench_memory(models, QUICK_MEMORY_GRID if quick else MEMORY_GRID)
     if args.json:
@@ -495,6 +529,7 @@ def cli(argv: list[str]) -> int:
     else:
         _print_tables(result)
         _print_new_tables(result)
+        _print_claims_table(result)
         _print_memory_table(result)
     return 0
 

@@ -6,6 +6,9 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
     reference    b·P/N             the frozen KL reference in the compute dtype (kl_coef > 0)
     eval_copy    b·P/N             the weights of the version evaluated on workers, held to check
                                    their greedy answers against ([eval] where = "workers")
+    claim_copy   b·P/N             the frozen copy stale groups are checked on, loaded with the
+                                   version each claims ([verify] stale_check_fraction > 0; not
+                                   in LoRA mode, where the adapter is swapped into the policy)
     gathered     8·(P_root + 2·P_layer)  while computing (N > 1): the FSDP root (embeddings,
                                    norm, head) and two layers (one prefetched) unsharded in
                                    fp32, with their unsharded gradients before reduce-scatter;
@@ -153,10 +156,12 @@ class MemoryPlan:
     activations: float
     head: float
     runtime: float
+    claim_copy: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.state + self.reference + self.eval_copy + self.gathered + self.activations + self.head + self.runtime
+        return (self.state + self.reference + self.eval_copy + self.claim_copy + self.gathered + self.activations
+                + self.head + self.runtime)
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in vars(self).items() if v)
@@ -165,7 +170,7 @@ class MemoryPlan:
 
 def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_bytes: int, checkpointing: bool,
             reference: bool, chunk_tokens: int, top_p: float, gpu: bool = False, eval_copy: bool = False,
-            mixed: bool = False, adapter_params: int = 0) -> MemoryPlan:
+            mixed: bool = False, adapter_params: int = 0, claim_copy: bool = False) -> MemoryPlan:
     """`mixed`: bf16 through FSDP2's mixed precision (any rank count): units gathered in the
     compute dtype, gradients reduced in fp32, the residual stream in the compute dtype.
     `adapter_params` > 0: LoRA mode. The frozen base costs b·P/N (no gradient, no optimizer
@@ -198,6 +203,7 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
         activations=float(activations),
         head=float(head),
         runtime=GiB if gpu else CPU_RUNTIME * GiB,
+        claim_copy=b * P / N if claim_copy and not lora else 0.0,
     )
 
 

@@ -71,7 +71,8 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
     plan = predict(shape, ranks=ranks, micro_batch_tokens=micro, compute_bytes=DTYPES[compute].itemsize,
                    checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
                    top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"), eval_copy=cfg.eval.where == "workers",
-                   mixed=compute == "bfloat16", adapter_params=adapter)
+                   mixed=compute == "bfloat16", adapter_params=adapter,
+                   claim_copy=cfg.verify.stale_check_fraction > 0 and cfg.buffer.max_staleness > 0)
     available, where = available_bytes(device, ranks)
     lines = [
         f"model {path}: {shape.params / 1e6:.1f}M parameters ({arch}, {shape.layers} layers, hidden {shape.hidden}, "
@@ -89,6 +90,11 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
         f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, head chunks of {chunk} tokens: "
         f"predicted {plan.describe()}; {where}",
     ]
+    if cfg.verify.stale_check_fraction > 0 and cfg.buffer.max_staleness > 0:
+        versions = cfg.buffer.max_staleness // cfg.publish_every + 1  # published within S of the newest
+        lines.append(f"  stale groups checked against their own version: {versions} published versions kept in "
+                     f"host memory, {_size(versions * snapshot_bytes / ranks)} per rank "
+                     f"([verify] stale_check_fraction = 0 keeps none)")
     narrowest = min((min(i, o) for n, i, o in shape.linears if n in set(lora.target_modules)), default=0) if lora else 0
     if lora and lora.rank >= narrowest:
         lines.append(f"  warning: LoRA rank {lora.rank} is not below the width of the narrowest adapted layer "

@@ -48,6 +48,7 @@ from learner.train.microbatch import pack, split_by_tokens
 from echo.lora import AdapterMeta, base_digest, probe_tokens, read_adapter_meta, weights_metadata
 from learner.train.lora import adapter_parameters, export_merged, write_adapter_dir
 from learner.train.model import DTYPES, Policy, build_policy, count_parameters, saved_dtype, write_safetensors
+from learner.train.versions import KeptVersions
 
 TOKENIZER_AND_CONFIG = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
@@ -140,6 +141,18 @@ class _Gaps:
                 self.sums[owner, 1] += inside.sum()
 
 
+def _token_sums(terms: torch.Tensor, samples: _Samples, i: int) -> torch.Tensor:
+    """Sample `i`'s checks from its `echo.hf.rank_terms`, over its policy tokens inside π's
+    nucleus: Σ(u − ½), Σ variance, the tokens inside and outside, Σ|log π − log μ| and the
+    tokens that is over (the environment's tokens carry no μ and are the task's, not sampled)."""
+    excess, variance, in_nucleus, logp = terms.double().unbind(-1)
+    policy_token = torch.tensor(samples.masks[i], dtype=torch.bool, device=terms.device)
+    inside = (in_nucleus > 0) & policy_token
+    mu = torch.as_tensor(samples.behaviour[i], dtype=torch.float64).to(terms.device)
+    return torch.stack([excess[inside].sum(), variance[inside].sum(), inside.sum(), (policy_token & ~inside).sum(),
+                        (logp[inside] - mu[inside]).abs().sum(), inside.sum()])
+
+
 class Trainer:
     def __init__(self, cfg: LearnerConfig, world: World | None = None, checkpoint: Path | None = None):
         from transformers import AutoTokenizer
@@ -187,6 +200,10 @@ class Trainer:
         self.updates = 0  # optimizer updates applied to them, over every crash and resume: what [run] steps counts
         self.skipped_steps = 0  # optimizer steps skipped because the gradient norm was not finite
         self._eval_copy: Policy | None = None  # the weights of the version being evaluated on workers
+        # The published versions stale groups may claim, to check them against (`_check_claims`).
+        self.kept = KeptVersions(cfg.buffer.max_staleness, self.publish_dtype, adapter_only=bool(self.lora)) \
+            if cfg.verify.stale_check_fraction > 0 and cfg.buffer.max_staleness > 0 else None
+        self._claim_copy: Policy | None = None
         self.resumed = self.load_checkpoint(checkpoint) if checkpoint else {}
 
     @property
@@ -235,6 +252,7 @@ class Trainer:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
         group_tokens, skipped_tokens = self._check_tokens(batch, samples, mine)  # before the update: π is the trained-at version
+        claimable, claims = self._check_claims(batch, samples, mine)
         sums = torch.zeros(len(dataclasses.fields(LossStats)), dtype=torch.float64, device=world.device)
         norms = [self._update(samples, share, tokens, old, ref, gaps, sums)
                  for share, tokens in zip(shares, slice_tokens)]
@@ -270,6 +288,8 @@ class Trainer:
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
             "group_tokens": group_tokens,  # per group: [Σ(u − ½), Σ variance, inside, outside]
             "skipped_tokens": skipped_tokens,  # the same for skipped groups drawn: (index in batch.skipped_sample, terms)
+            "claimable": claimable,  # stale groups whose claimed version is kept: judged by claim_checks alone
+            "claim_checks": claims,  # those drawn, checked against their own version: [index, terms, gap, tokens]
         }
 
     def _shares(self, samples: _Samples) -> tuple[list[list[int]], list[int]]:
@@ -391,12 +411,53 @@ class Trainer:
         finally:
             self.policy.ranks = False
         for i, t in terms.items():
-            excess, variance, in_nucleus = t.double().unbind(-1)
-            policy_token = torch.tensor(samples.masks[i], dtype=torch.bool, device=t.device)
-            inside = (in_nucleus > 0) & policy_token
-            sums[samples.owner[i]] += torch.stack([excess[inside].sum(), variance[inside].sum(),
-                                                   inside.sum(), (policy_token & ~inside).sum()]).to(sums)
+            sums[samples.owner[i]] += _token_sums(t, samples, i)[:4].to(sums)
         return self.world.all_reduce(sums).tolist()
+
+    @torch.no_grad()
+    def _check_claims(self, batch: BatchInfo, samples: _Samples, mine: list[int]) -> tuple[list[int], list[list[float]]]:
+        """Check `[verify] stale_check_fraction` × G of the batch's stale groups against the very
+        version each claims (`KeptVersions`: kept as published), not the fleet's drift: its μ
+        (Σ|log π_v − log μ| and the tokens it is over) and its tokens' ranks under π_v (the token
+        check's four sums), in one no-grad pass of a frozen copy per version. A group labelled
+        with a version it was not generated by, or with μ or tokens of its writer's making, stands
+        out against π_v as a fresh one does against π (`learner.verify` judges them at staleness
+        0). Returns the stale groups whose version is kept (drawn or not: `learner.verify` judges
+        them by this check alone) and per group checked [index in `batch.groups`, the six sums],
+        all ranks added; the same seeded draw on every rank."""
+        f, kept = self.cfg.verify.stale_check_fraction, self.kept
+        if kept is None or not len(kept):
+            return [], []
+        claimable = [g for g in batch.fresh
+                     if batch.groups[g].version < batch.learner_version and batch.groups[g].version in kept]
+        rng = random.Random(self.cfg.run.seed * 104_729 + self.version)
+        drawn = sorted(rng.sample(claimable, min(len(claimable), math.ceil(f * len(batch.groups)))))
+        if not drawn:
+            return claimable, []
+        # LoRA: a version is its adapter, swapped into the policy and back (no second base on the
+        # device). Full weights: a frozen copy, built at the first stale group drawn.
+        if not self.lora and self._claim_copy is None:
+            r = self.cfg.rollout
+            self._claim_copy = build_policy(self.model_dir, self.world, activation_checkpointing=False,
+                                            dtype=self.compute_dtype or torch.float32, trainable=False,
+                                            temperature=r.temperature, top_p=r.top_p,
+                                            chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+        model = self.policy if self.lora else self._claim_copy
+        held = [(p, p.detach().clone()) for _, p in adapter_parameters(self.hf)] if self.lora else []
+        sums = torch.zeros(len(batch.groups), 6, dtype=torch.float64, device=self.world.device)
+        model.ranks = True
+        try:
+            for version in sorted({batch.groups[g].version for g in drawn}):
+                kept.load(version, model)
+                groups = {g for g in drawn if batch.groups[g].version == version}
+                for i, t in self._score(model, samples, [i for i in mine if samples.owner[i] in groups]).items():
+                    sums[samples.owner[i]] += _token_sums(t, samples, i).to(sums)
+        finally:
+            model.ranks = False
+            for p, trained in held:
+                p.copy_(trained)
+        sums = self.world.all_reduce(sums).tolist()
+        return claimable, [[g, *sums[g]] for g in drawn]
 
     def _score(self, policy, samples: _Samples, indices: list[int]) -> dict[int, torch.Tensor]:
         """log π of every completion token of `indices` under `policy` (π_old or the reference),
@@ -421,8 +482,11 @@ class Trainer:
         (`echo.lora.weights_metadata`): a vLLM worker checks its install against them instead of
         running the model on its CPU (an 8B forward per install, five with top-p). Written at a
         fixed width, so consecutive snapshots keep one byte layout and deltas apply. In LoRA
-        mode, the adapter alone (`adapter_snapshot`).
+        mode, the adapter alone (`adapter_snapshot`). The version is kept, as published, to
+        check the stale groups that will claim it (`KeptVersions`).
         """
+        if self.kept is not None:
+            self.kept.keep(self.version, self.policy)
         if self.lora:
             return self.adapter_snapshot()
         metadata = weights_metadata(self.probe_logprobs(), self.cfg.trainer.compute_dtype)

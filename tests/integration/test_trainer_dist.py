@@ -52,10 +52,14 @@ def max_diff(a: dict, b: dict) -> float:
 def test_two_ranks_train_like_one_and_checkpoints_move_between_them(small_model, tmp_path):
     # The token check draws every group (fraction 1 of 4 trained + 4 skipped per step), so its sums
     # are compared too (`token_checks_alike`); it scores, it does not train.
-    check = ("--skipped", "4", "--save-at", "2")
-    one = torchrun(1, small_model, tmp_path / "r1", *check, overrides=("--verify.token_check_fraction", "1.0"))
-    two = torchrun(2, small_model, tmp_path / "r2", *check, overrides=("--verify.token_check_fraction", "1.0"))
+    # With --stale each batch claims the version before: the check against it loads that
+    # version's kept shards into a sharded frozen copy on each rank (`claim_checks_alike`).
+    check = ("--skipped", "4", "--save-at", "2", "--stale")
+    fractions = ("--verify.token_check_fraction", "1.0", "--verify.stale_check_fraction", "1.0")
+    one = torchrun(1, small_model, tmp_path / "r1", *check, overrides=fractions)
+    two = torchrun(2, small_model, tmp_path / "r2", *check, overrides=fractions)
     token_checks_alike(one, two)
+    claim_checks_alike(one, two)
     assert (one["ranks"], two["ranks"]) == (1, 2) and one["parameters"] == two["parameters"] > 2_000_000
     # Same snapshot bytes from a sharded model (gathered tensor by tensor) as from a whole one.
     assert one["first_snapshot_sha256"] == two["first_snapshot_sha256"]
@@ -111,10 +115,11 @@ def test_a_lora_adapter_trains_alike_on_one_and_two_ranks(small_model, tmp_path)
     0.1% of them, which Adam may move by up to ~lr per step from a rounding-sized gradient
     (measured: 2 of 65,536 elements, the largest 7.9e-5; mean |Δ| 5e-9)."""
     steps, lr = 3, 1e-3
-    lora = ("--trainer.lora", "{rank = 4, alpha = 8}", "--trainer.lr", str(lr))
-    one = torchrun(1, small_model, tmp_path / "l1", overrides=lora)
-    two = torchrun(2, small_model, tmp_path / "l2", overrides=lora)
+    lora = ("--trainer.lora", "{rank = 4, alpha = 8}", "--trainer.lr", str(lr), "--verify.stale_check_fraction", "1.0")
+    one = torchrun(1, small_model, tmp_path / "l1", "--stale", overrides=lora)
+    two = torchrun(2, small_model, tmp_path / "l2", "--stale", overrides=lora)
     assert one["losses"] == pytest.approx(two["losses"], abs=1e-5)
+    claim_checks_alike(one, two)  # a version is its adapter: kept and loaded alone
     a1, a2 = weights(tmp_path / "l1"), weights(tmp_path / "l2")
     assert a1.keys() == a2.keys() and a1 and all(".lora_" in k for k in a1)
     delta = torch.cat([(a1[k] - a2[k]).abs().flatten() for k in a1])
@@ -140,3 +145,17 @@ def token_checks_alike(one: dict, two: dict) -> None:
             assert x == pytest.approx(y, rel=1e-5, abs=1e-6) and x[2] > 0
             skipped += 1
     assert checked >= 1 and skipped >= 1, (checked, skipped)
+
+
+def claim_checks_alike(one: dict, two: dict) -> None:
+    """Stale groups checked against the version they claim (each rank its share, from the kept
+    shards of that version) give on 2 ranks the sums 1 rank gives; every stale batch's groups were
+    checked (fraction 1), and their μ, drawn off π at random, lies far from it."""
+    stale = 0
+    for a, b in zip(one["claim_checks"], two["claim_checks"], strict=True):
+        assert [c[0] for c in a] == [c[0] for c in b]
+        for x, y in zip(a, b):
+            assert x == pytest.approx(y, rel=1e-5, abs=1e-6)
+            assert x[6] > 0 and x[5] / x[6] > 0.5  # tokens checked; Σ|log π_v − log μ| per token
+        stale += len(a)
+    assert not one["claim_checks"][0] and stale == 4 * (len(one["claim_checks"]) - 1), one["claim_checks"]

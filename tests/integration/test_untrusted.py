@@ -1942,3 +1942,56 @@ def test_readers_that_stop_reading_a_model_directory_hold_a_chunk_of_the_learner
 
     lora = P.LoraInfo(rank=4, alpha=8.0, target_modules=["q_proj"], base_sha256="0" * 64)
     run_api(tokenizer, test, model, task_dirs={"opponent_model": (opponent, dirfiles.digest(opponent))}, lora=lora)
+
+
+def test_a_group_labelled_with_a_version_never_published_is_refused(tokenizer, tmp_path):
+    """With `[publish] every` = 2 versions 1, 3, 5, ... are never published. A label between two
+    published ones was taken (it was not newer than the newest), and the learner keeps only
+    published versions to check stale groups against (`Trainer._check_claims`): a forger
+    labelling with version 1 was left to the fleet's drift."""
+    async def test(api: Api):
+        api.state.run.blobs.add(2, b"weights 2")
+        api.state.run.version = 2
+        w, cred = await api.join("w")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2}, token=cred)
+        p0, p1 = (p["id"] for p in lease["prompts"])
+        status, body = await api.upload(cred, Submission(w, lease["lease_id"], [group(tokenizer, p0, ["7"] * 4, 0.0,
+                                                                                       version=1)]))
+        assert (status, body["error"]) == (422, "unpublished-version") and "version 1 was never published" in body["message"]
+        for version in (0, 2):  # published: taken, stale or fresh
+            status, body = await api.upload(cred, Submission(w, lease["lease_id"], [group(
+                tokenizer, p0 if version == 0 else p1, ["7"] * 4, 0.0, version=version)]))
+            assert status == 200, body
+        assert api.metric('echo_trajectories_rejected_total{reason="unpublished-version"}') == 1
+
+    run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 4})
+
+
+def test_stale_groups_checked_against_their_own_version_are_judged_by_that_check_alone(tokenizer, tmp_path):
+    """A lone honest worker whose groups are two versions old, where the policy moved 1.7 nats a
+    token since: against the trainer's π, with no other worker's drift to be held to, it was a
+    liar. Checked against the version it claims (`Trainer._check_claims`: 1e-7 nats a token),
+    it is not, and its other groups of a kept version, not drawn, carry no evidence; a forger's
+    drawn groups, a nat a token off their own version, quarantine it."""
+    from learner.buffer import Group
+
+    async def test(api: Api):
+        honest, _ = await api.join("honest")
+        forger, _ = await api.join("forger")
+        groups = [Group(f"p{i}", 0, [1], [[5] * 64] * 4, [[-1.0] * 64] * 4, [0.0] * 4, worker_id=w)
+                  for i, w in enumerate([honest] * 6 + [forger] * 2)]
+        gaps = [[1.7 * 256, 256]] * 8  # Σ|log π − log μ| against the trainer's π, and the tokens
+        tokens = [[0.0] * 4] * 8
+        drawn = [[0, 0.0, 20.0, 256, 0, 1e-7 * 256, 256], [1, 0.0, 20.0, 256, 0, 1e-7 * 256, 256],
+                 [6, 0.0, 20.0, 256, 0, 1.0 * 256, 256], [7, 0.0, 20.0, 256, 0, 1.0 * 256, 256]]
+        for _ in range(2):
+            api.state.registry.judge_logprobs(groups, [2] * 8, gaps, tokens, [], drawn, list(range(8)))
+        quarantined = {w for w, info in api.state.workers.items() if info.quarantined}
+        assert quarantined == {forger}
+        assert api.state.verifier.evidence[honest].mean_gap < 1e-3
+        assert api.metric("echo_verify_claims_checked_total") == 8
+        # The same evidence with no version kept (`stale_check_fraction = 0`): the drift alone judges.
+        api.state.registry.judge_logprobs(groups[:6], [2] * 6, gaps[:6], tokens[:6], [])
+        assert api.state.workers[honest].quarantined
+
+    run_api(tokenizer, test, tmp_path, **{"verify.min_gap_tokens": 256})

@@ -40,6 +40,7 @@ def test_rank_terms_are_the_mid_rank_and_its_variance_under_the_sampled_distribu
         exact = float((1 - p[row].pow(3).sum()) / 12)
         assert terms[row, 1] == pytest.approx(max(exact, RANK_VARIANCE_FLOOR), abs=1e-6)
         assert terms[row, 2] == float(own > 0)
+        assert terms[row, 3] == pytest.approx(float(own.log()), abs=1e-4)  # log π: the μ check's, from the same pass
         # Sampled from π, the mid-rank has mean ½ and that variance exactly (each candidate's u, weighted by π).
         u = torch.stack([p[row][p[row] > q].sum() + q / 2 for q in p[row]])
         assert float((p[row] * u).sum()) == pytest.approx(0.5, abs=1e-6)
