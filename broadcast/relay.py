@@ -209,8 +209,11 @@ class Relay(Node):
         below it in: 16 sybil identities took their two versions' worth each from an honest
         worker's relay, 157 MB in 75 s of its upload (a tester, 2026-11-28), and a member below
         it in one stripe could still take every stripe. A version this relay got with no route
-        (pulled by itself) is served to any ticket holder, as before."""
-        if holder is not None and store.route is not None:
+        (pulled by itself) is served to no ticket holder: nobody can be below it there."""
+        if holder is not None and store.route is None:
+            raise Refused(403, f"{self.id}: {store.key} came to this relay without a route, so nobody pulls it "
+                               "from here; pull from your own parents or from the learner's source")
+        if holder is not None:
             if store.below is None:  # once a version: a route of 1,000 workers is walked once, not per pull
                 store.below = _below(store.route.route, self.id, store.manifest.num_chunks)
             spans = store.below.get(holder)

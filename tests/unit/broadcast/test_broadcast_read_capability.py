@@ -144,12 +144,15 @@ def test_the_source_refuses_a_revoked_worker_at_once_and_relays_when_its_ticket_
         honest, cheat = office.issue("honest"), office.issue("cheat")
         relay = Relay("r", KEY.public_key(), read_token=issue(KEY, "r"), source_url=src.url, stall_timeout=3)
         relay.readers.skew = 0.0
+        below = [Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("honest", "cheat")]
         client = Relay("c", KEY.public_key())
-        await relay.start()
-        await client.start()
+        for node in (relay, *below, client):
+            await node.start()
         out = {}
         try:
-            await relay.fetch("v1", [Hop("source", src.url)])  # the relay holds v1 now and serves it
+            # The relay holds v1 along a route with both workers below it, so it serves them.
+            assert await src.push("v1", [[relay.hop, *(n.hop for n in below)]]) == [True]
+            await below[-1].wait("v1")
             out["before"] = [await fetch(client, u, t) for u in (src.url, relay.url) for t in (honest, cheat)]
             office.revoke("cheat")
             out["revoked"] = [await fetch(client, u, cheat) for u in (src.url, relay.url)]
@@ -157,8 +160,8 @@ def test_the_source_refuses_a_revoked_worker_at_once_and_relays_when_its_ticket_
             out["lapsed"] = [await fetch(client, relay.url, cheat), await fetch(client, relay.url, honest),
                              await fetch(client, relay.url, office.issue("honest"))]
         finally:
-            await client.stop()
-            await relay.stop()
+            for node in (client, *below, relay):
+                await node.stop()
             await src.stop()
         return out
 
@@ -295,17 +298,24 @@ def test_a_relay_serves_pulls_only_to_the_members_below_it_in_the_route():
         client = Relay("client", KEY.public_key())
         for node in (a, b, c, client):
             await node.start()
+        loner = Relay("loner", KEY.public_key(), read_token=issue(KEY, "loner"), source_url=src.url, stall_timeout=3)
+        await loner.start()
         try:
             assert await src.push("v1", [[a.hop, b.hop, c.hop]]) == [True]
             await c.wait("v1")
-            return {who: await fetch(client, a.url, issue(KEY, who)) for who in ("b", "c", "sybil", "a")}
+            out = {who: await fetch(client, a.url, issue(KEY, who)) for who in ("b", "c", "sybil", "a")}
+            # A version a relay pulled for itself, with no route: nobody is below it there (it was
+            # served to any ticket holder).
+            await loner.fetch("v1", [Hop("source", src.url)])
+            out["from a relay with no route"] = await fetch(client, loner.url, issue(KEY, "b"))
+            return out
         finally:
-            for node in (client, c, b, a):
+            for node in (client, loner, c, b, a):
                 await node.stop()
             await src.stop()
 
     out = asyncio.run(run())
-    assert out == {"b": 200, "c": 200, "sybil": 403, "a": 403}, out
+    assert out == {"b": 200, "c": 200, "sybil": 403, "a": 403, "from a relay with no route": 403}, out
 
 
 def test_a_member_below_a_relay_in_one_stripe_pulls_only_that_stripe_from_it():
