@@ -428,10 +428,12 @@ class Trainer:
         f, kept = self.cfg.verify.stale_check_fraction, self.kept
         if kept is None or not len(kept):
             return [], []
-        claimable = [g for g in batch.fresh
-                     if batch.groups[g].version < batch.learner_version and batch.groups[g].version in kept]
+        claimable = [g for g, group in enumerate(batch.groups)
+                     if group.version < batch.learner_version and group.version in kept]
+        fresh = set(batch.fresh)  # replays were drawn from at their first use
+        first = [g for g in claimable if g in fresh]
         rng = random.Random(self.cfg.run.seed * 104_729 + self.version)
-        drawn = sorted(rng.sample(claimable, min(len(claimable), math.ceil(f * len(batch.groups)))))
+        drawn = sorted(rng.sample(first, min(len(first), math.ceil(f * len(batch.groups)))))
         if not drawn:
             return claimable, []
         # LoRA: a version is its adapter, swapped into the policy and back (no second base on the

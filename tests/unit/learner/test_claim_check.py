@@ -126,3 +126,8 @@ def test_the_share_checked_is_of_g_per_step(tiny_model, fraction, checked):
     stats = trainer.step(BatchInfo(groups + fresh, learner_version=1, staleness=[1] * 4 + [0] * 4))
     drawn = [int(c[0]) for c in stats["claim_checks"]]
     assert len(drawn) == 2 * checked and all(i < 4 for i in drawn)  # ⌈f·G⌉ of G = 8, stale ones only
+    assert stats["claimable"] == [0, 1, 2, 3]
+    # Replayed (`[buffer] reuse`): drawn at their first use, not again, and judged by that alone
+    # (against the drift, a lone honest worker's replays made it a liar again).
+    stats = trainer.step(BatchInfo(groups + fresh, learner_version=1, staleness=[1] * 4 + [0] * 4, uses=[2] * 8))
+    assert stats["claim_checks"] == [] and stats["claimable"] == [0, 1, 2, 3]
