@@ -1595,7 +1595,7 @@ def test_a_flood_of_groups_without_an_advantage_is_not_trained(learner_factory, 
         for p in lease["prompts"]:
             answer = str(eval(p["text"].split("=")[0].split(":")[-1].strip()))  # noqa: S307 (the task's own sums)
             ids = tok(answer + tok.eos_token, add_special_tokens=False)["input_ids"]
-            groups.append(GroupMsg(p["id"], lease["snapshot"]["version"],
+            groups.append(GroupMsg(p["id"], version,  # the newest announced (a reply may carry none)
                                    [SampleMsg(ids, [-0.05] * len(ids), 1.0) for _ in range(8)]))
         with contextlib.suppress(OSError):
             status, body = lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
