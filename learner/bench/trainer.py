@@ -110,8 +110,7 @@ def _state_bytes(trainer) -> float:
     """Exact bytes of this rank's parameters, gradients and optimizer state (local shards)."""
     import torch
 
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+    from learner.train.dist import local_part as local
 
     total = 0
     for p in trainer.policy.parameters():

@@ -145,6 +145,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: its local shard if sharded (no communication), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class Lockstep:
     """Rank 0 calls `target`'s methods through `call`; followers run `follow` and replay each.
 

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (a DTensor's local shard under FSDP2; a plain tensor whole)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from learner.train.dist import local_part
 
 
 class KeptVersions:
@@ -48,7 +45,7 @@ class KeptVersions:
         for name, p in policy.named_parameters():
             if self.adapter_only and "lora_" not in name:
                 continue  # the frozen base is every version's
-            local = _local(p.detach()).to(self.dtype)  # rounded where it lies: half the bytes to move in bf16
+            local = local_part(p.detach()).to(self.dtype)  # rounded where it lies: half the bytes to move in bf16
             into = spare.get(name)
             if into is None or into.shape != local.shape:
                 into = torch.empty(local.shape, dtype=self.dtype, pin_memory=pin)
@@ -61,7 +58,7 @@ class KeptVersions:
         kept = self._kept[version]
         for name, p in into.named_parameters():
             if name in kept:
-                _local(p).copy_(kept[name], non_blocking=True)
+                local_part(p).copy_(kept[name], non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
