@@ -445,19 +445,17 @@ class Trainer:
                                             temperature=r.temperature, top_p=r.top_p,
                                             chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         model = self.policy if self.lora else self._claim_copy
-        held = [(p, p.detach().clone()) for _, p in adapter_parameters(self.hf)] if self.lora else []
         sums = torch.zeros(len(batch.groups), 6, dtype=torch.float64, device=self.world.device)
         model.ranks = True
         try:
-            for version in sorted({batch.groups[g].version for g in drawn}):
-                kept.load(version, model)
-                groups = {g for g in drawn if batch.groups[g].version == version}
-                for i, t in self._score(model, samples, [i for i in mine if samples.owner[i] in groups]).items():
-                    sums[samples.owner[i]] += _token_sums(t, samples, i).to(sums)
+            with self._adapter_restored():
+                for version in sorted({batch.groups[g].version for g in drawn}):
+                    kept.load(version, model)
+                    groups = {g for g in drawn if batch.groups[g].version == version}
+                    for i, t in self._score(model, samples, [i for i in mine if samples.owner[i] in groups]).items():
+                        sums[samples.owner[i]] += _token_sums(t, samples, i).to(sums)
         finally:
             model.ranks = False
-            for p, trained in held:
-                p.copy_(trained)
         sums = self.world.all_reduce(sums).tolist()
         return claimable, [[g, *sums[g]] for g in drawn]
 
@@ -515,18 +513,27 @@ class Trainer:
         prompt, completion = probe_tokens(self.vocab_size)
         policy = self.policy
         saved = policy.temperature, policy.top_p
-        rounded = [(p, p.detach().clone()) for _, p in adapter_parameters(self.hf)] if self.lora else []
-        try:
-            policy.temperature, policy.top_p = 1.0, 1.0
-            for p, _ in rounded:
-                p.copy_(p.to(self.publish_dtype).to(p.dtype))
-            with self._autocast():
-                logp = policy(TokenBatch.build([prompt], [completion], self._pad, self.world.device)).float()
-        finally:
-            policy.temperature, policy.top_p = saved
-            for p, master in rounded:
-                p.copy_(master)
+        with self._adapter_restored() as adapter:
+            try:
+                policy.temperature, policy.top_p = 1.0, 1.0
+                for p in adapter:
+                    p.copy_(p.to(self.publish_dtype).to(p.dtype))
+                with self._autocast():
+                    logp = policy(TokenBatch.build([prompt], [completion], self._pad, self.world.device)).float()
+            finally:
+                policy.temperature, policy.top_p = saved
         return logp.tolist()
+
+    @contextlib.contextmanager
+    def _adapter_restored(self):
+        """LoRA mode: the adapter's parameters, to overwrite for a while (rounded as published, or
+        a kept version's); the trained values are put back after. Full weights: nothing."""
+        held = [(p, p.detach().clone()) for _, p in adapter_parameters(self.hf)] if self.lora else []
+        try:
+            yield [p for p, _ in held]
+        finally:
+            for p, trained in held:
+                p.copy_(trained)
 
     def lora_info(self, keep: int) -> P.LoraInfo | None:
         """What workers are told at join in LoRA mode (`keep`: adapters a worker holds, S + 2)."""
