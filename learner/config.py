@@ -380,6 +380,14 @@ class LearnerConfig(Section):
         return self.publish.every or max(1, self.buffer.max_staleness - 1)
 
     @property
+    def kept_versions(self) -> int:
+        """Published versions the trainer keeps to check stale groups against the version they
+        claim: those within S of the newest (0 with `[verify] stale_check_fraction = 0` or S = 0)."""
+        if self.verify.stale_check_fraction <= 0 or self.buffer.max_staleness <= 0:
+            return 0
+        return self.buffer.max_staleness // self.publish_every + 1
+
+    @property
     def staleness_bound(self) -> int | None:
         """S where the buffer drops what is staler (None: its filter is off, nothing is dropped for age)."""
         b = self.buffer

@@ -72,7 +72,7 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
                    checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, chunk_tokens=chunk,
                    top_p=cfg.rollout.top_p, gpu=device.startswith("cuda"), eval_copy=cfg.eval.where == "workers",
                    mixed=compute == "bfloat16", adapter_params=adapter,
-                   claim_copy=cfg.verify.stale_check_fraction > 0 and cfg.buffer.max_staleness > 0)
+                   claim_copy=cfg.kept_versions > 0)
     available, where = available_bytes(device, ranks)
     lines = [
         f"model {path}: {shape.params / 1e6:.1f}M parameters ({arch}, {shape.layers} layers, hidden {shape.hidden}, "
@@ -90,8 +90,7 @@ def preflight(cfg: LearnerConfig, ranks: int, device: str, need_tokenizer: bool 
         f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}, head chunks of {chunk} tokens: "
         f"predicted {plan.describe()}; {where}",
     ]
-    if cfg.verify.stale_check_fraction > 0 and cfg.buffer.max_staleness > 0:
-        versions = cfg.buffer.max_staleness // cfg.publish_every + 1  # published within S of the newest
+    if versions := cfg.kept_versions:
         lines.append(f"  stale groups checked against their own version: {versions} published versions kept in "
                      f"host memory, {_size(versions * snapshot_bytes / ranks)} per rank "
                      f"([verify] stale_check_fraction = 0 keeps none)")

@@ -202,7 +202,7 @@ class Trainer:
         self._eval_copy: Policy | None = None  # the weights of the version being evaluated on workers
         # The published versions stale groups may claim, to check them against (`_check_claims`).
         self.kept = KeptVersions(cfg.buffer.max_staleness, self.publish_dtype, adapter_only=bool(self.lora)) \
-            if cfg.verify.stale_check_fraction > 0 and cfg.buffer.max_staleness > 0 else None
+            if cfg.kept_versions else None
         self._claim_copy: Policy | None = None
         self.resumed = self.load_checkpoint(checkpoint) if checkpoint else {}
 
