@@ -86,6 +86,16 @@ def cli(argv: list[str]) -> int:
                    help="with --hostile: this many pairs of a benign and a hostile run, in the order B H H B B H ... (a "
                         "drift of the machine over the runs falls on both arms alike); the ratios "
                         "are the median over pairs, and the benign runs against each other give the machine's own noise")
+    p.add_argument("--interleave", type=float, metavar="W",
+                   help="with --hostile: instead of benign and hostile runs, one run in which the attackers' process "
+                        "is paused and resumed every W seconds (SIGSTOP/SIGCONT, windows B H H B ...), e.g. 30: both "
+                        "arms share one learner process and the same minutes, so the machine's drift from run to "
+                        "run (which kept --pairs sittings' intervals wider than the goal) is out of the "
+                        "comparison. A pair of windows stands for a pair of runs; the probes churn too, so that "
+                        "joins come all along")
+    p.add_argument("--guard", type=float, default=5.0,
+                   help="with --interleave: the probes' requests that end in the first GUARD seconds after a "
+                        "switch are left out (an attack's aftermath, or a resumed attacker's backlog; default 5)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin the learner to a core of its own (default: pinned, the clients on the others, "
                         "so that what the attackers' processes burn is not taken from the learner)")
@@ -102,6 +112,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: run the probes against URL, results to --out
     p.add_argument("--fleet", help=argparse.SUPPRESS)  # internal: run the big fleet against URL, results to --out
     p.add_argument("--size", type=int, help=argparse.SUPPRESS)  # internal: how many workers --probe/--fleet runs
+    p.add_argument("--churn-probes", action="store_true", help=argparse.SUPPRESS)  # internal: --interleave's probes
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from learner.bench.attacks import CLASSES
@@ -109,6 +120,16 @@ def cli(argv: list[str]) -> int:
     unknown = set(args.attacks.split(",")) - {*CLASSES, "all"}
     if unknown:
         p.error(f"--attacks: unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
+    if args.interleave is not None:
+        if not args.hostile:
+            p.error("--interleave switches attackers on and off: give --hostile too, e.g. --hostile 0.05")
+        if args.pairs > 1:
+            p.error("--interleave is one run whose pairs of windows stand for pairs of runs: leave out --pairs")
+        if not 0 <= args.guard < args.interleave:
+            p.error(f"--guard must be at least 0 and shorter than a window (--interleave {args.interleave:g} s)")
+        if args.seconds < 6 * args.interleave:
+            p.error(f"--interleave {args.interleave:g}: give --seconds at least {6 * args.interleave:g} "
+                    "(the first two windows are the ramp, left out; two pairs at least are judged)")
     more_files()
     if args.serve:
         from echo import serving
@@ -296,7 +317,7 @@ async def _clients(args, url: str, prefix: str) -> int:
     from echo import collector
 
     probe = prefix == "probe"
-    if probe:
+    if probe and not args.churn_probes:
         args.churn = 0.0
     fleet = Fleet(url, args, _tokenizer(), args.size, prefix=prefix)
     collector.serve()  # as a worker's machine would, its own collector: passes on a clock, not on the fleet's allocations
@@ -439,11 +460,13 @@ class Measured:
     attacks: dict | None
     load: float  # the machine's 1-minute load average at the end
     probes: dict  # the probe workers' (`_clients`)
+    windows: list[tuple[float, bool]]  # --interleave: each window's start (time.monotonic) and whether attacked
 
 
-async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
+async def _measure(args, hostile: int, broadcast: str, switch: float | None = None) -> Measured | None:
     """Serve a learner, run the honest fleet, the probes (and `hostile` attackers) against it, each
-    a process of its own started for this run alone."""
+    a process of its own started for this run alone; `switch`: the attackers paused and resumed
+    every `switch` seconds (`--interleave`)."""
     learner_core, client_cores = _placement(args)
     with tempfile.TemporaryDirectory(prefix="echo-control-bench-") as tmp:
         d = Path(tmp)
@@ -483,7 +506,8 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
         url = (d / "url").read_text()
         probes = max(1, min(args.probes, (args.workers - hostile) // 4))
         run = [*_forward(args), "--seconds", str(args.seconds), "--ramp-s", str(args.ramp_s), "--gen-s",
-               str(args.gen_s), "--churn", str(args.churn), "--churn-every", str(args.churn_every)]
+               str(args.gen_s), "--churn", str(args.churn), "--churn-every", str(args.churn_every),
+               *(["--churn-probes"] if switch else [])]
         start("fleet", ["learner.bench.control_plane", "--fleet", url, "--size", str(args.workers - hostile - probes),
                         "--out", str(d / "fleet.json"), *run], client_cores)
         # The probes are woken the moment a reply lands, as a worker alone on its machine is
@@ -508,6 +532,9 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
         for proc in clients.values():
             proc.stdin.write("go\n")
             proc.stdin.flush()
+        windows: list[tuple[float, bool]] = []
+        switching = asyncio.create_task(_switch(procs["attacks"], args.seconds, switch, windows)) \
+            if switch and hostile else None
         out = {}
         for role, proc in clients.items():  # the learner's counts are read once every client is done
             await asyncio.to_thread(proc.wait, args.seconds + 120)
@@ -515,6 +542,8 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
                 failed(role)
                 return None
             out[role] = json.loads((d / f"{role}.json").read_text())
+        if switching:
+            await switching
         load = os.getloadavg()[0]  # the machine's, others' work included: a busy one moves every latency
         learner.send_signal(signal.SIGTERM)
         await asyncio.to_thread(learner.wait, 60)
@@ -529,13 +558,58 @@ async def _measure(args, hostile: int, broadcast: str) -> Measured | None:
             kept = args.keep / f"{len(list(args.keep.glob('*-*')))}-{'hostile' if hostile else 'benign'}"
             shutil.copytree(d, kept, ignore=shutil.ignore_patterns("*.key", "url"))
             print(f"raw data kept in {kept}", file=sys.stderr)
-    return Measured(out["fleet"], server, out.get("attacks"), load, out["probes"])
+    return Measured(out["fleet"], server, out.get("attacks"), load, out["probes"], windows)
+
+
+async def _switch(attackers: subprocess.Popen, seconds: float, every: float, windows: list) -> None:
+    """Pause the attackers' process and resume it every `every` seconds, B H H B B H ... (as runs
+    are ordered: a drift within the run falls on both arms alike), noting each window's start."""
+    end = time.monotonic() + seconds
+    try:
+        for attacked in tails.hostile_turns(int(seconds // (2 * every)) + 1):
+            now = time.monotonic()
+            if now >= end - 1e-3:
+                break
+            attackers.send_signal(signal.SIGCONT if attacked else signal.SIGSTOP)
+            windows.append((now, attacked))
+            await asyncio.sleep(min(every, end - now))
+    finally:
+        if attackers.poll() is None:
+            attackers.send_signal(signal.SIGCONT)  # to finish its run and write its counts
+
+
+def interleaved(probes: dict, windows: list[tuple[float, bool]], seconds: float, guard: float) -> list[tuple[dict, dict]]:
+    """The probes' requests of an `--interleave` run as pairs of runs for `pool_tails`: each window
+    (its first `guard` seconds left out) one run, its times from the window's start; windows
+    2k and 2k+1 (one benign, one attacked: `tails.hostile_turns`) a pair. The first pair, the
+    fleet's ramp and the attackers' first joins, is left out, and a last window without its
+    partner."""
+    t0 = probes["t0"]
+    bounds = [(start - t0, nxt - t0, attacked)
+              for (start, attacked), nxt in zip(windows, [w for w, _ in windows[1:]] + [t0 + seconds])]
+    runs = []
+    for start, end, attacked in bounds:
+        run = {"at": {}, "latency": {}}
+        for route, ats in probes["at"].items():
+            lat = probes["latency"][route]
+            kept = [(a - start, x) for a, x in zip(ats, lat) if start + guard <= a < end]
+            run["at"][route] = [a for a, _ in kept]
+            run["latency"][route] = [x for _, x in kept]
+        runs.append((attacked, run))
+    pairs = []
+    for (a1, r1), (a2, r2) in zip(runs[2::2], runs[3::2]):
+        if a1 == a2:
+            raise ValueError("an interleaved pair of windows needs one benign and one attacked window")
+        pairs.append((r2, r1) if a1 else (r1, r2))
+    return pairs
 
 
 async def _drive(args) -> int:
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
     hostile = round(args.hostile * args.workers)
+    if hostile and args.interleave:
+        return await _drive_interleaved(args, hostile)
     if not hostile:
         measured = await _measure(args, 0, args.broadcast or "star")
         if measured is None:
@@ -557,6 +631,45 @@ async def _drive(args) -> int:
     pool_tails(out, probed)
     print(json.dumps(out, indent=2) if args.json else compared_table(out))
     return 0
+
+
+async def _drive_interleaved(args, hostile: int) -> int:
+    """`--interleave`: one run, the attackers switched on and off; the honest p99 judged over the
+    pairs of windows (`interleaved`, `pool_tails`), the attacks' outcomes as in a hostile run."""
+    from learner.bench.attacks import safety
+
+    m = await _measure(args, hostile, args.broadcast or "chain", switch=args.interleave)
+    if m is None:
+        return 1
+    run = _results(args, m)
+    probed = interleaved(m.probes, m.windows, args.seconds, args.guard)
+    out = {"workers": args.workers, "hostile_share": args.hostile, "hostile_workers": hostile, "seconds": args.seconds,
+           "interleave_s": args.interleave, "guard_s": args.guard, "pairs": len(probed),
+           "routes": {route: {} for route in run["routes"]}, "run": run,
+           "goals": {**HOSTILE_GOALS, "checks": safety(m.attacks, run["learner"])}}
+    pool_tails(out, probed)
+    print(json.dumps(out, indent=2) if args.json else interleaved_table(out))
+    return 0
+
+
+def interleaved_table(out: dict) -> str:
+    run, yes = out["run"], {True: "yes", False: "NO"}
+    lr, a = run["learner"], run["attacks"]
+    checks = out["goals"]["checks"]
+    lines = [
+        f"control plane under a hostile fleet, interleaved: one run of {out['seconds']:.0f} s, {out['workers']} workers "
+        f"of whom {out['hostile_workers']} attackers ({out['hostile_share']:.0%}), whose process is paused and resumed "
+        f"every {out['interleave_s']:g} s (B H H B ...); {out['pairs']} pairs of windows judged (the first pair, the ramp, "
+        f"left out), each window less its first {out['guard_s']:g} s",
+        *_pooled_lines(out, "windows"),
+        f"learner: {lr['cpu_cores']:.2f} cores, event-loop lag max {lr['loop_lag_max_ms']:.0f} ms, RSS MB at start, half "
+        f"time and end {_rss(run)}; {lr['quarantined']} quarantined",
+        f"attacks: {sum(v['sent'] for v in a['classes'].values())} requests; weight bytes served without the read "
+        f"right: {a['weight_bytes_without_credential']}",
+        "goals: " + "; ".join(f"{k} {yes[c['ok']]} ({c['detail']})" for k, c in checks.items()),
+        "PASS" if out["passed"] else "FAIL",
+    ]
+    return "\n".join(lines)
 
 
 def _gc_line(gc: dict) -> str:
@@ -807,7 +920,7 @@ def compared_table(out: dict) -> str:
     return "\n".join(lines)
 
 
-def _pooled_lines(out: dict) -> list[str]:
+def _pooled_lines(out: dict, runs: str = "runs") -> list[str]:
     from echo.table import fmt, table
 
     pooled = out.get("pooled_p99")
@@ -821,11 +934,12 @@ def _pooled_lines(out: dict) -> list[str]:
     rows = [[route, str(r["samples"]), fmt(r["base"] and 1e3 * r["base"]), fmt(r["test"] and 1e3 * r["test"]), ci(r),
              r["verdict"], ci(r.get("benign_a_vs_b")), ci(r.get("unpaired")), ci(r.get("benign_a_vs_b_unpaired"))]
             for route, r in pooled.items()]
-    return [f"the judged p99: the probes' requests pooled over the {n} benign and {n} hostile runs, the ratio's 90% "
-            "interval from a two-stage bootstrap (the pairs of runs side by side, then 10 s windows of each: "
+    return [f"the judged p99: the probes' requests pooled over the {n} benign and {n} hostile {runs}, the ratio's 90% "
+            f"interval from a two-stage bootstrap (the pairs of {runs} side by side, then 10 s windows of each: "
             f"learner.bench.tails); met = the whole interval within {HOSTILE_GOALS['p99_ratio']:.2f}; A/A = the benign "
-            "runs in two halves (runs 1, 4, 5, 8, ... against 2, 3, 6, 7, ...), the method's own check (its interval "
-            "should hold 1); unpaired = each arm's runs drawn on their own, as sittings before 2026-11-28 were judged:",
+            f"{runs} in two halves (1, 4, 5, 8, ... against 2, 3, 6, 7, ...), the method's own check (its interval "
+            f"should hold 1); unpaired = each arm's {runs} drawn on their own"
+            + (", as sittings before 2026-11-28 were judged:" if runs == "runs" else ":"),
             table(["route", "requests/arm", "benign p99 ms", "hostile p99 ms", "ratio [90%]", "verdict", "A/A [90%]",
                    "unpaired", "A/A unpaired"], rows)]
 

@@ -41,3 +41,32 @@ def test_a_hostile_share_of_the_fleet_is_refused_and_contained():
     checks = r["goals"]["checks"]
     safety = {k: v for k, v in checks.items() if k not in ("p99_within_10pct", "groups_within_10pct", "rss_bounded")}
     assert all(v["ok"] for v in safety.values()), safety
+
+
+@pytest.mark.slow  # ~50 s, a benchmark
+def test_an_interleaved_run_switches_the_attackers_and_judges_pairs_of_windows():
+    out = subprocess.run([sys.executable, "-m", "learner.bench.control_plane", "--workers", "40", "--hostile", "0.2",
+                          "--seconds", "30", "--interleave", "4", "--guard", "1", "--ramp-s", "1", "--step-rate", "2",
+                          "--batch-prompts", "64", "--gen-s", "0.5", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["pairs"] == 3  # 30 s of 4 s windows: 8 (the last one half), the first pair (the ramp) left out
+    assert r["hostile_workers"] == 8 and r["run"]["workers"] == 32
+    for route in ("heartbeat", "lease", "trajectories"):
+        assert r["pooled_p99"][route]["samples"] > 0 and r["pooled_p99"][route]["paired"]
+    checks = r["goals"]["checks"]
+    assert all(v["ok"] for k, v in checks.items() if k != "p99_within_10pct"), checks
+    assert r["run"]["attacks"]["classes"]["forged-rewards"]["sent"] > 0  # the attackers ran, paused or not
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--interleave", "30"], "give --hostile too"),
+    (["--hostile", "0.05", "--interleave", "30", "--pairs", "3"], "leave out --pairs"),
+    (["--hostile", "0.05", "--interleave", "30", "--guard", "30"], "shorter than a window"),
+    (["--hostile", "0.05", "--interleave", "30", "--seconds", "120"], "at least 180"),
+])
+def test_interleave_settings_that_cannot_work_are_refused_with_what_to_do(argv, says):
+    out = subprocess.run([sys.executable, "-m", "learner.bench.control_plane", *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and says in out.stderr, out.stderr

@@ -108,3 +108,33 @@ def test_the_bench_judges_by_pairs_and_keeps_the_unpaired_interval_beside():
     assert r["verdict"] == tails.verdict(r, 1.10)
     assert r["high"] - r["low"] < r["unpaired"]["high"] - r["unpaired"]["low"]
     assert "over the pairs" in out["goals"]["checks"]["p99_within_10pct"]["detail"]
+
+
+def test_an_interleaved_run_is_cut_into_pairs_of_windows_less_the_ramp_and_each_guard():
+    from learner.bench.control_plane import interleaved
+
+    t0, every, guard = 1000.0, 10.0, 2.0
+    attacked = tails.hostile_turns(4)  # B H H B B H H B
+    windows = [(t0 + 0.3 + every * k, a) for k, a in enumerate(attacked)]  # the switches, a little after the start
+    at = [0.1 + 0.5 * k for k in range(170)]  # a request every 0.5 s for 85 s
+    # Its latency says which window it ended in and whether that one was attacked: 1 ms benign, 2 ms attacked
+    lat = [(2e-3 if attacked[min(int((a - 0.3) // every), 7)] else 1e-3) if a >= 0.3 else 1e-3 for a in at]
+    probes = {"t0": t0, "at": {"heartbeat": at}, "latency": {"heartbeat": lat}}
+    pairs = interleaved(probes, windows, 80.3, guard)
+    assert len(pairs) == 3  # windows 0 and 1 (the ramp) left out
+    for benign, hostile in pairs:  # each pair is (benign, attacked), whichever came first
+        assert set(benign["latency"]["heartbeat"]) == {1e-3} and set(hostile["latency"]["heartbeat"]) == {2e-3}
+        for run in (benign, hostile):  # times from the window's start, the guard's requests left out
+            assert min(run["at"]["heartbeat"]) >= guard and max(run["at"]["heartbeat"]) < every
+            assert len(run["at"]["heartbeat"]) == 16  # (10 - 2) s at two requests a second
+    # The last window ends with the run (76.3 s: window 7, benign, from 70.3 s), not at a switch that never came
+    benign, hostile = interleaved(probes, windows, 76.3, guard)[-1]
+    assert len(benign["at"]["heartbeat"]) == 8 and len(hostile["at"]["heartbeat"]) == 16
+
+
+def test_an_interleaved_run_needs_its_switches_to_alternate_in_each_pair():
+    from learner.bench.control_plane import interleaved
+
+    windows = [(0.0, False), (10.0, True), (20.0, True), (30.0, True)]
+    with pytest.raises(ValueError, match="one benign and one attacked"):
+        interleaved({"t0": 0.0, "at": {"heartbeat": [25.0]}, "latency": {"heartbeat": [1e-3]}}, windows, 40.0, 1.0)
