@@ -645,11 +645,23 @@ async def _drive_interleaved(args, hostile: int) -> int:
     probed = interleaved(m.probes, m.windows, args.seconds, args.guard)
     out = {"workers": args.workers, "hostile_share": args.hostile, "hostile_workers": hostile, "seconds": args.seconds,
            "interleave_s": args.interleave, "guard_s": args.guard, "pairs": len(probed),
+           # each switch, in s from the probes' start (their requests' `at`): to judge again with another guard
+           "windows": [(round(start - m.probes["t0"], 4), attacked) for start, attacked in m.windows],
            "routes": {route: {} for route in run["routes"]}, "run": run,
            "goals": {**HOSTILE_GOALS, "checks": safety(m.attacks, run["learner"])}}
     pool_tails(out, probed)
+    out["other_guards"] = {g: guarded(m.probes, m.windows, args.seconds, g, list(out["routes"]))
+                           for g in (0.0, 2 * args.guard) if g < args.interleave}
     print(json.dumps(out, indent=2) if args.json else interleaved_table(out))
     return 0
+
+
+def guarded(probes: dict, windows: list[tuple[float, bool]], seconds: float, guard: float, routes: list[str]) -> dict:
+    """The paired ratio per route with another guard: does what the switches leave behind decide it?"""
+    pairs = interleaved(probes, windows, seconds, guard)
+    runs = lambda arm, route: [(r["at"].get(route, []), r["latency"].get(route, [])) for r in arm]  # noqa: E731
+    return {route: tails.ratio(runs([b for b, _ in pairs], route), runs([h for _, h in pairs], route), paired=True)
+            for route in routes}
 
 
 def interleaved_table(out: dict) -> str:
@@ -662,6 +674,10 @@ def interleaved_table(out: dict) -> str:
         f"every {out['interleave_s']:g} s (B H H B ...); {out['pairs']} pairs of windows judged (the first pair, the ramp, "
         f"left out), each window less its first {out['guard_s']:g} s",
         *_pooled_lines(out, "windows"),
+        "with another guard (ratio [90%]): " + "; ".join(
+            f"{g:g} s: " + ", ".join(f"{route} {r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+                                     for route, r in by_route.items() if r["ratio"] is not None)
+            for g, by_route in out["other_guards"].items()),
         f"learner: {lr['cpu_cores']:.2f} cores, event-loop lag max {lr['loop_lag_max_ms']:.0f} ms, RSS MB at start, half "
         f"time and end {_rss(run)}; {lr['quarantined']} quarantined",
         f"attacks: {sum(v['sent'] for v in a['classes'].values())} requests; weight bytes served without the read "

@@ -52,6 +52,8 @@ def test_an_interleaved_run_switches_the_attackers_and_judges_pairs_of_windows()
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert r["pairs"] == 3  # 30 s of 4 s windows: 8 (the last one half), the first pair (the ramp) left out
+    assert [attacked for _, attacked in r["windows"]] == [False, True, True, False] * 2  # switched B H H B ...
+    assert set(r["other_guards"]) == {"0.0", "2.0"}  # judged again without a guard and with twice it
     assert r["hostile_workers"] == 8 and r["run"]["workers"] == 32
     for route in ("heartbeat", "lease", "trajectories"):
         assert r["pooled_p99"][route]["samples"] > 0 and r["pooled_p99"][route]["paired"]
