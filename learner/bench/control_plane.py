@@ -90,9 +90,8 @@ def cli(argv: list[str]) -> int:
                    help="with --hostile: instead of benign and hostile runs, one run in which the attackers' process "
                         "is paused and resumed every W seconds (SIGSTOP/SIGCONT, windows B H H B ...), e.g. 30: both "
                         "arms share one learner process and the same minutes, so the machine's drift from run to "
-                        "run (which kept --pairs sittings' intervals wider than the goal) is out of the "
-                        "comparison. A pair of windows stands for a pair of runs; the probes churn too, so that "
-                        "joins come all along")
+                        "run is out of the comparison. A pair of windows stands for a pair of runs; the probes "
+                        "churn too, so that joins come all along")
     p.add_argument("--guard", type=float, default=5.0,
                    help="with --interleave: the probes' requests that end in the first GUARD seconds after a "
                         "switch are left out (an attack's aftermath, or a resumed attacker's backlog; default 5)")
