@@ -658,9 +658,14 @@ async def _drive_interleaved(args, hostile: int) -> int:
 def guarded(probes: dict, windows: list[tuple[float, bool]], seconds: float, guard: float, routes: list[str]) -> dict:
     """The paired ratio per route with another guard: does what the switches leave behind decide it?"""
     pairs = interleaved(probes, windows, seconds, guard)
-    runs = lambda arm, route: [(r["at"].get(route, []), r["latency"].get(route, [])) for r in arm]  # noqa: E731
-    return {route: tails.ratio(runs([b for b, _ in pairs], route), runs([h for _, h in pairs], route), paired=True)
+    return {route: tails.ratio(_route_runs([b for b, _ in pairs], route), _route_runs([h for _, h in pairs], route),
+                               paired=True)
             for route in routes}
+
+
+def _route_runs(arm: list[dict], route: str) -> list[tuple[list, list]]:
+    """One route's requests of each run (or window) of an arm, as `tails.ratio` takes them."""
+    return [(p.get("at", {}).get(route, []), p["latency"].get(route, [])) for p in arm]
 
 
 def interleaved_table(out: dict) -> str:
@@ -720,20 +725,17 @@ def pool_tails(out: dict, probed: list[tuple[dict, dict]]) -> None:
     interval should hold 1. The interval of each arm's runs drawn on their own (`unpaired`, how
     sittings before 2026-11-28 were judged) is kept beside it."""
 
-    def runs(arm: list[dict], route: str) -> list[tuple[list, list]]:
-        return [(p.get("at", {}).get(route, []), p["latency"].get(route, [])) for p in arm]
-
     benign, hostile = [b for b, _ in probed], [h for _, h in probed]
     bound = HOSTILE_GOALS["p99_ratio"]
     pooled = {}
     for route in out["routes"]:
-        r = tails.ratio(runs(benign, route), runs(hostile, route), paired=True)
+        r = tails.ratio(_route_runs(benign, route), _route_runs(hostile, route), paired=True)
         r["verdict"] = tails.verdict(r, bound)
-        r["unpaired"] = tails.ratio(runs(benign, route), runs(hostile, route))
+        r["unpaired"] = tails.ratio(_route_runs(benign, route), _route_runs(hostile, route))
         if len(benign) >= 2:
             a, b = tails.halves(benign)
-            r["benign_a_vs_b"] = tails.ratio(runs(a, route), runs(b, route), paired=len(a) == len(b))
-            r["benign_a_vs_b_unpaired"] = tails.ratio(runs(a, route), runs(b, route))
+            r["benign_a_vs_b"] = tails.ratio(_route_runs(a, route), _route_runs(b, route), paired=len(a) == len(b))
+            r["benign_a_vs_b_unpaired"] = tails.ratio(_route_runs(a, route), _route_runs(b, route))
         pooled[route] = r
     out["pooled_p99"] = pooled
     judged = {k: r for k, r in pooled.items() if r["verdict"] != "too few samples"}
