@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import random
@@ -589,11 +590,10 @@ def interleaved(probes: dict, windows: list[tuple[float, bool]], seconds: float,
     runs = []
     for start, end, attacked in bounds:
         run = {"at": {}, "latency": {}}
-        for route, ats in probes["at"].items():
-            lat = probes["latency"][route]
-            kept = [(a - start, x) for a, x in zip(ats, lat) if start + guard <= a < end]
-            run["at"][route] = [a for a, _ in kept]
-            run["latency"][route] = [x for _, x in kept]
+        for route, ats in probes["at"].items():  # each route's requests in the order they ended
+            lo, hi = bisect.bisect_left(ats, start + guard), bisect.bisect_left(ats, end)
+            run["at"][route] = [a - start for a in ats[lo:hi]]
+            run["latency"][route] = probes["latency"][route][lo:hi]
         runs.append((attacked, run))
     pairs = []
     for (a1, r1), (a2, r2) in zip(runs[2::2], runs[3::2]):
@@ -724,7 +724,6 @@ def pool_tails(out: dict, probed: list[tuple[dict, dict]]) -> None:
     (`tails.halves`, paired the same way) and compared alike: an A/A test of the method, whose
     interval should hold 1. The interval of each arm's runs drawn on their own (`unpaired`, how
     sittings before 2026-11-28 were judged) is kept beside it."""
-
     benign, hostile = [b for b, _ in probed], [h for _, h in probed]
     bound = HOSTILE_GOALS["p99_ratio"]
     pooled = {}
