@@ -233,15 +233,26 @@ class Auth:
         return False
 
     def anyone(self, request: web.Request) -> str:
-        """Model files and snapshots: any worker, or the operator with the run token. Who reads,
-        for counting downloads: the worker's id, else the address. A quarantined worker reads
-        nothing (it downloaded each new snapshot until it was forgotten)."""
+        """The model's files without weights, and which version is latest: any worker, or the
+        operator and a provider's machine (`echo-worker doctor`) with the run or a machine token.
+        Who reads: the worker's id, else the address. A quarantined worker reads nothing."""
         if "." in self.bearer(request):
-            worker = self.worker(request)
-            refuse_quarantined(worker)
-            return worker.id
-        self.run_token(request, machines=True)  # a provider's machine (echo-worker doctor) may read them too
+            return self.weights_reader(request)
+        self.run_token(request, machines=True)
         return self.address(request)
+
+    def weights_reader(self, request: web.Request) -> str:
+        """Weights (a snapshot, a LoRA base): a joined worker that is not quarantined, by its
+        credential; its id, for counting downloads. Every rented worker holds the run token, so
+        it reads no weights: with it, a quarantined worker, from an address banned for forging,
+        downloaded every snapshot, 4 copies per address (the API-only tester, 2026-11-29)."""
+        if "." not in self.bearer(request):
+            self.refused.labels("weights-token").inc()
+            raise Refusal(401, "worker-credential", "weights are served to joined workers only: present the "
+                                                    "credential /v1/join returned, not the run token")
+        worker = self.worker(request)
+        refuse_quarantined(worker)
+        return worker.id
 
 
 def refuse_quarantined(worker) -> None:

@@ -174,7 +174,7 @@ class StatusRoom:
 
         async def model_files(request: web.Request) -> web.Response:
             weights = request.query.get("weights") == "1" and self.serve_weights
-            reader = auth.anyone(request)
+            reader = auth.weights_reader(request) if weights else auth.anyone(request)
             if weights:  # a base of up to 2 GiB: a few times per reader, as a snapshot
                 self._count_download(f"{reader} base", "the base model", "use the copy you have, or set "
                                                                          "[engine] base_dir")
@@ -205,11 +205,13 @@ class StatusRoom:
         app.router.add_get("/v1/status", status, allow_head=False)
         app.router.add_get("/metrics", metrics, allow_head=False)
         def snapshot_reader(request: web.Request) -> None:
-            """Anyone `auth.anyone` admits, each version at most MAX_SNAPSHOT_DOWNLOADS times."""
-            reader = auth.anyone(request)
+            """Which version is latest: anyone `auth.anyone` admits. A version's weights: a joined
+            worker (`auth.weights_reader`), each version at most MAX_SNAPSHOT_DOWNLOADS times."""
             version = request.match_info.get("version")
             if version is None:  # /latest: a few bytes of JSON
+                auth.anyone(request)
                 return
+            reader = auth.weights_reader(request)
             # Counted only for a version held, by number: the path's raw text (up to 8 KB) was the
             # key, 65,536 of them ~540 MB from any run-token holder.
             if not (version.isascii() and version.isdigit() and len(version) <= 12) or self.run.blobs.get(int(version)) is None:

@@ -15,8 +15,9 @@ one attack every 1-2 s, it cycles through what the learner defends against
     bad-credentials   a burst of 25 wrong run tokens and guessed credentials, from a
                       fresh address each burst (127.2.x.y)                                  401/429
     weights           the star store's snapshots and the broadcast source's manifest,
-                      chunks, status and route feed, with no credential, a wrong one, or a
-                      worker's own credential for the read capability (fresh 127.4.x.y)     0 bytes
+                      chunks, status and route feed, with no credential, a wrong one, the
+                      run token (a snapshot), or a worker's own credential for the read
+                      capability (fresh 127.4.x.y)                                          0 bytes
 
 Alongside, without pause, each hoards (`hoard`): a long-polled lease request for 1024 prompts
 always parked at the learner, none ever answered (its heartbeats keep the leases alive), to be
@@ -354,6 +355,7 @@ class Attacker:
         wrong = secrets.token_urlsafe(24)
         targets = [(f"{self.url}/v1/snapshots/{path}", token) for path in ("latest", str(self.version))
                    for token in (None, wrong, f"{self.client.worker_id}.{wrong}")]
+        targets.append((f"{self.url}/v1/snapshots/{self.version}", fleet.token))  # every worker holds the run token
         if self.source:  # the read capability is what the source asks; a worker credential is not it
             targets += [(f"{self.source}/bcast/v1/{path}", token)
                         for path in (f"manifest/{self.key}", f"chunks/{self.key}?from=0&to=65536", "status",

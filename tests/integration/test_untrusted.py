@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
+import msgpack
 import pytest
 from aiohttp import web
 
@@ -1310,6 +1311,37 @@ def test_a_quarantined_worker_downloads_nothing(tokenizer, tmp_path):
             assert (status, body["error"]) == (403, "quarantined"), (path, status, body)
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_the_run_token_every_worker_holds_reads_no_weights(tokenizer, tmp_path):
+    """The run token downloaded every snapshot and the LoRA base: a quarantined worker, from an
+    address banned for forging, kept reading each new version with it, 4 copies per address (the
+    API-only tester, 2026-11-29). Weights now go to a joined worker's credential only; the run
+    token still reads which version is latest and the model files without weights (`doctor`)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"base weights")
+
+    async def test(api: Api):
+        async def get(path: str, token: str) -> tuple[int, dict | bytes]:
+            async with api.session.get(api.url + path, headers={"Authorization": f"Bearer {token}"}) as resp:
+                body = await resp.read()
+                return resp.status, json.loads(body) if resp.content_type == "application/json" else body
+
+        for path in ("/v1/snapshots/0", "/v1/model?weights=1"):
+            status, body = await get(path, TOKEN)
+            assert (status, body["error"]) == (401, "worker-credential"), (path, status, body)
+        assert (await get("/v1/snapshots/latest", TOKEN))[0] == 200
+        status, files = await get("/v1/model", TOKEN)
+        assert status == 200 and set(msgpack.unpackb(files)) == {"config.json"}
+        _, cred = await api.join("reader")
+        assert await get("/v1/snapshots/0", cred) == (200, b"weights")
+        assert msgpack.unpackb((await get("/v1/model?weights=1", cred))[1])["model.safetensors"] == b"base weights"
+        assert not any(key.startswith("127.0.0.1") for key in api.state.status_room.downloads)
+
+    lora = P.LoraInfo(rank=4, alpha=8.0, target_modules=["q_proj"], base_sha256="0" * 64)
+    run_api(tokenizer, test, model, lora=lora)
 
 
 def test_one_address_cannot_hold_every_connection_the_learner_may_open(tokenizer, tmp_path):
