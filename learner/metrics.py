@@ -25,8 +25,8 @@ class LearnerMetrics:
         self.joins_refused = Counter("echo_joins_refused", "Joins refused, by reason (network, full, rate)", ["reason"],
                                      registry=r)
         self.auth_refused = Counter("echo_auth_refused", "Requests refused before they were served: a missing or "
-                                    "wrong run token or worker credential, the run token for weights (weights-token), an address throttled for them, or a "
-                                    "worker past its request rate (rate-limited)", ["credential"], registry=r)
+                                    "wrong run token or worker credential, the run token for weights (weights-token), an "
+                                    "address throttled for them, or a worker past its request rate (rate-limited)", ["credential"], registry=r)
         self.rewards_checked = Counter("echo_verify_rewards_checked", "Sample rewards the learner recomputed", registry=r)
         self.rewards_mismatched = Counter("echo_verify_rewards_mismatched", "Recomputed rewards that differed from "
                                           "the worker's claim", registry=r)
