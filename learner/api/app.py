@@ -159,6 +159,7 @@ class ControlApi:
             server_log.addFilter(MalformedRequests())
         return QuietRunner(self.app(), answer=_unreadable, rejected=self.metrics.rejected,
                            limits=worker_connections(self.cfg.server), access_log=None,
+                           left_unread=int(self.cfg.server.max_body_mb * (1 << 20)),
                            keepalive_timeout=self.cfg.server.header_timeout_s, auto_decompress=False)
 
     async def start(self, host: str, port: int, reap_every: float) -> str:

@@ -933,6 +933,40 @@ def test_slow_headers_and_slow_json_bodies_are_cut_off(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path, **{"server.header_timeout_s": 1.5, "server.body_timeout_s": 1.0})
 
 
+def test_a_body_its_route_left_unread_is_read_to_the_routes_bound_then_the_connection_closes(tokenizer, tmp_path):
+    """aiohttp read whatever followed a request its route had answered, for 10 s: an endless
+    chunked body to `GET /v1/health`, no credential, was read at 2 GB/s, and four such connections
+    took 0.9 of the learner's core (the API-only tester, 2026-11-29). Now at most [server]
+    max_body_mb is read after the answer, then the connection closes. A body within the bound is
+    still read to its end: a worker whose upload is refused before its body is read (no lease)
+    reads the 409, not a reset."""
+    async def test(api: Api):
+        host, port = api.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"10000\r\n" + b"x" * (1 << 16) + b"\r\n"
+        sent, start = 0, time.monotonic()
+        with contextlib.suppress(ConnectionError):
+            while time.monotonic() - start < 8:
+                writer.write(piece)
+                await writer.drain()
+                sent += 1 << 16
+        cut_after = time.monotonic() - start
+        writer.close()
+        # 1 MiB read, the rest what loopback's socket buffers held: before, ~GBs over the 8 s.
+        assert cut_after < 8 and sent < 48 << 20, (cut_after, sent >> 20)
+
+        wid, cred = await api.join("w")
+        body = os.urandom(900 << 10)  # within max_body_mb: read to its end after the answer
+        async with api.session.post(api.url + "/v1/trajectories", data=body, headers={
+                "Authorization": f"Bearer {cred}", "Content-Type": CONTENT_TYPE}) as resp:
+            assert (resp.status, (await resp.json())["error"]) == (409, "unknown-lease")
+        status, _, _ = await api.call("/v1/heartbeat", {}, token=cred)
+        assert status == 200
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_body_mb": 1})
+
+
 def test_a_fresh_identity_cannot_vouch_for_its_partners_upload(tokenizer, tmp_path):
     """Worker B reports having downloaded from A at 10^15 B/s; A then claims that upload. Before,
     the planner's table showed A's upload at 8,000,000,000 Mbit, "measured"."""
