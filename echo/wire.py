@@ -112,12 +112,14 @@ def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_si
             raise Rejected(400, "malformed", f"malformed trajectory upload: {what}")
 
     need(isinstance(obj, dict), "top level must be a map")
+    _known(obj, TOP_KEYS, "the upload")
     need(isinstance(obj.get("worker_id"), str) and isinstance(obj.get("lease_id"), str), "worker_id and lease_id must be strings")
     groups = obj.get("groups")
     need(isinstance(groups, list) and len(groups) > 0, "groups must be a non-empty list")
     out: list[GroupMsg] = []
     for gi, g in enumerate(groups):
         need(isinstance(g, dict), f"groups[{gi}] must be a map")
+        _known(g, GROUP_KEYS, f"groups[{gi}]")
         need(isinstance(g.get("prompt_id"), str), f"groups[{gi}].prompt_id must be a string")
         need(isinstance(g.get("version"), int) and not isinstance(g.get("version"), bool), f"groups[{gi}].version must be an integer")
         samples = g.get("samples")
@@ -211,11 +213,22 @@ def _unpack(raw: bytes, max_tokens: int, group_size: int, groups: int) -> object
         raise Rejected(400, "malformed", f"body is not valid msgpack: {e}") from None
 
 
+TOP_KEYS = frozenset({"worker_id", "lease_id", "groups"})
+GROUP_KEYS = frozenset({"prompt_id", "version", "samples"})
+SAMPLE_KEYS = frozenset({"tokens", "logprobs", "reward", "mask", "truncated"})
+
+
+def _known(obj: dict, keys: frozenset, where: str) -> None:
+    """Unknown keys are refused at every level, as on the JSON routes, and named (a few, cut short)."""
+    if unknown := set(obj) - keys:
+        names = sorted(str(k)[:64] for k in unknown)[:8]
+        raise Rejected(400, "malformed", f"{where}: unknown keys {names} (known: {sorted(keys)})")
+
+
 def _sample(s: object, where: str, vocab_size: int, max_tokens: int, stops: np.ndarray) -> SampleMsg:
     if not (isinstance(s, dict) and isinstance(s.get("tokens"), bytes) and isinstance(s.get("logprobs"), bytes)):
         raise Rejected(400, "malformed", f"malformed trajectory upload: {where} needs bytes 'tokens' and 'logprobs'")
-    if not set(s) <= {"tokens", "logprobs", "reward", "mask", "truncated"}:
-        raise Rejected(400, "malformed", f"{where}: unknown keys {sorted(map(str, set(s)))[:8]}")
+    _known(s, SAMPLE_KEYS, where)
     tb, lb, reward = s["tokens"], s["logprobs"], s.get("reward")
     if len(tb) % 4 or len(lb) % 4:
         raise Rejected(400, "malformed", f"{where}: token/logprob byte lengths must be multiples of 4 (int32/float32)")

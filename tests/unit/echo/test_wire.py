@@ -62,6 +62,20 @@ def test_invalid_samples(samples, reason):
     assert 400 <= e.value.status < 500 and e.value.message
 
 
+@pytest.mark.parametrize("where", ["the upload", "groups[0]", "groups[0].samples[1]"])
+def test_unknown_keys_are_refused_at_every_level_and_only_they_are_named(where):
+    """An unknown top-level key was taken (200) while a sample's was refused naming every key the
+    sample had (the API-only tester, 2026-11-29)."""
+    sample = {"tokens": b"\x01\x00\x00\x00", "logprobs": b"\x00\x00\x80\xbf", "reward": 1.0}
+    group = {"prompt_id": "p", "version": 0, "samples": [sample, dict(sample)]}
+    obj = {"worker_id": "w", "lease_id": "L", "groups": [group]}
+    {"the upload": obj, "groups[0]": group, "groups[0].samples[1]": group["samples"][1]}[where]["extra"] = 1
+    with pytest.raises(Rejected) as e:
+        decode_submission(raw(obj), **LIMITS)
+    assert (e.value.status, e.value.reason) == (400, "malformed")
+    assert e.value.message.startswith(f"{where}: unknown keys ['extra'] (known: ")
+
+
 def test_token_and_logprob_counts_must_match():
     body = raw({"worker_id": "w", "lease_id": "L", "groups": [{"prompt_id": "p", "version": 0, "samples": [
         {"tokens": b"\x01\x00\x00\x00" * 2, "logprobs": b"\x00\x00\x80\xbf", "reward": 1.0}] * 2}]})
