@@ -22,7 +22,8 @@ import msgpack
 from aiohttp import web
 
 from broadcast.manifest import BroadcastError
-from broadcast.transport import PREFIX, Refused, Transport, bearer, check_pull_header, http_url, read_header
+from broadcast.tickets import LEARNER
+from broadcast.transport import PREFIX, Hop, Refused, Transport, bearer, check_pull_header, http_url, read_header
 
 if TYPE_CHECKING:
     from broadcast.node import Node
@@ -65,9 +66,10 @@ class HttpTransport(Transport):
         """Every request presents the node's read ticket, as renewed now."""
         return {"Authorization": f"Bearer {self.node.read_token}"} if self.node.read_token else {}
 
-    async def push(self, url: str, body: Any) -> tuple[int, str]:
+    async def push(self, url: str, body: Any, ticket: str | None = None) -> tuple[int, str]:
+        read = {"Authorization": f"Bearer {ticket}"} if ticket else self._read()
         async with self._session.post(f"{url}{PREFIX}/push", data=body,
-                                      headers={"Content-Type": "application/octet-stream", **self._read()}) as resp:
+                                      headers={"Content-Type": "application/octet-stream", **read}) as resp:
             return resp.status, (await resp.text())[:300]
 
     @contextlib.asynccontextmanager
@@ -100,9 +102,20 @@ class HttpTransport(Transport):
                 web.get(PREFIX + "/manifest/{key}", self._handle_manifest, allow_head=False)]
 
     async def _handle_push(self, request: web.Request) -> web.StreamResponse:
-        # Plain HTTP authenticates nobody: the sender named in the stream is not checked here.
-        self.node.require_read(bearer(request))  # a `Refused` is answered by the node's middleware
-        status, text = await self.node.accept_push(request.content, peer=request.remote, identity=None)
+        # Plain HTTP proves no peer; the read ticket names one. Any holder's push, claiming to come
+        # from the source, was taken by a relay not yet receiving that version: a stranger could
+        # trickle it and hold the relay off the version (its parent's push then 409), or take the
+        # relay's receipt (an API-only tester, 2026-11-29).
+        holder = self.node.require_read(bearer(request))  # a `Refused` is answered by the node's middleware
+
+        def identity(sender: Hop, route: Any) -> str | None:
+            """Why the ticket's holder is not the sender the signed route names, or None."""
+            expected = LEARNER if sender.id == route.source.id else sender.id
+            if holder is None or holder == expected:  # None: a node that checks no tickets
+                return None
+            return f"the push's read ticket is {holder[:64]!r}'s, but the route names {sender.id[:64]!r} as its sender"
+
+        status, text = await self.node.accept_push(request.content, peer=request.remote, identity=identity)
         if status == 200:
             return web.json_response(text=text)
         if status == 409:

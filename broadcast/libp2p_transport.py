@@ -731,7 +731,7 @@ class Libp2pTransport(Transport):
         return serve
 
     # -- client half -----------------------------------------------------------------------------
-    async def push(self, url: str, body: Any) -> tuple[int, str]:
+    async def push(self, url: str, body: Any, ticket: str | None = None) -> tuple[int, str]:
         """Write the body, half-close, read the one reply frame. The reply is read while writing,
         as aiohttp does: a child that already has the version (409) or refuses the stream answers
         at once, and the rest of the body is not sent."""

@@ -321,7 +321,7 @@ class Node:
         t0 = time.monotonic()
         try:
             transport = await self.transport_for(child.url)
-            status, text = await guard.run(transport.push(child.url, body()))
+            status, text = await guard.run(transport.push(child.url, body(), ticket=self.push_ticket(child.id)))
         except Exception as e:  # noqa: BLE001 - connection errors, stalls, body-generator errors
             status, text = 0, f"{type(e).__name__}: {e}"
         if status != 200:  # reported as a push without a receipt: a child that refused it and then
@@ -384,6 +384,10 @@ class Node:
 
     async def accept_push(self, reader: Any, peer: str | None, identity: Any) -> tuple[int, str]:
         return 404, f"{self.id} does not accept pushes"
+
+    def push_ticket(self, child: str) -> str | None:
+        """The read ticket presented on a push to node `child`: this node's own."""
+        return self.read_token
 
     def require_read(self, presented: str | None) -> str | None:
         """Refuse (401) a request for this node's versions without a valid read ticket of the run;

@@ -108,7 +108,7 @@ class Relay(Node):
         super().__init__(node_id, **kwargs)
         self.verify_key = verify_key
         if self.read_token:  # a relay of a guarded run serves the run's ticket holders only
-            self.readers = Readers(verify_key)
+            self.readers = Readers(verify_key, me=self.id)
         self.on_complete = on_complete
         self.down = TokenBucket(down_rate) if down_rate else None
         self.max_source_retries = max_source_retries

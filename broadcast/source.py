@@ -22,7 +22,7 @@ from broadcast.planner import Plan
 from broadcast.route import Route, SignedRoute, chunk_spans, route_for, sign_route
 from broadcast.signing import SignedManifest, SigningKey, sign_manifest
 from broadcast.store import VersionStore
-from broadcast.tickets import Readers
+from broadcast.tickets import LEARNER, Readers, issue
 from broadcast.transport import PREFIX, Hop, bearer
 
 FEED_WAIT_S = 20.0  # how long one long poll of the route feed waits for a route
@@ -41,11 +41,18 @@ class Source(Node):
         self.signing_key = signing_key
         self.verify_key = signing_key.public_key()
         if self.read_token:  # guarded: the learner revokes a quarantined worker here (readers.revoke)
-            self.readers = Readers(self.verify_key)
+            self.readers = Readers(self.verify_key, me=self.id)
         self._feed: deque[tuple[int, SignedManifest, SignedRoute]] = deque(maxlen=FEED_KEEP)
         self._seq = 0
         self._feed_changed: asyncio.Condition | None = None
         self._closing = False
+
+    def push_ticket(self, child: str) -> str | None:
+        """A ticket good at `child` only (`broadcast.tickets`): the learner's own would read the
+        weights here for any relay that copied it from a push."""
+        if not self.read_token:
+            return None
+        return issue(self.signing_key, LEARNER, audience=child)
 
     async def stop(self) -> None:
         self._closing = True  # long polls of the route feed answer now, so the server can close

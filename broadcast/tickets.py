@@ -9,7 +9,10 @@ for the relays' clocks). A run-wide shared secret could not be taken back from a
 
 Wire form: `<base64url payload>.<base64url signature>`, payload the JSON `{"h": holder, "u":
 expiry}` (unix seconds), signed in the `echo-ticket-v1` context, so it can never pass for a
-manifest or a route.
+manifest or a route. The tickets the learner's source presents on its pushes also name their
+audience (`"a"`, the relay pushed to) and are good at that node only: a relay reads the ticket
+of every push it is sent, and the source's own, holder "learner" and charged to no worker, read
+the weights at the source for anyone who copied it from a push (an API-only tester, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ TICKET_CONTEXT = b"echo-ticket-v1\0"
 TICKET_S = 600.0
 #: How far a relay's clock may run behind or ahead of the learner's.
 SKEW_S = 120.0
+LEARNER = "learner"  # the holder of the tickets the learner's own nodes present
 MAX_TICKET = 512  # characters; a holder id is at most 128
 _VALID_KEEP = 4096  # verified tickets remembered, so a pull of many ranges costs one verification
 
@@ -41,10 +45,13 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def issue(key: SigningKey, holder: str, *, lifetime: float = TICKET_S, now: float | None = None) -> str:
-    """A ticket for `holder`, valid for `lifetime` seconds from `now` (the learner's clock)."""
+def issue(key: SigningKey, holder: str, *, lifetime: float = TICKET_S, now: float | None = None,
+          audience: str | None = None) -> str:
+    """A ticket for `holder`, valid for `lifetime` seconds from `now` (the learner's clock), at
+    every node of the run or, with `audience`, at the node of that id only."""
     until = (time.time() if now is None else now) + lifetime
-    payload = json.dumps({"h": holder, "u": round(until, 3)}, separators=(",", ":")).encode()
+    fields = {"h": holder, "u": round(until, 3), **({"a": audience} if audience is not None else {})}
+    payload = json.dumps(fields, separators=(",", ":")).encode()
     return f"{_b64(payload)}.{_b64(key.sign(payload, TICKET_CONTEXT))}"
 
 
@@ -52,8 +59,9 @@ class Readers:
     """The check a node runs on every request for its versions: a ticket of this run, unexpired,
     whose holder has not been revoked here."""
 
-    def __init__(self, key: VerifyKey, *, clock: Callable[[], float] = time.time, skew: float = SKEW_S) -> None:
-        self.key, self.clock, self.skew = key, clock, skew
+    def __init__(self, key: VerifyKey, *, me: str | None = None, clock: Callable[[], float] = time.time,
+                 skew: float = SKEW_S) -> None:
+        self.key, self.me, self.clock, self.skew = key, me, clock, skew  # me: this node's id (a ticket's audience)
         self.revoked: OrderedDict[str, tuple[float, str]] = OrderedDict()  # holder -> (when, why), oldest first
         self._valid: OrderedDict[str, tuple[str, float]] = OrderedDict()  # ticket -> (holder, expiry)
 
@@ -98,11 +106,14 @@ class Readers:
             payload = _unb64(body)
             self.key.verify(payload, _unb64(signature), TICKET_CONTEXT)
             fields = json.loads(payload)
-            holder, until = fields["h"], float(fields["u"])
-        except (SignatureError, binascii.Error, ValueError, TypeError, KeyError):
+            holder, until, audience = fields["h"], float(fields["u"]), fields.get("a")
+        except (SignatureError, binascii.Error, ValueError, TypeError, KeyError, AttributeError):
             raise _wrong_ticket() from None
         if not isinstance(holder, str):
             raise _wrong_ticket()
+        if audience is not None and audience != self.me:
+            raise Refused(401, f"a read ticket for {str(audience)[:64]!r} only, not for this node: the tickets the "
+                               "learner's source presents on its pushes are good at the relay pushed to")
         return holder, until
 
 

@@ -292,8 +292,9 @@ class Transport:
     async def stop(self) -> None:
         """Close connections and listeners."""
 
-    async def push(self, url: str, body: Any) -> tuple[int, str]:
-        """Send a push stream (`body`: async iterator of bytes) to `url`; (status, reply text)."""
+    async def push(self, url: str, body: Any, ticket: str | None = None) -> tuple[int, str]:
+        """Send a push stream (`body`: async iterator of bytes) to `url`, presenting `ticket` where
+        the transport authenticates by read ticket; (status, reply text)."""
         raise NotImplementedError
 
     def pull(self, url: str, key: str, start: int, end: int) -> Any:

@@ -42,7 +42,7 @@ from broadcast.route import Route
 from broadcast.signing import SigningKey
 from broadcast.source import Source
 from broadcast.star import BlobStore
-from broadcast.tickets import TICKET_S, TicketOffice
+from broadcast.tickets import LEARNER, TICKET_S, TicketOffice
 from broadcast.tickets import issue as issue_ticket
 from broadcast.transport import Hop
 from echo.protocol import Announcement, BroadcastInfo, PlanBrief, PushAnnouncement
@@ -118,9 +118,10 @@ class ChainPublisher(StarPublisher):
         key = SigningKey.load_or_generate(self.key_file)
         self.public_key = key.public_key().to_text()
         # The source guards the versions with read tickets: each worker gets its own at join and
-        # in heartbeat replies (the registry's `tickets`), the source presents the learner's.
+        # in heartbeat replies (the registry's `tickets`); on its pushes the source presents one
+        # good at the relay pushed to only (`Source.push_ticket`).
         self.source = Source(key, host=self.host, port=0, up_rate=self.links.uplink.rate,
-                             read_token=issue_ticket(key, "learner"), connection_limits=self.connection_limits)
+                             read_token=issue_ticket(key, LEARNER), connection_limits=self.connection_limits)
         assert self.source.readers is not None
         self.source.readers.skew = 0.0  # the source's clock is the one that issued them
         self.tickets = TicketOffice(key, self.source.readers, lifetime=self.ticket_s)
@@ -134,7 +135,6 @@ class ChainPublisher(StarPublisher):
         """Publish `version` and start pushing it; returns what to announce to workers."""
         star = await super().publish(version, blob, workers)
         assert self.source is not None and self.tickets is not None, "start() the publisher first"
-        self.source.read_token = self.tickets.issue("learner")  # fresh for this version's pushes
         for worker, until in self.forwarding.settle(version):
             log.warning("%s: children it was to forward to pulled from the learner instead; it is a leaf "
                         "(forwards to nobody) until v%d", worker, until)

@@ -13,10 +13,11 @@ import pytest
 
 from broadcast.http_transport import PREFIX
 from broadcast.relay import Relay
+from broadcast.route import route_for, sign_route
 from broadcast.signing import SigningKey
 from broadcast.source import Source
 from broadcast.tickets import SKEW_S, TICKET_S, Readers, TicketOffice, issue
-from broadcast.transport import Hop, Refused
+from broadcast.transport import Hop, Refused, frame_header
 
 KEY = SigningKey.generate()
 
@@ -127,6 +128,82 @@ def test_a_ticket_is_checked_by_signature_holder_and_expiry():
     now[0] += 2
     with pytest.raises(Refused, match="expired"):
         readers.holder(good)
+
+
+def test_a_ticket_naming_its_audience_is_good_at_that_node_only():
+    readers = {me: Readers(KEY.public_key(), me=me) for me in ("source", "a", "b")}
+    ticket = issue(KEY, "learner", audience="a")
+    assert readers["a"].holder(ticket) == "learner"
+    for me in ("source", "b"):
+        with pytest.raises(Refused, match="for 'a' only") as refused:
+            readers[me].holder(ticket)
+        assert refused.value.status == 401
+
+
+def test_the_ticket_the_source_pushes_with_reads_nothing_but_at_the_relay_it_was_pushed_to():
+    """The source presented the learner's own ticket on every push: the relay's operator copied
+    it and pulled whole versions at the source with it (charged to no worker, so no quarantine
+    ended it), and read every relay's status (an API-only tester, 2026-11-29)."""
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        await src.publish(os.urandom(1 << 18), 1, chunk_size=64 << 10)
+        a, b = (Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("a", "b"))
+        for node in (a, b):
+            await node.start()
+        try:
+            assert await src.push("v1", [[a.hop]]) == [True]  # a takes the push and its ticket
+            copied = src.push_ticket("a")
+            out = {"pull at the source": await fetch(b, src.url, copied)}
+            async with aiohttp.ClientSession() as session:
+                for name, node in (("status at b", b), ("status at a", a)):
+                    async with session.get(node.url + f"{PREFIX}/status",
+                                           headers={"Authorization": f"Bearer {copied}"}) as resp:
+                        out[name] = resp.status
+            return out
+        finally:
+            for node in (b, a):
+                await node.stop()
+            await src.stop()
+
+    assert asyncio.run(run()) == {"pull at the source": 401, "status at b": 401, "status at a": 200}
+
+
+def test_a_push_whose_ticket_is_not_the_routes_sender_is_refused_and_the_relay_pulls_from_its_parent():
+    """A third worker with a ticket of its own pushed a version's genuine header to an honest
+    relay, claiming to be the source: the relay took it, the trickle that followed held it off
+    the version for 26-40 s, the source's real push was answered 409 (already receiving), and
+    the relay skipped the version (an API-only tester, 2026-11-29). The ticket now has to be the
+    sender's the route names; the relay answers at once and pulls from its route parent."""
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        await src.publish(os.urandom(1 << 18), 1, chunk_size=64 << 10)
+        a = Relay("a", KEY.public_key(), read_token=issue(KEY, "a"), stall_timeout=3)
+        await a.start()
+        store = src.stores["v1"]
+        route = sign_route(KEY, route_for(store.manifest, src.hop, [[a.hop]]))
+        header = frame_header({"manifest": store.manifest_wire, "route": route.to_wire(), "from": src.id, "tree": 0})
+
+        async def trickle():
+            yield header
+            await asyncio.sleep(30)  # then nothing: the hold
+
+        try:
+            async with aiohttp.ClientSession() as session:
+                start = time.monotonic()
+                async with session.post(a.url + f"{PREFIX}/push", data=trickle(),
+                                        headers={"Authorization": f"Bearer {issue(KEY, 'x')}"}) as resp:
+                    answer = resp.status, await resp.text(), time.monotonic() - start
+            await asyncio.wait_for(a.wait("v1"), 10)
+            return answer, time.monotonic() - start
+        finally:
+            await a.stop()
+            await src.stop()
+
+    (status, text, answered_s), whole_s = asyncio.run(run())
+    assert status == 409 and "'x''s, but the route names 'source'" in text, text
+    assert answered_s < 2 and whole_s < 5, (answered_s, whole_s)
 
 
 def test_a_revoked_holder_is_refused_until_every_ticket_it_could_hold_has_expired_then_forgotten():
