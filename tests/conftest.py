@@ -107,13 +107,21 @@ def write_config(path: Path, model: Path, run_dir: Path, **sections: dict) -> Pa
     return path
 
 
+def sigint_as_at_a_terminal() -> None:
+    """A `preexec_fn`: SIGINT at its default, as for a learner started from a terminal. A suite
+    started in the background (`make test-slow &`) has SIGINT ignored, and its children inherit
+    that: the two-rank SIGINT test failed there only."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class LearnerProcess:
     def __init__(self, config: Path, run_root: Path, token: str = "test-token-0123456789"):
         self.token = token
         self.run_root = run_root
         self.log = open(run_root.parent / "learner.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "learner.main", "--config", str(config), "--json"],
-                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=WATCHED)
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=WATCHED,
+                                     preexec_fn=sigint_as_at_a_terminal)
         deadline = time.monotonic() + 60
         while not list(run_root.glob("*/url")):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -510,7 +510,7 @@ def test_a_two_rank_learner_killed_twice_applies_exactly_its_steps_and_nothing_o
     import sys
     import time
 
-    from conftest import ROOT, WATCHED
+    from conftest import ROOT, WATCHED, sigint_as_at_a_terminal
 
     steps, lr, floor = 9, 3e-4, 0.1
     lp = learner_factory(run={"steps": steps, "nproc": 2, "checkpoint_every": 3},
@@ -538,7 +538,8 @@ def test_a_two_rank_learner_killed_twice_applies_exactly_its_steps_and_nothing_o
         assert "Traceback" not in out, out[-3000:]
         log = open(lp.run_dir.parent / f"resume{crash}.log", "w")
         launcher = subprocess.Popen([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--json"],
-                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=WATCHED)
+                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=WATCHED,
+                                    preexec_fn=sigint_as_at_a_terminal)
         lp.proc = launcher
     assert launcher.wait(300) == 0, (lp.run_dir.parent / "resume1.log").read_text()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
