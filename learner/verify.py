@@ -574,9 +574,17 @@ class Rescorer:
                 tokens = np.asarray(tokens).tolist()  # the environment compares and slices lists
                 mask = g.masks[k] if g.masks is not None else [1] * len(tokens)
                 truth = self.episodes.replay(g.prompt, tokens, mask)
-                flags.append(abs(g.rewards[k] - truth.reward) > self.tolerance or not truth.ok)
-                if not truth.ok:
-                    out.forged.append(f"{g.prompt_id}: {truth.problem}")
+                problem = truth.problem
+                if truth.ok and k < len(g.truncated):
+                    # The flag only counts episodes cut (`truncated` in the run log), but a claim is
+                    # checked where it can be: a tester's 32 whole episodes flagged cut were taken.
+                    if g.truncated[k] != truth.truncated:
+                        problem = ("the episode is marked cut, but no budget cut it" if g.truncated[k] else
+                                   "the budget cut the episode, but it is not marked cut")
+                    g.truncated[k] = truth.truncated
+                flags.append(abs(g.rewards[k] - truth.reward) > self.tolerance or bool(problem))
+                if problem:
+                    out.forged.append(f"{g.prompt_id}: {problem}")
                 g.rewards[k] = truth.reward
             out.mismatches.append(flags)
         return out

@@ -132,6 +132,13 @@ def test_replay_catches_a_forged_observation_a_forged_return_and_a_false_cut(cha
                                        rewards=[0.0])])
     assert cut.forged and "goes on" in cut.forged[0]
 
+    # A whole episode marked cut (or a cut one not marked): a tester's 32 whole poker episodes
+    # flagged truncated were taken, and counted as cut in the run log (2026-11-29).
+    flipped = dataclasses.replace(g, truncated=[not t for t in g.truncated])
+    marked = rescore([flipped])
+    assert len(marked.forged) == len(g.completions) and all("marked cut" in f for f in marked.forged)
+    assert flipped.truncated == g.truncated  # the learner's count, not the worker's
+
 
 def test_a_scripted_calculator_episode_replays_to_its_return(chat_model):
     trainer = _trainer(chat_model, "--rollout.max_new_tokens", "24")
