@@ -34,7 +34,8 @@ The evidence, kept per worker:
   z = Σ(u − ½) / √Σ variance is a standard normal (`echo.hf.rank_terms`; each token moves it by
   at most ½, where the surprisal it replaced had heavy tails under a stale snapshot). A worker
   is judged on z beyond the fleet's own at the groups' staleness (the drift of a
-  stale version, and the engines' numerics, are the fleet's too, voted on the same way): past
+  stale version, and the engines' numerics, are the fleet's too, voted on the same way, and
+  that drift's own error counts: a slow voter's few tokens are a noisy reference): past
   `max_token_z` it chose its tokens (z < 0: likelier than sampling, such as greedy; z > 0: a
   phrase π would rarely say), and past `max_outside_nucleus` of its tokens outside π's top-p
   nucleus, which sampling never gives: counted on groups of the learner's own version only,
@@ -114,14 +115,20 @@ class Evidence:
         return self.uploads_latest()[1]
     claims_clamped: int = 0
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
-    # the learner's own version, where a sampled token never lies outside π's nucleus)
+    # the learner's own version, where a sampled token never lies outside π's nucleus, and the
+    # standard error of the fleet's Σ over its tokens: inside × the drift's, `Drift.reference`)
     token_checks: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
     tokens_unjudged: int = 0  # in stale groups the token check had no stale reference for (`Drift.at` None)
 
     @property
     def token_z(self) -> float:
-        """How many standard deviations its recent tokens' ranks lie from sampling's."""
-        variance = sum(c[1] for c in self.token_checks)
+        """How many standard deviations its recent tokens' ranks lie from sampling's, beyond the
+        fleet's: the fleet's drift is a measurement too, and its error, the same over the window
+        (the voters' recent groups overlap it), is added whole. Without it, the fastest worker's
+        513 tokens held to one slow voter's 8 read as −14.8 (its tokens' own z stayed within
+        ±2.1 over 2,600 batches); a slow voter's few tokens set the drift the fastest worker is
+        held to at every S = 1 step (2026-11-29)."""
+        variance = sum(c[1] for c in self.token_checks) + sum(c[5] for c in self.token_checks) ** 2
         return sum(c[0] for c in self.token_checks) / variance ** 0.5 if variance > 0 else 0.0
 
     @property
@@ -250,26 +257,34 @@ class Drift:
         the same weights' numerics)."""
         return self.reference(staleness, excluding, standing)[0]
 
-    def reference(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> tuple[float | None, bool]:
-        """`at`'s drift, and whether only workers of `standing` voted on it (a worker not yet
-        judged, a forger among them, may have set a drift that is not)."""
+    def reference(self, staleness: int, excluding: str | set = "", standing: set = frozenset()
+                  ) -> tuple[float | None, bool, float]:
+        """`at`'s drift, whether only workers of `standing` voted on it (a worker not yet judged, a
+        forger among them, may have set a drift that is not), and its error variance per token
+        (the model variance of the median voter's mean: `variance` as added). A fresh level
+        within two standard errors of 0 is 0, without error: the same weights on both sides say
+        so, where one slow voter's few tokens would only add their noise."""
         staleness = min(staleness, MAX_DRIFT_STALENESS)
         found = self._reference(staleness, excluding, standing)
         if found is None:
-            return (0.0 if staleness == 0 else None), False
-        k, level = found
-        return (level * staleness / k if k > 0 else level), self._tally(k, standing)[1]
+            return (0.0 if staleness == 0 else None), False, 0.0
+        k, level, error = found
+        if k == 0 and level * level <= 4.0 * error:
+            return 0.0, self._tally(k, standing)[1], 0.0
+        scale = staleness / k if k > 0 else 1.0
+        return level * scale, self._tally(k, standing)[1], error * scale * scale
 
-    def _reference(self, staleness: int, excluding, standing) -> tuple[int, float] | None:
-        """The staleness whose votes stand in for `staleness`'s, and their level: itself, else the
-        nearest lower stale one, else the nearest higher one; a fresh group's only its own."""
+    def _reference(self, staleness: int, excluding, standing) -> tuple[int, float, float] | None:
+        """The staleness whose votes stand in for `staleness`'s, their level and its error
+        variance: itself, else the nearest lower stale one, else the nearest higher one; a fresh
+        group's only its own."""
         if staleness == 0:
             order = [0] if self._first == 0 else []
         else:
             order = [*range(staleness, 0, -1), *range(staleness + 1, max(self._recent, default=0) + 1)]
         for k in order:
-            if (level := self._level(self._votes(k, excluding, standing))) is not None:
-                return k, level
+            if (found := self._median_vote(self._votes(k, excluding, standing))) is not None:
+                return k, *found
         return None
 
     def spread(self, staleness: int, excluding: str | set = "", standing: set = frozenset()) -> float | None:
@@ -303,6 +318,14 @@ class Drift:
     @staticmethod
     def _level(votes: list[list[float]]) -> float | None:
         return _median([total / tokens for total, tokens, *_ in votes]) if votes else None
+
+    @staticmethod
+    def _median_vote(votes: list[list[float]]) -> tuple[float, float] | None:
+        """The median voter's per-token mean (`_level`) and its model variance, Σ variance / tokens²."""
+        if not votes:
+            return None
+        total, tokens, *_, variance, _ = sorted(votes, key=lambda v: v[0] / v[1])[len(votes) // 2]
+        return total / tokens, variance / (tokens * tokens)
 
     def _heard(self, staleness: int) -> list[tuple]:
         """The groups at `staleness` recent enough to vote (those of long ago, when the drift was another, do not)."""
@@ -343,8 +366,9 @@ class _Check:
 
     drift: Drift
     tokens: Callable[[tuple], int]  # the tokens a group's Σ is over: its per-token value in the drift is Σ / tokens
-    # a group's evidence beyond the drift there (its spread; whether only workers of standing set that drift), into a worker's
-    add: Callable[[Evidence, tuple, float, float, bool], None]
+    # a group's evidence beyond the drift there (its spread; whether only workers of standing set that drift;
+    # the drift's error variance per token), into a worker's
+    add: Callable[[Evidence, tuple, float, float, bool, float], None]
     enough: Callable[[Evidence], bool]  # enough of a worker's work checked to judge it (and, passing, to vote)
     verdict: Callable[[str, Evidence], Verdict | None]  # on enough evidence: dishonest?
     variance: Callable[[tuple], float]  # a group's model variance (0: none; the drift's spread is not measured)
@@ -458,19 +482,19 @@ class Verifier:
             if worker_id not in evidence:
                 evidence[worker_id] = self._of(worker_id) if record else (self.evidence.get(worker_id) or Evidence()).copy()
             others = unheard | {worker_id}
-            drift, by_standing = check.drift.reference(staleness, others, voting)
+            drift, by_standing, error = check.drift.reference(staleness, others, voting)
             spread = check.drift.spread(staleness, others, voting) if check.variance(group) else 1.0
             if (drift is None or (spread is None and record)) and check.needs_reference:
                 evidence[worker_id].tokens_unjudged += int(group[4] + group[5])  # the token check's: inside, outside
                 continue
-            check.add(evidence[worker_id], group, drift or 0.0, spread or 1.0, by_standing)
+            check.add(evidence[worker_id], group, drift or 0.0, spread or 1.0, by_standing, error)
         return [v for w, ev in evidence.items() if (v := self._verdict(check, w, ev)) is not None]
 
     @staticmethod
     def _verdict(check: _Check, worker_id: str, ev: Evidence) -> Verdict | None:
         return check.verdict(worker_id, ev) if check.enough(ev) else None
 
-    def _add_gap(self, ev: Evidence, group: tuple, drift: float, spread: float, by_standing: bool) -> None:
+    def _add_gap(self, ev: Evidence, group: tuple, drift: float, spread: float, by_standing: bool, error: float) -> None:
         """A group below the drift is credit (`Evidence.mean_gap`) only against a drift that workers
         of standing set: two forgers not yet judged, 47 and 1e30 nats/token off, made a drift of 47
         that gave their partner at 4 credit enough to pass for the whole window."""
@@ -487,9 +511,11 @@ class Verifier:
                        f"per token beyond the fleet's drift at their staleness, on its last {ev.recent_gap_tokens} "
                        f"tokens (allowed {self.cfg.max_logprob_gap})")
 
-    def _add_tokens(self, ev: Evidence, group: tuple, drift: float, spread: float, by_standing: bool) -> None:
+    def _add_tokens(self, ev: Evidence, group: tuple, drift: float, spread: float, by_standing: bool,
+                    error: float) -> None:
         _, staleness, excess, variance, inside, outside = group
-        ev.token_checks.append((excess - inside * drift, variance * spread, int(inside), int(outside), staleness == 0))
+        ev.token_checks.append((excess - inside * drift, variance * spread, int(inside), int(outside), staleness == 0,
+                                inside * (error * spread) ** 0.5))
 
     def _token_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
         if abs(ev.token_z) > self.cfg.max_token_z:

@@ -174,12 +174,10 @@ def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, 
     and the learner never waits long for a batch. `make test` runs 10 s, `make test-slow` 10 min."""
     import time
 
-    # The token check twice quarantined the fastest honest worker here on 2026-11-29 (z +9.4 at v17
-    # in a fresh-clone CI's 10 s; -8.4 after ~4,000 updates in the 10 minutes), unexplained and
-    # listed as open in docs/untrusted-workers.md. What this test asserts is the lease flow, so
-    # the 10 s run (the default suite) holds the check to z 16; the 10 minutes keep the default 8.
-    verify = {"max_token_z": 16.0} if seconds < 60 else {}
-    lp = learner_factory(run={"steps": 1_000_000}, buffer={"max_staleness": 1}, verify=verify)
+    # The token check's defaults hold here: the fastest honest worker, held to a slow voter's
+    # few tokens, was quarantined by that voter's noise twice on 2026-11-29 (the drift's error is
+    # counted now: test_a_fast_worker_is_not_read_as_choosing_its_tokens_by_a_slow_voters_noise).
+    lp = learner_factory(run={"steps": 1_000_000}, buffer={"max_staleness": 1})
     for name, rate in (("a", 200), ("b", 50), ("c", 12), ("d", 4)):
         lp.worker(name, "--worker.max_rollouts_per_s", str(rate))
     lp.wait_until(lambda: lp.status()["learner_version"] >= 1, 90, "the first update")
@@ -199,6 +197,7 @@ def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, 
     assert all(w["alive"] for w in st["workers"])  # ...and every worker kept working
     records = lp.records()
     assert all(0 <= x <= 1 for r in records for x in r["staleness"])
+    assert st["quarantined"] == []  # no honest worker read as dishonest (the token check twice did)
 
 
 @pytest.mark.slow  # ~50 s; a resumed run in `make test`: test_untrusted (killed mid-run, resumed, "already finished")
