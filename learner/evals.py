@@ -40,6 +40,8 @@ class EvalResult:
     restarts: int
     answers: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # prompt id -> (worker, completion)
     scores: dict[str, float] = field(default_factory=dict)  # prompt id -> the learner's reward
+    answered_by: frozenset[str] = frozenset()  # the workers whose answers it holds (`workers` of them)
+    opened: float | None = None  # when the round was first opened (a re-asked round goes on from it)
 
 
 @dataclass
@@ -85,10 +87,15 @@ class EvalBook:
         self.round = _Round(version, now, deque(self.prompts), restarts=restarts)
         self.abandoned = None
 
-    def reask(self, version: int, prompt_ids: list[str], verified: dict[str, float], now: float) -> None:
-        """Ask `version`'s round again for `prompt_ids` (answers found forged), keeping the
-        `verified` scores of the rest: the round's result then covers every prompt again."""
-        self.round = _Round(version, now, deque(prompt_ids), rewards=dict(verified))
+    def reask(self, result: EvalResult, prompt_ids: list[str], verified: dict[str, float],
+              answered_by: set[str], now: float) -> None:
+        """Ask `result`'s round again for `prompt_ids` (answers found forged), keeping the
+        `verified` scores of the rest, the workers `answered_by` whose answers those are, and the
+        round's opening time and restarts: its result then covers every prompt again, and says who
+        answered it and how long it took (it said "on 1 worker", the re-asked prompts' one, where
+        three had answered)."""
+        self.round = _Round(result.version, now if result.opened is None else result.opened, deque(prompt_ids),
+                            rewards=dict(verified), workers=set(answered_by), restarts=result.restarts)
 
     def wants_newer(self, worker_version: int, installable: int) -> bool:
         """Does the open round need answers of a version newer than `worker_version`, one the
@@ -137,7 +144,7 @@ class EvalBook:
         if len(r.rewards) < len(self.prompts):
             return None
         result = EvalResult(r.version, sum(r.rewards.values()) / len(r.rewards), len(r.rewards), now - r.opened,
-                            len(r.workers), r.restarts, dict(r.answers), dict(r.rewards))
+                            len(r.workers), r.restarts, dict(r.answers), dict(r.rewards), frozenset(r.workers), r.opened)
         self.round = None
         return result
 

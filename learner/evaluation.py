@@ -194,7 +194,7 @@ class WorkerEvaluation(Evaluation):
         if forged and self.reasks < REASKS and self.book.round is None:
             # An accuracy over fewer prompts is another eval set's: the forged ones go to the others.
             self.reasks += 1
-            self.book.reask(result.version, sorted(forged), verified, time.monotonic())
+            self.book.reask(result, sorted(forged), verified, set(result.answered_by) - set(by_worker), time.monotonic())
             self.parts.note(f"eval v{result.version}: {len(forged)} forged answers asked again of other workers")
             self.parts.changed()
             return

@@ -5,7 +5,7 @@ import pytest
 
 from echo.tasks import Prompt
 from echo.wire import Rejected
-from learner.evals import EvalBook
+from learner.evals import EvalBook, EvalResult
 
 PROMPTS = [Prompt(f"e{i}", f"{i}+1=", str(i + 1)) for i in range(10)]
 
@@ -79,9 +79,14 @@ def test_a_worker_holds_one_eval_lease_at_a_time_and_not_past_its_lifetime():
 
 def test_forged_answers_are_asked_again_and_the_result_covers_every_prompt():
     book = EvalBook(PROMPTS[:4], ttl=5.0, per_lease=4)
-    book.reask(2, ["e1", "e3"], {"e0": 1.0, "e2": 0.0}, now=0.0)  # e1, e3 were forged; e0, e2 checked
+    first = EvalResult(2, 0.5, 4, 3.0, 3, 1, answered_by=frozenset({"a", "b", "liar"}), opened=-3.0)
+    # e1, e3 were forged by "liar"; e0, e2 checked, answered by "a" and "b"
+    book.reask(first, ["e1", "e3"], {"e0": 1.0, "e2": 0.0}, {"a", "b"}, now=0.0)
     lid, version, got = book.lease("honest", worker_version=2, max_prompts=8, now=0.0)
     assert version == 2 and [p.id for p in got] == ["e1", "e3"]
     result = book.submit("honest", lid, 2, {"e1": 1.0, "e3": 1.0}, now=1.0, completions={"e1": [5], "e3": [6]})
     assert result.prompts == 4 and result.accuracy == 0.75
     assert set(result.answers) == {"e1", "e3"}  # only the new answers are left to check
+    # the whole round's workers and time (it said "on 1 worker" in 1 s), its restarts kept
+    assert result.answered_by == {"a", "b", "honest"} and result.workers == 3
+    assert result.seconds == 4.0 and result.restarts == 1
