@@ -106,9 +106,12 @@ def parse(model: type[Message], data: Any) -> Message:
 def parse_json(model: type[Message], raw: bytes) -> Message:
     """Parse and validate a JSON body in one pass (pydantic's parser: bounded nesting, no Python
     object for what the model does not keep); an empty body is `{}`. Every failure, a
-    100,000-deep array included, is a ProtocolError, never a RecursionError."""
+    100,000-deep array included, is a ProtocolError, never a RecursionError. Strict: a number is
+    a number (`"8"`, `true` and `8.0` are no integer, `"1.5"` no float; an integer is a float),
+    as every honest client sends it. Of a repeated key the last is taken: one parser reads the
+    body, so no two readers can disagree on it."""
     try:
-        return model.model_validate_json(raw or b"{}")
+        return model.model_validate_json(raw or b"{}", strict=True)
     except ValidationError as e:
         raise _protocol_error(model, e) from None
 

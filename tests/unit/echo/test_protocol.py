@@ -83,6 +83,16 @@ def test_any_bad_json_body_is_a_protocol_error(raw):
 def test_a_json_body_parses_as_its_model():
     assert P.parse_json(P.Report, b'{"name": "w1", "rollouts_per_s": 2.5}').name == "w1"
     assert P.parse_json(P.LeaseRequest, b"").max_prompts == 1
+    assert P.parse_json(P.Report, b'{"rollouts_per_s": 2}').rollouts_per_s == 2.0  # an integer is a float
+
+
+@pytest.mark.parametrize("raw", [b'{"max_prompts": "8"}', b'{"max_prompts": true}', b'{"max_prompts": 8.0}',
+                                 b'{"max_prompts": 8.5}'])
+def test_a_number_is_a_number(raw):
+    """Lax mode took `"8"`, `true` and `8.0` for an integer (a tester, 2026-11-29): no honest
+    client sends them, and each is refused, naming the field."""
+    with pytest.raises(P.ProtocolError, match="max_prompts"):
+        P.parse_json(P.LeaseRequest, raw)
 
 
 @pytest.mark.parametrize("field", ["name", "gpu", "device", "engine"])
