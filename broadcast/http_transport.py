@@ -22,7 +22,7 @@ import msgpack
 from aiohttp import web
 
 from broadcast.manifest import BroadcastError
-from broadcast.tickets import LEARNER
+from broadcast.tickets import LEARNER, PROOF_HEADER, Proof, prove
 from broadcast.transport import PREFIX, Hop, Refused, Transport, bearer, check_pull_header, http_url, read_header
 
 if TYPE_CHECKING:
@@ -62,21 +62,30 @@ class HttpTransport(Transport):
         await self._session.close()
 
     # -- client half -----------------------------------------------------------------------------
-    def _read(self) -> dict[str, str]:
-        """Every request presents the node's read ticket, as renewed now."""
-        return {"Authorization": f"Bearer {self.node.read_token}"} if self.node.read_token else {}
+    def _read(self, proof: tuple[str, str, str] | None = None) -> dict[str, str]:
+        """Every request presents the node's read ticket, as renewed now; a pull or a push also
+        proves it is this node's (`proof`: the node it goes to, the method and the path)."""
+        if not self.node.read_token:
+            return {}
+        headers = {"Authorization": f"Bearer {self.node.read_token}"}
+        if proof is not None and proof[0] is not None and self.node.proof_key is not None:
+            headers[PROOF_HEADER] = prove(self.node.proof_key, *proof)
+        return headers
 
-    async def push(self, url: str, body: Any, ticket: str | None = None) -> tuple[int, str]:
-        read = {"Authorization": f"Bearer {ticket}"} if ticket else self._read()
+    async def push(self, url: str, body: Any, ticket: str | None = None, audience: str | None = None) -> tuple[int, str]:
+        # A ticket of this node's own is proven; one naming the child as its audience (the source's) needs no proof
+        own = not ticket or ticket == self.node.read_token
+        read = self._read((audience, "POST", PREFIX + "/push")) if own else {"Authorization": f"Bearer {ticket}"}
         async with self._session.post(f"{url}{PREFIX}/push", data=body,
                                       headers={"Content-Type": "application/octet-stream", **read}) as resp:
             return resp.status, (await resp.text())[:300]
 
     @contextlib.asynccontextmanager
-    async def pull(self, url: str, key: str, start: int, end: int) -> AsyncIterator[Any]:
+    async def pull(self, url: str, key: str, start: int, end: int, audience: str | None = None) -> AsyncIterator[Any]:
         # No read timeout here: the receiver's stall guard watches progress.
-        async with self._session.get(f"{url}{PREFIX}/chunks/{key}", params={"from": start, "to": end},
-                                     headers=self._read()) as resp:
+        path = f"{PREFIX}/chunks/{key}"
+        async with self._session.get(f"{url}{path}", params={"from": start, "to": end},
+                                     headers=self._read((audience, "GET", path))) as resp:
             if resp.status != 200:
                 raise Refused(resp.status, (await resp.text())[:200])
             check_pull_header(await read_header(resp.content), key, start)
@@ -101,12 +110,19 @@ class HttpTransport(Transport):
                 web.get(PREFIX + "/chunks/{key}", self._handle_chunks, allow_head=False),
                 web.get(PREFIX + "/manifest/{key}", self._handle_manifest, allow_head=False)]
 
+    @staticmethod
+    def _proof(request: web.Request, path: str) -> Proof:
+        """What `request` offers to prove its ticket is its sender's (`broadcast.tickets`): the
+        path as the route names it, whatever prefix the sender's URL had."""
+        return Proof(request.headers.get(PROOF_HEADER), request.method, path)
+
     async def _handle_push(self, request: web.Request) -> web.StreamResponse:
         # Plain HTTP proves no peer; the read ticket names one. Any holder's push, claiming to come
         # from the source, was taken by a relay not yet receiving that version: a stranger could
         # trickle it and hold the relay off the version (its parent's push then 409), or take the
         # relay's receipt (an API-only tester, 2026-11-29).
-        holder = self.node.require_read(bearer(request))  # a `Refused` is answered by the node's middleware
+        # a `Refused` is answered by the node's middleware
+        holder = self.node.require_read(bearer(request), self._proof(request, PREFIX + "/push"))
 
         def identity(sender: Hop, route: Any) -> str | None:
             """Why the ticket's holder is not the sender the signed route names, or None."""
@@ -136,7 +152,7 @@ class HttpTransport(Transport):
 
     async def _handle_chunks(self, request: web.Request) -> web.StreamResponse:
         q = request.query
-        holder = self.node.require_read(bearer(request))
+        holder = self.node.require_read(bearer(request), self._proof(request, f"{PREFIX}/chunks/{request.match_info['key']}"))
         store, start, end = await self.node.open_pull(request.match_info["key"], q.get("from", "0"), q.get("to"))
         self.node.pulled(store, holder, start, end)
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})

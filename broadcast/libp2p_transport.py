@@ -731,7 +731,7 @@ class Libp2pTransport(Transport):
         return serve
 
     # -- client half -----------------------------------------------------------------------------
-    async def push(self, url: str, body: Any, ticket: str | None = None) -> tuple[int, str]:
+    async def push(self, url: str, body: Any, ticket: str | None = None, audience: str | None = None) -> tuple[int, str]:
         """Write the body, half-close, read the one reply frame. The reply is read while writing,
         as aiohttp does: a child that already has the version (409) or refuses the stream answers
         at once, and the rest of the body is not sent."""
@@ -763,7 +763,7 @@ class Libp2pTransport(Transport):
                 stream.abort()
 
     @contextlib.asynccontextmanager
-    async def pull(self, url: str, key: str, start: int, end: int) -> Any:
+    async def pull(self, url: str, key: str, start: int, end: int, audience: str | None = None) -> Any:
         stream = await self._open(url, PULL_PROTOCOL)
         finished = False
         try:

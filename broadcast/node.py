@@ -34,7 +34,7 @@ from broadcast.receipts import RECEIPT_CHARS
 from broadcast.route import SignedRoute
 from broadcast.signing import SigningKey
 from broadcast.store import VersionGone, VersionStore
-from broadcast.tickets import Readers
+from broadcast.tickets import Proof, Readers
 from broadcast.transport import (
     ADVERTISED,
     PACED_PIECE,
@@ -95,7 +95,8 @@ class Node:
     its own requests and serves manifests, chunks, pushes and its status only to requests that
     present a valid ticket of the run (`readers`, set by `Source` and `Relay`, which hold the
     run's key): the weights reach no one without one. The holder renews it (`read_token` is read
-    at each request).
+    at each request). `proof_key`: the key a worker's ticket names (`broadcast.tickets.proof_key`),
+    with which its pulls and pushes over HTTP prove the ticket is its own.
     """
 
     # A request without a valid read ticket is answered this many seconds late, as a login
@@ -119,6 +120,7 @@ class Node:
         p2p_key: SigningKey | None = None,
         p2p_port: int = 0,
         read_token: str | None = None,
+        proof_key: SigningKey | None = None,
         connection_limits: Callable[[str], tuple[tuple[str, int], ...]] | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
@@ -127,6 +129,7 @@ class Node:
         self._advertised.check_available()
         self.id = node_id
         self.read_token = read_token or None
+        self.proof_key = proof_key
         self.connection_limits = connection_limits  # open connections per address (`ConnectionCap`); None: any
         self.readers: Readers | None = None  # set with the run's key by Source and Relay
         self.on_pull: Callable[[str, str, int, int], None] | None = None  # (key, ticket holder, chunks) of each pull served
@@ -321,7 +324,8 @@ class Node:
         t0 = time.monotonic()
         try:
             transport = await self.transport_for(child.url)
-            status, text = await guard.run(transport.push(child.url, body(), ticket=self.push_ticket(child.id)))
+            status, text = await guard.run(transport.push(child.url, body(), ticket=self.push_ticket(child.id),
+                                                          audience=child.id))
         except Exception as e:  # noqa: BLE001 - connection errors, stalls, body-generator errors
             status, text = 0, f"{type(e).__name__}: {e}"
         if status != 200:  # reported as a push without a receipt: a child that refused it and then
@@ -389,12 +393,13 @@ class Node:
         """The read ticket presented on a push to node `child`: this node's own."""
         return self.read_token
 
-    def require_read(self, presented: str | None) -> str | None:
-        """Refuse (401) a request for this node's versions without a valid read ticket of the run;
-        the ticket's holder (None where this node checks no tickets)."""
+    def require_read(self, presented: str | None, proof: Proof | None = None) -> str | None:
+        """Refuse (401) a request for this node's versions without a valid read ticket of the run,
+        or, with `proof` (a pull or a push over HTTP), without its holder's proof; the ticket's
+        holder (None where this node checks no tickets)."""
         if self.readers is not None:
             try:
-                return self.readers.holder(presented)
+                return self.readers.holder(presented, proof)
             except Refused as e:
                 raise Refused(401, f"{self.id}: {e.text}") from None
         return None

@@ -476,7 +476,7 @@ class Relay(Node):
                 self.emit("repair", key=store.key, via=hop.id, resume_from=resume, reason=reason)
             try:
                 transport = await self.transport_for(hop.url)
-                async with transport.pull(hop.url, store.key, resume, end) as reader:
+                async with transport.pull(hop.url, store.key, resume, end, audience=hop.id) as reader:
                     if await self._receive(store, reader, s, hop):
                         return
                 reason = store.last_failure

@@ -55,7 +55,7 @@ class ChunkCorrupt(BroadcastError):
 
 
 class VerifyKey:
-    """The learner's public key, as held by workers."""
+    """The learner's public key, as held by workers (or a worker's, in its read ticket)."""
 
     def __init__(self, key: Ed25519PublicKey) -> None:
         self._key = key
@@ -73,9 +73,16 @@ class VerifyKey:
         except ValueError as e:
             raise KeyFileError(f"public key text is not base64 of 32 bytes: {e}") from e
 
+    @classmethod
+    def from_raw(cls, raw: bytes) -> "VerifyKey":
+        """The key of its 32 raw bytes; `ValueError` if they are not one."""
+        return cls(Ed25519PublicKey.from_public_bytes(raw))
+
+    def raw(self) -> bytes:
+        return self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
     def to_text(self) -> str:
-        raw = self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-        return PUBLIC_KEY_PREFIX + base64.b64encode(raw).decode("ascii")
+        return PUBLIC_KEY_PREFIX + base64.b64encode(self.raw()).decode("ascii")
 
     def verify(self, data: Buffer, signature: bytes, context: bytes = MANIFEST_CONTEXT) -> None:
         """Raise `SignatureError` unless `signature` signs `data` (a `context` document) under this key."""
@@ -96,6 +103,11 @@ class SigningKey:
     @classmethod
     def generate(cls) -> "SigningKey":
         return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> "SigningKey":
+        """The key of a 32-byte seed (a worker's proof key, derived from its credential: `broadcast.tickets`)."""
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SigningKey":

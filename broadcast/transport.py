@@ -292,14 +292,14 @@ class Transport:
     async def stop(self) -> None:
         """Close connections and listeners."""
 
-    async def push(self, url: str, body: Any, ticket: str | None = None) -> tuple[int, str]:
-        """Send a push stream (`body`: async iterator of bytes) to `url`, presenting `ticket` where
-        the transport authenticates by read ticket; (status, reply text)."""
+    async def push(self, url: str, body: Any, ticket: str | None = None, audience: str | None = None) -> tuple[int, str]:
+        """Send a push stream (`body`: async iterator of bytes) to `url` (node `audience`),
+        presenting `ticket` where the transport authenticates by read ticket; (status, reply text)."""
         raise NotImplementedError
 
-    def pull(self, url: str, key: str, start: int, end: int) -> Any:
-        """Async context manager: a reader of chunks `start..end-1` of `key` from `url`, positioned
-        after the stream header; raises `Refused` if the peer answers with an error."""
+    def pull(self, url: str, key: str, start: int, end: int, audience: str | None = None) -> Any:
+        """Async context manager: a reader of chunks `start..end-1` of `key` from `url` (node
+        `audience`), positioned after the stream header; raises `Refused` if the peer answers with an error."""
         raise NotImplementedError
 
     async def manifest(self, url: str, key: str) -> bytes | None:

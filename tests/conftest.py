@@ -230,3 +230,14 @@ def learner_factory(tmp_path, tiny_model):
     slow = [line for path in [*tmp_path.glob("*.log"), *tmp_path.glob("runs*/*/workers/*.log")]
             for line in path.read_text(errors="replace").splitlines() if "SLOW CALLBACK" in line]
     assert not slow, "event-loop callbacks over 100 ms:\n" + "\n".join(slow[:10])
+
+
+def worker_pass(issuer, holder: str) -> dict:
+    """A worker's read ticket and the proof key it names, as the learner gives them: keyword
+    arguments of `Relay`. `issuer`: the learner's `TicketOffice` or its `SigningKey`."""
+    from broadcast.tickets import TicketOffice, issue, proof_key
+
+    key = proof_key(holder.encode())
+    ticket = (issuer.issue(holder, key.public_key()) if isinstance(issuer, TicketOffice)
+              else issue(issuer, holder, proof=key.public_key()))
+    return {"read_token": ticket, "proof_key": key}

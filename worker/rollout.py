@@ -320,12 +320,14 @@ class Worker:
         from broadcast.receipts import receipt_key
         from broadcast.relay import Relay
         from broadcast.signing import VerifyKey
+        from broadcast.tickets import proof_key
 
         w = self.cfg.worker
+        key = receipt_key(credential.partition(".")[2])  # `<worker id>.<secret>`: what the learner keeps of it
         relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=w.relay_host,
                       port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
                       transport=w.relay_transport, read_token=self.broadcast.read_token or None,
-                      receipt_key=receipt_key(credential.partition(".")[2]))  # `<worker id>.<secret>`
+                      receipt_key=key, proof_key=proof_key(key))
         await relay.start()
         self.relay = relay  # only now: a heartbeat meanwhile would report its unbound port 0
         log.info("%s: relay listening at %s", self.name, self.relay.url)

@@ -13,6 +13,7 @@ from broadcast.forwarding import FIRST_LEAF_VERSIONS, FORGIVE_VERSIONS, Forwardi
 from broadcast.relay import PREFIX, Relay
 from broadcast.route import Route
 from broadcast.transport import Hop
+from conftest import worker_pass
 
 MIB = 1 << 20
 
@@ -171,7 +172,7 @@ def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
         await pub.start()
         key = SigningKey.load(tmp_path / "learner.key")
         hole_runner, hole_url = await black_hole_relay()
-        relays = {w: Relay(w, key.public_key(), stall_timeout=1, read_token=pub.tickets.issue(w))
+        relays = {w: Relay(w, key.public_key(), stall_timeout=1, **worker_pass(pub.tickets, w))
                   for w in ("w1", "w2", "new")}
         for r in relays.values():
             await r.start()
@@ -323,7 +324,7 @@ def test_a_framing_child_gets_its_honest_parent_demoted_no_more(tmp_path):
         key = SigningKey.load(tmp_path / "learner.key")
         keys = {"parent": receipt_key("parent-secret"), "child": receipt_key("child-secret")}
         relays = {w: (Refuser if refuses and w == "child" else Relay)(
-            w, key.public_key(), stall_timeout=1, read_token=pub.tickets.issue(w),
+            w, key.public_key(), stall_timeout=1, **worker_pass(pub.tickets, w),
             receipt_key=keys[w] if w == "parent" or child_signs else None) for w in keys}
         for r in relays.values():
             await r.start()

@@ -16,18 +16,26 @@ from broadcast.relay import Relay
 from broadcast.route import route_for, sign_route
 from broadcast.signing import SigningKey
 from broadcast.source import Source
-from broadcast.tickets import SKEW_S, TICKET_S, Readers, TicketOffice, issue
+from broadcast.tickets import PROOF_HEADER, SKEW_S, TICKET_S, Readers, TicketOffice, issue, prove
 from broadcast.transport import Hop, Refused, frame_header
+from conftest import worker_pass
 
 KEY = SigningKey.generate()
 
 
-async def fetch(node, url: str, ticket: str) -> int:
-    """The status of `node`'s pull of v1's first chunk from `url`, presenting `ticket`."""
-    node.read_token = ticket
-    transport = await node.transport_for(url)
+def holder_headers(holder: str, to: str, path: str, method: str = "GET") -> dict:
+    """The headers of a worker's own request to node `to`: its ticket, and the proof it is its own."""
+    own = worker_pass(KEY, holder)
+    return {"Authorization": f"Bearer {own['read_token']}", PROOF_HEADER: prove(own["proof_key"], to, method, path)}
+
+
+async def fetch(node, to, ticket: str | dict) -> int:
+    """The status of `node`'s pull of v1's first chunk from node `to`, presenting `ticket`: a
+    worker's pass (`worker_pass`: proven) or a bare ticket (as copied: no proof)."""
+    node.read_token, node.proof_key = (ticket["read_token"], ticket["proof_key"]) if isinstance(ticket, dict) else (ticket, None)
+    transport = await node.transport_for(to.url)
     try:
-        async with transport.pull(url, "v1", 0, 1):
+        async with transport.pull(to.url, "v1", 0, 1, audience=to.id):
             return 200
     except Refused as e:
         return e.status
@@ -35,7 +43,13 @@ async def fetch(node, url: str, ticket: str) -> int:
 
 def test_nothing_is_served_without_the_read_capability():
     key = KEY
-    TOKEN = issue(KEY, "w1")  # issued now: one made at import expired before a long suite reached this test
+    w1 = worker_pass(KEY, "w1")  # issued now: one made at import expired before a long suite reached this test
+    TOKEN = w1["read_token"]
+
+    def proven(path: str) -> dict:  # the ticket's holder proves it on a pull (`broadcast.tickets.prove`)
+        if "/chunks/" not in path:
+            return {}
+        return {PROOF_HEADER: prove(w1["proof_key"], "source", "GET", path.partition("?")[0])}
 
     async def run():
         src = Source(key, read_token=issue(key, "learner"))
@@ -52,7 +66,9 @@ def test_nothing_is_served_without_the_read_capability():
                         out[path, name] = (resp.status, len(body), time.monotonic() - start)
 
                 await asyncio.gather(*(get(path, name, headers) for path in paths for name, headers in (
-                    ("none", {}), ("wrong", {"Authorization": "Bearer guess"}), ("right", {"Authorization": f"Bearer {TOKEN}"}))))
+                    ("none", {}), ("wrong", {"Authorization": "Bearer guess"}),
+                    ("right", {"Authorization": f"Bearer {TOKEN}", **proven(path)}),
+                    ("copied", {"Authorization": f"Bearer {TOKEN}"}))))  # a peer's copy: no proof
                 async with session.post(src.url + f"{PREFIX}/push", data=b"x" * 64) as resp:
                     out["push", "none"] = (resp.status, 0)
                 right = {"Authorization": f"Bearer {TOKEN}"}
@@ -72,6 +88,9 @@ def test_nothing_is_served_without_the_read_capability():
     for path in (f"{PREFIX}/manifest/v1", f"{PREFIX}/chunks/v1?from=0", f"{PREFIX}/status", f"{PREFIX}/routes?wait=0"):
         assert out[path, "none"][0] == 401 and out[path, "wrong"][0] == 401, (path, out)
         assert out[path, "right"][0] == 200, (path, out)
+        # A copied ticket reads what costs nothing (a manifest, the status, the route feed); the
+        # weights only with its holder's proof
+        assert out[path, "copied"][0] == (401 if "/chunks/" in path else 200), (path, out)
         # A refusal is answered `Node.refusal_delay_s` (1 s) late: a guesser that waits reads one a second.
         assert min(out[path, "none"][2], out[path, "wrong"][2]) >= 0.9, (path, out)
     assert out[f"{PREFIX}/chunks/v1?from=0", "right"][1] >= 1 << 20  # the weights, to the holder only
@@ -88,7 +107,7 @@ def test_a_relay_with_the_capability_fetches_and_one_without_is_refused():
         src = Source(key, read_token=issue(key, "learner"))
         await src.start()
         await src.publish(blob, 1, chunk_size=256 << 10)
-        holder = Relay("w1", key.public_key(), read_token=issue(key, "w1"), source_url=src.url, stall_timeout=3)
+        holder = Relay("w1", key.public_key(), **worker_pass(key, "w1"), source_url=src.url, stall_timeout=3)
         stranger = Relay("w2", key.public_key(), source_url=src.url, stall_timeout=3)
         await holder.start()
         await stranger.start()
@@ -148,13 +167,13 @@ def test_the_ticket_the_source_pushes_with_reads_nothing_but_at_the_relay_it_was
         src = Source(KEY, read_token=issue(KEY, "learner"))
         await src.start()
         await src.publish(os.urandom(1 << 18), 1, chunk_size=64 << 10)
-        a, b = (Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("a", "b"))
+        a, b = (Relay(w, KEY.public_key(), **worker_pass(KEY, w), stall_timeout=3) for w in ("a", "b"))
         for node in (a, b):
             await node.start()
         try:
             assert await src.push("v1", [[a.hop]]) == [True]  # a takes the push and its ticket
             copied = src.push_ticket("a")
-            out = {"pull at the source": await fetch(b, src.url, copied)}
+            out = {"pull at the source": await fetch(b, src, copied)}
             async with aiohttp.ClientSession() as session:
                 for name, node in (("status at b", b), ("status at a", a)):
                     async with session.get(node.url + f"{PREFIX}/status",
@@ -179,8 +198,9 @@ def test_a_push_whose_ticket_is_not_the_routes_sender_is_refused_and_the_relay_p
         src = Source(KEY, read_token=issue(KEY, "learner"))
         await src.start()
         await src.publish(os.urandom(1 << 18), 1, chunk_size=64 << 10)
-        a = Relay("a", KEY.public_key(), read_token=issue(KEY, "a"), stall_timeout=3)
+        a = Relay("a", KEY.public_key(), **worker_pass(KEY, "a"), stall_timeout=3)
         await a.start()
+        x = worker_pass(KEY, "x")  # a worker of the run, proving its own ticket
         store = src.stores["v1"]
         route = sign_route(KEY, route_for(store.manifest, src.hop, [[a.hop]]))
         header = frame_header({"manifest": store.manifest_wire, "route": route.to_wire(), "from": src.id, "tree": 0})
@@ -193,7 +213,8 @@ def test_a_push_whose_ticket_is_not_the_routes_sender_is_refused_and_the_relay_p
             async with aiohttp.ClientSession() as session:
                 start = time.monotonic()
                 async with session.post(a.url + f"{PREFIX}/push", data=trickle(),
-                                        headers={"Authorization": f"Bearer {issue(KEY, 'x')}"}) as resp:
+                                        headers={"Authorization": f"Bearer {x['read_token']}",
+                                                 PROOF_HEADER: prove(x["proof_key"], "a", "POST", f"{PREFIX}/push")}) as resp:
                     answer = resp.status, await resp.text(), time.monotonic() - start
             await asyncio.wait_for(a.wait("v1"), 10)
             return answer, time.monotonic() - start
@@ -248,10 +269,10 @@ def test_the_source_refuses_a_revoked_worker_at_once_and_relays_when_its_ticket_
         await src.start()
         await src.publish(blob, 1, chunk_size=64 << 10)
         office = TicketOffice(KEY, src.readers, lifetime=1.0)
-        honest, cheat = office.issue("honest"), office.issue("cheat")
-        relay = Relay("r", KEY.public_key(), read_token=issue(KEY, "r"), source_url=src.url, stall_timeout=3)
+        honest, cheat = worker_pass(office, "honest"), worker_pass(office, "cheat")
+        relay = Relay("r", KEY.public_key(), **worker_pass(KEY, "r"), source_url=src.url, stall_timeout=3)
         relay.readers.skew = 0.0
-        below = [Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("honest", "cheat")]
+        below = [Relay(w, KEY.public_key(), **worker_pass(KEY, w), stall_timeout=3) for w in ("honest", "cheat")]
         client = Relay("c", KEY.public_key())
         for node in (relay, *below, client):
             await node.start()
@@ -260,12 +281,12 @@ def test_the_source_refuses_a_revoked_worker_at_once_and_relays_when_its_ticket_
             # The relay holds v1 along a route with both workers below it, so it serves them.
             assert await src.push("v1", [[relay.hop, *(n.hop for n in below)]]) == [True]
             await below[-1].wait("v1")
-            out["before"] = [await fetch(client, u, t) for u in (src.url, relay.url) for t in (honest, cheat)]
+            out["before"] = [await fetch(client, u, t) for u in (src, relay) for t in (honest, cheat)]
             office.revoke("cheat")
-            out["revoked"] = [await fetch(client, u, cheat) for u in (src.url, relay.url)]
+            out["revoked"] = [await fetch(client, u, cheat) for u in (src, relay)]
             await asyncio.sleep(1.2)
-            out["lapsed"] = [await fetch(client, relay.url, cheat), await fetch(client, relay.url, honest),
-                             await fetch(client, relay.url, office.issue("honest"))]
+            out["lapsed"] = [await fetch(client, relay, cheat), await fetch(client, relay, honest),
+                             await fetch(client, relay, worker_pass(office, "honest"))]
         finally:
             for node in (client, *below, relay):
                 await node.stop()
@@ -359,7 +380,7 @@ def test_a_holder_pulls_a_version_at_most_twice_over_from_a_node():
         src = Source(KEY, read_token=issue(KEY, "learner"), up_rate=4e6)  # paced: 1 MiB takes 0.26 s
         await src.start()
         await src.publish(blob, 1, chunk_size=64 << 10)
-        flood, other, cut = ({"Authorization": f"Bearer {issue(KEY, w)}"} for w in ("flood", "other", "cut"))
+        flood, other, cut = (holder_headers(w, "source", f"{PREFIX}/chunks/v1") for w in ("flood", "other", "cut"))
         try:
             async with aiohttp.ClientSession() as session:
                 async def pull(headers, query="from=0") -> tuple[int, int]:
@@ -401,20 +422,20 @@ def test_a_relay_serves_pulls_only_to_the_members_below_it_in_the_route():
         src = Source(KEY, read_token=issue(KEY, "learner"))
         await src.start()
         await src.publish(blob, 1, chunk_size=64 << 10)
-        a, b, c = (Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("a", "b", "c"))
+        a, b, c = (Relay(w, KEY.public_key(), **worker_pass(KEY, w), stall_timeout=3) for w in ("a", "b", "c"))
         client = Relay("client", KEY.public_key())
         for node in (a, b, c, client):
             await node.start()
-        loner = Relay("loner", KEY.public_key(), read_token=issue(KEY, "loner"), source_url=src.url, stall_timeout=3)
+        loner = Relay("loner", KEY.public_key(), **worker_pass(KEY, "loner"), source_url=src.url, stall_timeout=3)
         await loner.start()
         try:
             assert await src.push("v1", [[a.hop, b.hop, c.hop]]) == [True]
             await c.wait("v1")
-            out = {who: await fetch(client, a.url, issue(KEY, who)) for who in ("b", "c", "sybil", "a")}
+            out = {who: await fetch(client, a, worker_pass(KEY, who)) for who in ("b", "c", "sybil", "a")}
             # A version a relay pulled for itself, with no route: nobody is below it there (it was
             # served to any ticket holder).
             await loner.fetch("v1", [Hop("source", src.url)])
-            out["from a relay with no route"] = await fetch(client, loner.url, issue(KEY, "b"))
+            out["from a relay with no route"] = await fetch(client, loner, worker_pass(KEY, "b"))
             return out
         finally:
             for node in (client, loner, c, b, a):
@@ -433,11 +454,11 @@ def test_a_member_below_a_relay_in_one_stripe_pulls_only_that_stripe_from_it():
 
     blob = os.urandom(1 << 19)
 
-    async def pull(node, url: str, ticket: str, start: int, end: int) -> int:
-        node.read_token = ticket
-        transport = await node.transport_for(url)
+    async def pull(node, to, own: dict, start: int, end: int) -> int:
+        node.read_token, node.proof_key = own["read_token"], own["proof_key"]
+        transport = await node.transport_for(to.url)
         try:
-            async with transport.pull(url, "v1", start, end):
+            async with transport.pull(to.url, "v1", start, end, audience=to.id):
                 return 200
         except Refused as e:
             return e.status
@@ -446,7 +467,7 @@ def test_a_member_below_a_relay_in_one_stripe_pulls_only_that_stripe_from_it():
         src = Source(KEY, read_token=issue(KEY, "learner"))
         await src.start()
         full, _ = await src.publish(blob, 1, chunk_size=64 << 10)  # 8 chunks: stripes [0, 4) and [4, 8)
-        o1, o2, x = (Relay(w, KEY.public_key(), read_token=issue(KEY, w), stall_timeout=3) for w in ("o1", "o2", "x"))
+        o1, o2, x = (Relay(w, KEY.public_key(), **worker_pass(KEY, w), stall_timeout=3) for w in ("o1", "o2", "x"))
         client = Relay("client", KEY.public_key())
         for node in (o1, o2, x, client):
             await node.start()
@@ -455,7 +476,7 @@ def test_a_member_below_a_relay_in_one_stripe_pulls_only_that_stripe_from_it():
                               spans=[(0, 4), (4, 8)], parents=[[-1, 0, 0], [-1, 0, 0]])
             await src.push_route("v1", route)
             await x.wait("v1", 10)
-            return {(start, end): await pull(client, o1.url, issue(KEY, "x"), start, end)
+            return {(start, end): await pull(client, o1, worker_pass(KEY, "x"), start, end)
                     for start, end in ((0, 4), (1, 3), (4, 8), (0, 8))}
         finally:
             for node in (client, x, o2, o1):
@@ -464,3 +485,48 @@ def test_a_member_below_a_relay_in_one_stripe_pulls_only_that_stripe_from_it():
 
     out = asyncio.run(run())
     assert out == {(0, 4): 200, (1, 3): 200, (4, 8): 403, (0, 8): 403}, out
+
+
+def test_a_ticket_copied_from_a_push_pulls_nothing_and_frames_nobody():
+    """Over HTTP a child reads its parent's ticket on every push. Copied, it pulled at the source
+    as the parent: it used up the parent's pull share and had the source blame the parent's
+    nearest ancestor (a grandparent framed; an API-only tester, 2026-11-29). A worker's ticket
+    names its proof key now, and a pull or a push must carry the holder's proof, made for the
+    node it goes to: the copy, bare or with the push's own proof, pulls nothing anywhere, and
+    nothing is charged to the parent."""
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        await src.publish(os.urandom(1 << 18), 1, chunk_size=64 << 10)
+        a, b, c = (Relay(w, KEY.public_key(), **worker_pass(KEY, w), stall_timeout=3) for w in ("a", "b", "c"))
+        for node in (a, b, c):
+            await node.start()
+        try:
+            assert await src.push("v1", [[a.hop, b.hop, c.hop]]) == [True]  # a pushes to b, b to c: proven
+            await c.wait("v1", 10)
+            copied = worker_pass(KEY, "a")["read_token"]  # what b read on a's push
+            push_proof = prove(worker_pass(KEY, "a")["proof_key"], "b", "POST", f"{PREFIX}/push")  # and a's proof there
+            chunks = f"{PREFIX}/chunks/v1"
+            out = {}
+            async with aiohttp.ClientSession() as session:
+                for name, to, headers in (
+                        ("bare copy at the source", src, {}),
+                        ("copy with the push's proof at the source", src, {PROOF_HEADER: push_proof}),
+                        ("copy with a proof for b, at a", a, {PROOF_HEADER: prove(worker_pass(KEY, "a")["proof_key"], "b", "GET", chunks)}),
+                        ("a itself at the source", src, {PROOF_HEADER: prove(worker_pass(KEY, "a")["proof_key"], "source", "GET", chunks)})):
+                    async with session.get(f"{to.url}{chunks}?from=0&to=1",
+                                           headers={"Authorization": f"Bearer {copied}", **headers}) as resp:
+                        out[name] = resp.status, await resp.text() if resp.status != 200 else ""
+            return out, dict(src.stores["v1"].pulled_by)
+        finally:
+            for node in (c, b, a):
+                await node.stop()
+            await src.stop()
+
+    out, pulled = asyncio.run(run())
+    assert out["bare copy at the source"][0] == 401 and "no Echo-Proof" in out["bare copy at the source"][1], out
+    assert out["copy with the push's proof at the source"][0] == 401, out
+    assert "copied from another node's request" in out["copy with the push's proof at the source"][1]
+    assert out["copy with a proof for b, at a"][0] == 401, out
+    assert out["a itself at the source"][0] == 200, out  # the holder, proving it, pulls as before
+    assert set(pulled) == {"a"}  # only the holder's own pull is charged to it

@@ -19,6 +19,7 @@ from broadcast.planner import PeerLink, plan_broadcast
 from broadcast.reach import probe_relay
 from broadcast.relay import Relay, Source
 from broadcast.signing import SigningKey
+from conftest import worker_pass
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -252,7 +253,7 @@ def test_publisher_makes_an_unreachable_worker_a_pulling_leaf(tmp_path):
                              key_file=tmp_path / "learner.key", host="127.0.0.1")
         source_url = await pub.start()
         key = SigningKey.load(tmp_path / "learner.key")
-        relays = {w: Relay(w, key.public_key(), stall_timeout=3, read_token=pub.tickets.issue(w),
+        relays = {w: Relay(w, key.public_key(), stall_timeout=3, **worker_pass(pub.tickets, w),
                            **({"public_url": closed_port_url(), "source_url": source_url} if w == "w3" else {}))
                   for w in ("w1", "w2", "w3")}
         for w, r in relays.items():
