@@ -410,12 +410,17 @@ class Node:
         `on_pull` (the learner blames the relay that should have forwarded them, `broadcast.forwarding`)."""
         if holder is None:
             return
-        taken = store.pulled_by.get(holder, 0) + store.range_bytes(start, end)
-        if taken > PULL_SHARE * store.manifest.wire_size:
-            raise Refused(429, f"{self.id}: {holder[:64]!r} was served {store.pulled_by.get(holder, 0)} B of "
-                               f"{store.key} by pull already, of {store.manifest.wire_size} B; a worker needs a "
-                               f"version once (at most {PULL_SHARE}× its size, for repairs)")
-        store.pulled_by[holder] = taken
+        # A version's full and delta streams share one share, of the larger's size: counted per
+        # stream, one holder took each twice, 3.5 versions' worth (a tester, 2026-11-29)
+        version = key_version(store.key)
+        streams = [s for s in self.stores.values() if key_version(s.key) == version] if version is not None else [store]
+        served = sum(s.pulled_by.get(holder, 0) for s in streams)
+        size = max(s.manifest.wire_size for s in [store, *streams])
+        if served + store.range_bytes(start, end) > PULL_SHARE * size:
+            raise Refused(429, f"{self.id}: {holder[:64]!r} was served {served} B of version {version} by pull "
+                               f"already, of {size} B; a worker needs a version once (at most {PULL_SHARE}× its "
+                               "size, for repairs)")
+        store.pulled_by[holder] = store.pulled_by.get(holder, 0) + store.range_bytes(start, end)
         if self.on_pull is not None:
             self.on_pull(store.key, holder, start, end)
 

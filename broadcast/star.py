@@ -72,6 +72,15 @@ class BlobStore:
         return self._blobs.get(version)
 
 
+def parse_version(text: str) -> int:
+    """A version number as a path spells it: ASCII digits only, else 400. `int` also reads `+9`,
+    `9_2` and every script's digits (`٩`, `９`): each spelling was counted apart, and one worker
+    downloaded one version 504 times in 10.7 s (454 Mbit/s) past its cap of 4 (a tester, 2026-11-29)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 12):
+        raise web.HTTPBadRequest(text=f"version must be a number in ASCII digits, not {text[:32]!r}")
+    return int(text)
+
+
 def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
                     authorize: Callable[[web.Request], None] = lambda r: None) -> None:
     """GET {prefix}/latest -> info JSON; GET {prefix}/{version} -> the bytes (X-Sha256 header)."""
@@ -85,10 +94,7 @@ def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
 
     async def blob(request: web.Request) -> web.StreamResponse:
         authorize(request)
-        try:
-            version = int(request.match_info["version"])
-        except ValueError:
-            raise web.HTTPBadRequest(text="version must be an integer") from None
+        version = parse_version(request.match_info["version"])
         found = store.get(version)
         if found is None:
             newest = store.latest.version if store.latest else None

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from broadcast.addresses import address_key, in_networks
 from broadcast.links import LinkTable
-from broadcast.star import add_star_routes
+from broadcast.star import add_star_routes, parse_version
 from echo import dirfiles
 from learner.addresses import remember
 from learner.admission import TokenBucket
@@ -214,9 +214,9 @@ class StatusRoom:
             reader = auth.weights_reader(request)
             # Counted only for a version held, by number: the path's raw text (up to 8 KB) was the
             # key, 65,536 of them ~540 MB from any run-token holder.
-            if not (version.isascii() and version.isdigit() and len(version) <= 12) or self.run.blobs.get(int(version)) is None:
-                return  # the snapshot route answers it (404, 400)
-            self._count_download(f"{reader} {int(version)}", f"version {int(version)}",
-                                 "install the copy you have, or the next version")
+            number = parse_version(version)
+            if self.run.blobs.get(number) is None:
+                return  # the snapshot route answers it (404)
+            self._count_download(f"{reader} {number}", f"version {number}", "install the copy you have, or the next version")
 
         add_star_routes(app, self.run.blobs, "/v1/snapshots", snapshot_reader)

@@ -530,3 +530,41 @@ def test_a_ticket_copied_from_a_push_pulls_nothing_and_frames_nobody():
     assert out["copy with a proof for b, at a"][0] == 401, out
     assert out["a itself at the source"][0] == 200, out  # the holder, proving it, pulls as before
     assert set(pulled) == {"a"}  # only the holder's own pull is charged to it
+
+
+def test_a_versions_full_and_delta_streams_share_one_pull_share():
+    """Counted per stream, one holder pulled a version's full stream twice and then its delta
+    twice, 3.5 versions' worth (a tester, 2026-11-29): they share one share now."""
+    import numpy as np
+
+    base = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    new = base.copy()
+    new[::97] ^= 1  # a small update: the delta is worth sending
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        full1, _ = await src.publish(base.tobytes(), 1, chunk_size=64 << 10)
+        full2, delta2 = await src.publish(new.tobytes(), 2, chunk_size=64 << 10, base=(base.tobytes(), full1.manifest))
+        assert delta2 is not None
+        client = Relay("client", KEY.public_key())
+        await client.start()
+        out = []
+        try:
+            own = worker_pass(KEY, "w1")
+            client.read_token, client.proof_key = own["read_token"], own["proof_key"]
+            transport = await client.transport_for(src.url)
+            for key in (full2.manifest.key, full2.manifest.key, delta2.manifest.key, "v1"):
+                try:
+                    async with transport.pull(src.url, key, 0, len(src.stores[key].manifest.chunks), audience=src.id) as reader:
+                        while await reader.read(1 << 16):
+                            pass
+                    out.append(200)
+                except Refused as e:
+                    out.append(e.status)
+        finally:
+            await client.stop()
+            await src.stop()
+        return out
+
+    assert asyncio.run(run()) == [200, 200, 429, 200]  # v2 twice whole, then its delta is past the share; v1 is its own
