@@ -62,7 +62,7 @@ class HttpTransport(Transport):
         await self._session.close()
 
     # -- client half -----------------------------------------------------------------------------
-    def _read(self, proof: tuple[str, str, str] | None = None) -> dict[str, str]:
+    def _read(self, proof: tuple[str | None, str, str] | None = None) -> dict[str, str]:
         """Every request presents the node's read ticket, as renewed now; a pull or a push also
         proves it is this node's (`proof`: the node it goes to, the method and the path)."""
         if not self.node.read_token:

@@ -413,14 +413,15 @@ class Node:
         # A version's full and delta streams share one share, of the larger's size: counted per
         # stream, one holder took each twice, 3.5 versions' worth (a tester, 2026-11-29)
         version = key_version(store.key)
-        streams = [s for s in self.stores.values() if key_version(s.key) == version] if version is not None else [store]
-        served = sum(s.pulled_by.get(holder, 0) for s in streams)
-        size = max(s.manifest.wire_size for s in [store, *streams])
-        if served + store.range_bytes(start, end) > PULL_SHARE * size:
+        streams = [store, *(s for s in self.stores.values()
+                            if s is not store and version is not None and key_version(s.key) == version)]
+        served, wanted = sum(s.pulled_by.get(holder, 0) for s in streams), store.range_bytes(start, end)
+        size = max(s.manifest.wire_size for s in streams)
+        if served + wanted > PULL_SHARE * size:
             raise Refused(429, f"{self.id}: {holder[:64]!r} was served {served} B of version {version} by pull "
                                f"already, of {size} B; a worker needs a version once (at most {PULL_SHARE}× its "
                                "size, for repairs)")
-        store.pulled_by[holder] = store.pulled_by.get(holder, 0) + store.range_bytes(start, end)
+        store.pulled_by[holder] = store.pulled_by.get(holder, 0) + wanted
         if self.on_pull is not None:
             self.on_pull(store.key, holder, start, end)
 

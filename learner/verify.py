@@ -317,7 +317,8 @@ class Drift:
 
     @staticmethod
     def _level(votes: list[list[float]]) -> float | None:
-        return _median([total / tokens for total, tokens, *_ in votes]) if votes else None
+        found = Drift._median_vote(votes)
+        return None if found is None else found[0]
 
     @staticmethod
     def _median_vote(votes: list[list[float]]) -> tuple[float, float] | None:
