@@ -72,10 +72,13 @@ class Loop:
                 skipped = [(g := batch.skipped_sample[j], batch.learner_version - g.version, terms)
                            for j, terms in stats.pop("skipped_tokens")]
                 claims = stats.pop("claim_checks")
+                skipped_claims = [(batch.skipped_sample[j], sums) for j, sums in stats.pop("skipped_claims")]
                 self.registry.judge_logprobs(batch.groups, batch.staleness, stats.pop("group_gaps"),
-                                             stats.pop("group_tokens"), skipped, claims, stats.pop("claimable"))
-                stats["claims_checked"] = len(claims)  # stale groups held to their own version (and μ's gap there)
-                stats["claim_gap"] = sum(c[5] for c in claims) / max(1.0, sum(c[6] for c in claims))
+                                             stats.pop("group_tokens"), skipped, claims, stats.pop("claimable"),
+                                             skipped_claims)
+                checked = [c[1:] for c in claims] + [sums for _, sums in skipped_claims]
+                stats["claims_checked"] = len(checked)  # stale groups held to their own version (and μ's gap there)
+                stats["claim_gap"] = sum(c[4] for c in checked) / max(1.0, sum(c[5] for c in checked))
                 self.leases.stepped()  # room in the buffer, and a new version to judge staleness by
                 last = trainer.updates == self.steps
                 published = trainer.version % self.publish_every == 0 or last

@@ -79,7 +79,7 @@ def main() -> int:
         stats = drive.call("step", synthetic_batch(trainer.version, trainer.vocab_size, args.skipped, args.stale))
         losses.append(stats["loss"])
         token_checks.append({"groups": stats["group_tokens"], "skipped": stats["skipped_tokens"]})
-        claim_checks.append(stats["claim_checks"])
+        claim_checks.append({"groups": stats["claim_checks"], "skipped": stats["skipped_claims"]})
         if args.stale:
             drive.call("snapshot")  # published, so kept for the next batch's claims
         if trainer.version == args.save_at:

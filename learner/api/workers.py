@@ -358,7 +358,7 @@ class WorkerRegistry:
     def judge_logprobs(self, groups: list[Group], staleness: list[int], group_gaps: list[list[float]],
                        group_tokens: list[list[float]] | None = None,
                        skipped: list[tuple[Group, int, list[float]]] = (), claims: list[list[float]] = (),
-                       claimable: list[int] = ()) -> None:
+                       claimable: list[int] = (), skipped_claims: list[tuple[Group, list[float]]] = ()) -> None:
         """Judge each worker's groups, fresh and stale, by how far its μ lies from the trainer's π
         beyond the fleet's drift at their staleness, and whether its tokens look sampled from π
         (learner.verify); `skipped`: (group, staleness, token terms) of groups dynamic sampling did
@@ -367,10 +367,11 @@ class WorkerRegistry:
         ones, at staleness 0, in place of their gap from the trainer's π and the drift. The other
         `claimable` groups (their version kept, not drawn) carry no evidence: the drift stands in
         only where no version can (a lone honest worker was a liar by it, a group labelled older
-        than it was bought credit below it, and sybils with standing could set it)."""
+        than it was bought credit below it, and sybils with standing could set it).
+        `skipped_claims`: (group, the six sums) of skipped groups checked so, judged alike."""
         exact, claimable = {int(c[0]): c[1:] for c in claims}, set(claimable)
+        self.metrics.claims_checked.inc(len(exact) + len(skipped_claims))
         if claimable:
-            self.metrics.claims_checked.inc(len(exact))
             none = [0.0] * 4
             staleness = [0 if i in exact else k for i, k in enumerate(staleness)]
             group_gaps = [exact[i][4:] if i in exact else [0.0, 0.0] if i in claimable else gap
@@ -378,9 +379,10 @@ class WorkerRegistry:
             group_tokens = [exact[i][:4] if i in exact else none if i in claimable else terms
                             for i, terms in enumerate(group_tokens or [none] * len(groups))]
         checked = [(g.worker_id, k, gap, int(tokens)) for g, k, (gap, tokens) in zip(groups, staleness, group_gaps)]
+        checked += [(g.worker_id, 0, sums[4], int(sums[5])) for g, sums in skipped_claims]
         verdicts = self.verifier.logprobs_checked(checked)
         if group_tokens is not None:
-            tokens = [*zip(groups, staleness, group_tokens), *skipped]
+            tokens = [*zip(groups, staleness, group_tokens), *skipped, *((g, 0, sums[:4]) for g, sums in skipped_claims)]
             verdicts += self.verifier.tokens_checked(
                 [(g.worker_id, k, *terms) for g, k, terms in tokens if terms[2] + terms[3]])
         for verdict in verdicts:

@@ -60,6 +60,7 @@ def test_two_ranks_train_like_one_and_checkpoints_move_between_them(small_model,
     two = torchrun(2, small_model, tmp_path / "r2", *check, overrides=fractions)
     token_checks_alike(one, two)
     claim_checks_alike(one, two)
+    assert any(c["groups"] for c in one["claim_checks"]) and any(c["skipped"] for c in one["claim_checks"])
     assert (one["ranks"], two["ranks"]) == (1, 2) and one["parameters"] == two["parameters"] > 2_000_000
     # Same snapshot bytes from a sharded model (gathered tensor by tensor) as from a whole one.
     assert one["first_snapshot_sha256"] == two["first_snapshot_sha256"]
@@ -149,13 +150,16 @@ def token_checks_alike(one: dict, two: dict) -> None:
 
 def claim_checks_alike(one: dict, two: dict) -> None:
     """Stale groups checked against the version they claim (each rank its share, from the kept
-    shards of that version) give on 2 ranks the sums 1 rank gives; every stale batch's groups were
-    checked (fraction 1), and their μ, drawn off π at random, lies far from it."""
-    stale = 0
+    shards of that version) give on 2 ranks the sums 1 rank gives, trained and skipped groups
+    alike; every stale batch had ⌈f·G⌉ = 4 checked (fraction 1), and their μ, drawn off π at
+    random, lies far from it."""
+    stale = []
     for a, b in zip(one["claim_checks"], two["claim_checks"], strict=True):
-        assert [c[0] for c in a] == [c[0] for c in b]
-        for x, y in zip(a, b):
+        assert [c[0] for c in a["groups"]] == [c[0] for c in b["groups"]]
+        assert [j for j, _ in a["skipped"]] == [j for j, _ in b["skipped"]]
+        pairs = [*zip(a["groups"], b["groups"]), *((x, y) for (_, x), (_, y) in zip(a["skipped"], b["skipped"]))]
+        for x, y in pairs:
             assert x == pytest.approx(y, rel=1e-5, abs=1e-6)
-            assert x[6] > 0 and x[5] / x[6] > 0.5  # tokens checked; Σ|log π_v − log μ| per token
-        stale += len(a)
-    assert not one["claim_checks"][0] and stale == 4 * (len(one["claim_checks"]) - 1), one["claim_checks"]
+            assert x[-1] > 0 and x[-2] / x[-1] > 0.5  # tokens checked; Σ|log π_v − log μ| per token
+        stale.append(len(pairs))
+    assert stale[0] == 0 and stale[1:] == [4] * (len(stale) - 1), stale

@@ -131,3 +131,26 @@ def test_the_share_checked_is_of_g_per_step(tiny_model, fraction, checked):
     # (against the drift, a lone honest worker's replays made it a liar again).
     stats = trainer.step(BatchInfo(groups + fresh, learner_version=1, staleness=[1] * 4 + [0] * 4, uses=[2] * 8))
     assert stats["claim_checks"] == [] and stats["claimable"] == [0, 1, 2, 3]
+
+
+def test_skipped_stale_groups_are_drawn_for_the_claim_check_too(tiny_model):
+    """The stale groups checked against their version are drawn from every stale group accepted
+    since the previous batch, those dynamic sampling skipped included, as the token check draws:
+    drawn from the trained ones alone they were chosen for their rewards (a wrong answer beside
+    right ones), and on the demo the fleet's claim-checked tokens read z = +6.9 where uniform
+    draws read −0.2. Here 4 trained stale groups beside 10,000 skipped ones (a sample of 4 kept,
+    their μ forged): nearly every draw is a skipped group, checked against the version it
+    claims, and its writer is caught; the token check leaves stale groups of a kept version to it."""
+    trainer = _trainer(tiny_model, "--verify.token_check_fraction", "1.0")
+    trainer.snapshot()
+    trained, skipped = _groups(trainer, 0, "honest"), _groups(trainer, 0, "forger", shift=-1.0)
+    _publish_moved(trainer, 1)
+    stats = trainer.step(BatchInfo(trained, learner_version=1, staleness=[1] * 4, skipped=10_000,
+                                   skipped_sample=skipped))
+    drawn = stats["skipped_claims"]
+    assert len(drawn) >= 3 and len(drawn) + len(stats["claim_checks"]) == 4  # ⌈f·G⌉ in all
+    assert all(sums[2] > 0 and sums[4] / sums[5] > 0.9 for _, sums in drawn)  # ranked; μ a nat off π_v0
+    assert stats["skipped_tokens"] == [] and all(t[2] + t[3] == 0 for t in stats["group_tokens"])
+    verifier = Verifier(trainer.cfg.verify.model_copy(update={"min_gap_tokens": 16}))
+    verdicts = verifier.logprobs_checked([(skipped[j].worker_id, 0, sums[4], int(sums[5])) for j, sums in drawn])
+    assert [v.worker_id for v in verdicts] == ["forger"]
