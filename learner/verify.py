@@ -172,6 +172,13 @@ class Evidence:
     def recent_gap_tokens(self) -> int:
         return sum(n for *_, n in self.gaps)
 
+    @property
+    def fresh_gap(self) -> float:
+        """Its mean |log π − log μ| per token over its recent groups checked against their own
+        version (staleness 0, where the log-prob check's drift is 0); 0 before any."""
+        tokens = sum(n for k, _, n in self.gaps if k == 0)
+        return max(0.0, sum(g for k, g, _ in self.gaps if k == 0)) / tokens if tokens else 0.0
+
     def copy(self) -> Evidence:
         """To add a batch to without keeping it (a first pass)."""
         return replace(self, rewards=deque(self.rewards, maxlen=WINDOW), gaps=deque(self.gaps, maxlen=WINDOW),
@@ -514,9 +521,25 @@ class Verifier:
 
     def _add_tokens(self, ev: Evidence, group: tuple, drift: float, spread: float, by_standing: bool,
                     error: float) -> None:
+        """Where the group's version is its own (staleness 0), the fleet's level moves the worker's
+        reference only as far as the worker's own numerics can move a rank: u lies in [0, 1], so
+        |E_μ u − E_π u| ≤ TV(μ, π) ≤ √(KL(μ‖π) / 2) ≤ √(mean |log μ − log π| / 2), its fresh
+        log-prob gap. A fleet's voted level stands for engines' numerics; three identities with
+        standing, copying each group's rarest completion with genuine μ (gap ~1e-7), were that
+        level: they passed, 6,464 of their groups were trained, and the honest worker read −6.2
+        (a tester, 2026-11-29). Held to their own gap, they are held to ~0; so are honest fp32
+        workers, which is right only because the groups checked here are drawn without regard
+        to their rewards (`Trainer._check_claims`: drawn from the trained ones, the demo's read
+        +2.7 to +4.9 under this bound, and the vote had hidden it)."""
         _, staleness, excess, variance, inside, outside = group
-        ev.token_checks.append((excess - inside * drift, variance * spread, int(inside), int(outside), staleness == 0,
-                                inside * (error * spread) ** 0.5))
+        spread_variance, drift_error = variance * spread, (error * spread) ** 0.5
+        if staleness == 0:  # the level, its error and the spread beyond π's variance: no more than numerics make
+            bound = (ev.fresh_gap / 2.0) ** 0.5
+            drift = max(-bound, min(bound, drift))
+            spread_variance = min(spread_variance, variance + (inside * 2.0 * bound) ** 2)
+            drift_error = min(drift_error, 2.0 * bound)
+        ev.token_checks.append((excess - inside * drift, spread_variance, int(inside), int(outside), staleness == 0,
+                                inside * drift_error))
 
     def _token_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
         if abs(ev.token_z) > self.cfg.max_token_z:

@@ -464,3 +464,30 @@ def test_a_fast_worker_is_not_read_as_choosing_its_tokens_by_a_slow_voters_noise
             assert [d.worker_id for d in verdicts] == ["fast"] and verdicts[0].reason == "tokens"
         else:
             assert verdicts == [] and worst < 5.0, worst  # (it was quarantined at step 719)
+
+
+def test_sybils_with_standing_cannot_vote_a_fresh_level_their_own_numerics_cannot_make():
+    """One honest worker and three identities with standing that, past their standing, sent tokens
+    less likely than sampling gives (a group's rarest completion copied), with genuine μ (a fresh
+    gap of ~1e-7): as the majority they voted the level at the learner's own version, passed, and
+    read the honest worker as choosing its tokens (−6.2; a tester, 2026-11-29). A worker's level
+    there is bounded by its own numerics (√(gap / 2)): the sybils are caught, the honest one is not."""
+    import random
+
+    rng = random.Random(3)
+    workers = ["honest", "s1", "s2", "s3"]
+
+    def group(shift: float) -> tuple[float, float, float, float]:
+        return sum(rng.random() - 0.5 + shift for _ in range(16)), 16 / 12, 16.0, 0.0
+
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256, max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for b in range(600):
+        forging = b >= 100  # after their standing is earned
+        assert v.logprobs_checked([(w, 0, 1e-7 * 16, 16) for w in workers]) == []  # genuine μ, all of them
+        verdicts += v.tokens_checked([(w, 0, *group(0.15 if forging and w != "honest" else 0.0)) for w in workers])
+        if {d.worker_id for d in verdicts} >= {"s1", "s2", "s3"}:
+            break
+        assert abs(v.evidence["honest"].token_z) < 5.0, (b, v.evidence["honest"].token_z)
+    assert {d.worker_id for d in verdicts} == {"s1", "s2", "s3"}, [(d.worker_id, d.message) for d in verdicts]
+    assert b < 200, b  # within 100 batches of their switch
