@@ -52,6 +52,7 @@ the worker told why).
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -176,8 +177,12 @@ class Evidence:
     def fresh_gap(self) -> float:
         """Its mean |log π − log μ| per token over its recent groups checked against their own
         version (staleness 0, where the log-prob check's drift is 0); 0 before any."""
-        tokens = sum(n for k, _, n in self.gaps if k == 0)
+        tokens = self.fresh_gap_tokens
         return max(0.0, sum(g for k, g, _ in self.gaps if k == 0)) / tokens if tokens else 0.0
+
+    @property
+    def fresh_gap_tokens(self) -> int:
+        return sum(n for k, _, n in self.gaps if k == 0)
 
     def copy(self) -> Evidence:
         """To add a batch to without keeping it (a first pass)."""
@@ -404,6 +409,10 @@ class Verifier:
                               needs_reference=True)
         self._rng = random.Random(seed)
         self._forgotten: dict[str, bool] = {}  # recently forgotten worker ids (LRU)
+        # Per worker whose log-probs have standing and whom no verdict stands against: its fresh
+        # gap, the numerics its engine has shown (`_add_tokens` holds everyone to the least).
+        self._numerics: dict[str, float] = {}
+        self._numerics_floor = math.inf
 
     def _of(self, worker_id: str) -> Evidence:
         """`worker_id`'s evidence; a forgotten worker's is a throwaway (its queued groups are still
@@ -417,6 +426,7 @@ class Verifier:
 
     def forget(self, worker_id: str) -> None:
         self.evidence.pop(worker_id, None)
+        self._numerics.pop(worker_id, None)
         remember(self._forgotten, worker_id, True, keep=FORGOTTEN_KEEP)  # ids are never reused
 
     def summary(self, worker_id: str) -> dict:
@@ -447,7 +457,15 @@ class Verifier:
     def logprobs_checked(self, groups: list[tuple[str, int, float, int]]) -> list[Verdict]:
         """One batch's gaps: per group (worker id, staleness, Σ|log π − log μ|, tokens). The
         fleet's drift learns from all of them first; then each worker is judged on its excess."""
-        return self._judge(self._gaps, [g for g in groups if g[3] > 0])
+        verdicts = self._judge(self._gaps, [g for g in groups if g[3] > 0])
+        for worker_id in {g[0] for g in groups}:
+            ev = self.evidence.get(worker_id)
+            if (ev is not None and ev.fresh_gap_tokens >= self.cfg.min_gap_tokens
+                    and all(self._verdict(c, worker_id, ev) is None for c in (self._gaps, self._tokens))):
+                self._numerics[worker_id] = ev.fresh_gap
+            else:
+                self._numerics.pop(worker_id, None)
+        return verdicts
 
     def tokens_checked(self, groups: list[tuple[str, int, float, float, float, float]]) -> list[Verdict]:
         """One batch's token checks: per checked group (worker id, staleness, Σ(u − ½), Σ variance,
@@ -456,6 +474,7 @@ class Verifier:
         first pass over this batch, or by their log-probs; only with standing, `Drift`): pooled,
         forgers' groups moved the drift so far that an honest worker's sampled tokens read as
         greedy (z = -10.5) and it was quarantined."""
+        self._numerics_floor = min(self._numerics.values(), default=math.inf)
         return self._judge(self._tokens, groups, also=(self._gaps,))
 
     def _judge(self, check: _Check, groups: list[tuple], also: tuple[_Check, ...] = ()) -> list[Verdict]:
@@ -530,11 +549,14 @@ class Verifier:
         (a tester, 2026-11-29). Held to their own gap, they are held to ~0; so are honest fp32
         workers, which is right only because the groups checked here are drawn without regard
         to their rewards (`Trainer._check_claims`: drawn from the trained ones, the demo's read
-        +2.7 to +4.9 under this bound, and the vote had hidden it)."""
+        +2.7 to +4.9 under this bound, and the vote had hidden it). A worker chooses the μ it
+        reports, so its gap is at most the fleet's least (the best numerics shown by a worker
+        whose log-probs have standing): sybils adding 0.3 nats/token of noise to theirs, under
+        the 0.5 allowed, widened their own bound past any shift."""
         _, staleness, excess, variance, inside, outside = group
         spread_variance, drift_error = variance * spread, (error * spread) ** 0.5
         if staleness == 0:  # the level, its error and the spread beyond π's variance: no more than numerics make
-            bound = (ev.fresh_gap / 2.0) ** 0.5
+            bound = (min(ev.fresh_gap, self._numerics_floor) / 2.0) ** 0.5
             drift = max(-bound, min(bound, drift))
             spread_variance = min(spread_variance, variance + (inside * 2.0 * bound) ** 2)
             drift_error = min(drift_error, 2.0 * bound)

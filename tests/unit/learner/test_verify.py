@@ -491,3 +491,31 @@ def test_sybils_with_standing_cannot_vote_a_fresh_level_their_own_numerics_canno
         assert abs(v.evidence["honest"].token_z) < 5.0, (b, v.evidence["honest"].token_z)
     assert {d.worker_id for d in verdicts} == {"s1", "s2", "s3"}, [(d.worker_id, d.message) for d in verdicts]
     assert b < 200, b  # within 100 batches of their switch
+
+
+def test_sybils_cannot_widen_their_fresh_bound_by_misreporting_their_log_probs():
+    """The bound above is the worker's own fresh log-prob gap, and a worker chooses the μ it
+    reports: three sybils with standing adding 0.3 nats/token of noise to theirs (under the
+    0.5 allowed) widened their bound to √(0.3/2) ≈ 0.39, voted the level to their shift, and
+    passed. A worker's bound is the fleet's best measured numerics at most (the least fresh gap
+    among workers whose log-probs have standing): one honest worker's 1e-7 holds them."""
+    import random
+
+    rng = random.Random(5)
+    workers = ["honest", "s1", "s2", "s3"]
+
+    def group(shift: float) -> tuple[float, float, float, float]:
+        return sum(rng.random() - 0.5 + shift for _ in range(16)), 16 / 12, 16.0, 0.0
+
+    v = Verifier(VerifySection(max_token_z=8.0, min_token_checks=256, max_logprob_gap=0.5, min_gap_tokens=64))
+    verdicts = []
+    for b in range(600):
+        forging = b >= 100
+        gaps = [(w, 0, (1e-7 if w == "honest" else 0.3) * 16, 16) for w in workers]
+        assert v.logprobs_checked(gaps) == []  # 0.3 nats/token passes the log-prob check
+        verdicts += v.tokens_checked([(w, 0, *group(0.15 if forging and w != "honest" else 0.0)) for w in workers])
+        if {d.worker_id for d in verdicts} >= {"s1", "s2", "s3"}:
+            break
+        assert abs(v.evidence["honest"].token_z) < 5.0, (b, v.evidence["honest"].token_z)
+    assert {d.worker_id for d in verdicts} == {"s1", "s2", "s3"}, [(d.worker_id, d.message) for d in verdicts]
+    assert b < 200, b
