@@ -429,6 +429,10 @@ class Verifier:
         self._numerics.pop(worker_id, None)
         remember(self._forgotten, worker_id, True, keep=FORGOTTEN_KEEP)  # ids are never reused
 
+    def distrust(self, worker_id: str) -> None:
+        """A quarantined worker's numerics bound nobody's (`_numerics`)."""
+        self._numerics.pop(worker_id, None)
+
     def summary(self, worker_id: str) -> dict:
         """The evidence on one worker, as /v1/status shows it."""
         ev = self.evidence.get(worker_id) or Evidence()

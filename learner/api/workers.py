@@ -337,6 +337,7 @@ class WorkerRegistry:
         if worker.quarantined or not self.verify.quarantine:
             return
         worker.quarantined, worker.active = verdict.message, False
+        self.verifier.distrust(worker.id)
         if self.tickets is not None:  # no more weights from the learner's source, none renewed
             self.tickets.revoke(worker.id)
         if worker.machine:  # its machine token may not bring it back as a new identity
