@@ -39,6 +39,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 # check; an honest worker needs it once): one worker looping over it sent 7.8 Gbit/s of 1.2 MB
 # snapshots, and with an 8B model's 16 GB it fills the learner's uplink every other worker needs.
 MAX_SNAPSHOT_DOWNLOADS = 4
+EVIDENCE = ("rewards_checked", "reward_mismatch_share", "logprob_gap", "gap_tokens", "claims_clamped", "token_z",
+            "outside_nucleus_share", "tokens_unjudged")  # `Verifier.summary`'s: the operator's alone
 STATUS_EVERY_S = 1.0  # /v1/status is rebuilt at most this often
 VIEWS_PER_S, VIEW_BURST = 1.0, 10  # /v1/status and /metrics from outside metrics_from, per address (`_paced`)
 MAX_SERVED_WEIGHTS = 2 << 30  # LoRA mode: the largest base /v1/model?weights=1 sends (a worker sets base_dir beyond)
@@ -80,7 +82,10 @@ class StatusRoom:
         """`status()` as JSON, the workers' view built at most once a second: every worker holds the run
         token, and one looping over it (174 KB and 15-30 ms of the event loop at 270 workers) took
         honest heartbeats from 2 to 245 ms. Only the operator's own machines (`metrics_from`) see
-        workers' addresses and relay URLs; a worker with the run token learnt every other's."""
+        workers' addresses and relay URLs (a worker with the run token learnt every other's) and
+        the evidence the learner holds on each (a forger reading its own `token_z` every 2 s
+        steered its copies to stay within ±5 of the limit of 8 and had 2,899 forged groups with a
+        signal accepted in 155 s; an API-only tester, 2026-11-29)."""
         now = time.monotonic() if now is None else now
         built = self._views.get(full)
         # The operator's own view is always fresh (its tools read it right after acting); only
@@ -88,7 +93,7 @@ class StatusRoom:
         if full or built is None or now - built[0] >= STATUS_EVERY_S:
             view = self.status()
             if not full:
-                hidden = ("address", "relay_url")
+                hidden = {"address", "relay_url", *EVIDENCE}
                 view["workers"] = [{k: v for k, v in w.items() if k not in hidden} for w in view["workers"]]
                 view["quarantined"] = [{k: v for k, v in q.items() if k not in hidden} for q in view["quarantined"]]
             built = self._views[full] = (now, json.dumps(view).encode())

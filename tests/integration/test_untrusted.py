@@ -1398,8 +1398,9 @@ def test_one_address_cannot_hold_every_connection_the_learner_may_open(tokenizer
 
 def test_the_run_token_does_not_show_a_worker_the_others_addresses(tokenizer, tmp_path):
     """Every worker holds the run token, which opens /v1/status: each learnt every other worker's
-    address and relay URL, and could loop over the costliest route. Away from the operator's
-    machines (`metrics_from`) the status leaves them out, and it is rebuilt at most once a second."""
+    address and relay URL and the evidence held on it (its own `token_z`, to steer by), and could
+    loop over the costliest route. Away from the operator's machines (`metrics_from`) the status
+    leaves them out, and it is rebuilt at most once a second."""
     async def test(api: Api):
         await api.join("w", relay_url="http://127.0.0.1:9")
 
@@ -1412,6 +1413,8 @@ def test_the_run_token_does_not_show_a_worker_the_others_addresses(tokenizer, tm
         view, text = await status()
         assert view["workers"][0]["name"] == "w" and "address" not in view["workers"][0]
         assert "127.0.0.1" not in text and "relay_url" not in text
+        # Nor the evidence held on it: a forger polling its own token_z kept its copies under the limit.
+        assert not {"token_z", "logprob_gap", "reward_mismatch_share", "tokens_unjudged"} & view["workers"][0].keys()
         await api.join("v")
         assert len((await status())[0]["workers"]) == 1  # the same second: the same bytes
         await asyncio.sleep(1.05)
