@@ -133,6 +133,13 @@ class Evidence:
         return sum(c[0] for c in self.token_checks) / variance ** 0.5 if variance > 0 else 0.0
 
     @property
+    def copy_z(self) -> float:
+        """How many standard deviations its recent groups' samples (at their own version) repeat
+        one another beyond what independent sampling gives (`Trainer._copies`); one repeat is
+        allowed for free, since a learner's π and a worker's differ in their last digits."""
+        return sum(c[6] for c in self.token_checks) / (1.0 + sum(c[7] for c in self.token_checks)) ** 0.5
+
+    @property
     def checked_tokens(self) -> int:
         """Tokens in its recent token checks, inside π's nucleus or not."""
         return sum(c[2] + c[3] for c in self.token_checks)
@@ -439,7 +446,7 @@ class Verifier:
         return {"rewards_checked": len(ev.rewards), "reward_mismatch_share": round(ev.mismatch_share, 4),
                 "logprob_gap": round(ev.mean_gap, 4), "gap_tokens": ev.gap_tokens,
                 "lease_rate": round(ev.lease_rate, 3), "claims_clamped": ev.claims_clamped,
-                "token_z": round(ev.token_z, 2), "outside_nucleus_share": round(ev.outside_share, 4),
+                "token_z": round(ev.token_z, 2), "copy_z": round(ev.copy_z, 2), "outside_nucleus_share": round(ev.outside_share, 4),
                 "tokens_unjudged": ev.tokens_unjudged}
 
     def pick(self, groups: list[Group]) -> list[bool]:
@@ -557,15 +564,17 @@ class Verifier:
         reports, so its gap is at most the fleet's least (the best numerics shown by a worker
         whose log-probs have standing): sybils adding 0.3 nats/token of noise to theirs, under
         the 0.5 allowed, widened their own bound past any shift."""
-        _, staleness, excess, variance, inside, outside = group
+        _, staleness, excess, variance, inside, outside, *copies = group
         spread_variance, drift_error = variance * spread, (error * spread) ** 0.5
+        # Repeats are judged against the version the group claims, not a stale one's.
+        repeats, repeat_variance = copies if copies and staleness == 0 else (0.0, 0.0)
         if staleness == 0:  # the level, its error and the spread beyond π's variance: no more than numerics make
             bound = (min(ev.fresh_gap, self._numerics_floor) / 2.0) ** 0.5
             drift = max(-bound, min(bound, drift))
             spread_variance = min(spread_variance, variance + (inside * 2.0 * bound) ** 2)
             drift_error = min(drift_error, 2.0 * bound)
         ev.token_checks.append((excess - inside * drift, spread_variance, int(inside), int(outside), staleness == 0,
-                                inside * drift_error))
+                                inside * drift_error, repeats, repeat_variance))
 
     def _token_verdict(self, worker_id: str, ev: Evidence) -> Verdict | None:
         if abs(ev.token_z) > self.cfg.max_token_z:
@@ -573,6 +582,11 @@ class Verifier:
                 f"its tokens were not sampled from the policy: their ranks under it lie {ev.token_z:+.1f} standard "
                 f"deviations from sampling's ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
                 f"gives) over its last {ev.checked_tokens} checked tokens (allowed {self.cfg.max_token_z:g})"), certain=False)
+        if ev.copy_z > self.cfg.max_token_z:
+            return Verdict(worker_id, "tokens", (
+                f"its samples were not drawn independently: they repeat one another {ev.copy_z:.1f} standard "
+                f"deviations more often than sampling from the policy gives, over its last {len(ev.token_checks)} "
+                f"checked groups (allowed {self.cfg.max_token_z:g}): copies"), certain=False)
         if ev.fresh_tokens >= self.cfg.min_token_checks and ev.outside_share > self.cfg.max_outside_nucleus:
             return Verdict(worker_id, "tokens", (
                 f"{ev.outside_share:.1%} of its last {ev.fresh_tokens} checked tokens of the learner's own version lie "

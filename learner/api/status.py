@@ -39,7 +39,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 # check; an honest worker needs it once): one worker looping over it sent 7.8 Gbit/s of 1.2 MB
 # snapshots, and with an 8B model's 16 GB it fills the learner's uplink every other worker needs.
 MAX_SNAPSHOT_DOWNLOADS = 4
-EVIDENCE = ("rewards_checked", "reward_mismatch_share", "logprob_gap", "gap_tokens", "claims_clamped", "token_z",
+EVIDENCE = ("rewards_checked", "reward_mismatch_share", "logprob_gap", "gap_tokens", "claims_clamped", "token_z", "copy_z",
             "outside_nucleus_share", "tokens_unjudged")  # `Verifier.summary`'s: the operator's alone
 STATUS_EVERY_S = 1.0  # /v1/status is rebuilt at most this often
 VIEWS_PER_S, VIEW_BURST = 1.0, 10  # /v1/status and /metrics from outside metrics_from, per address (`_paced`)

@@ -154,6 +154,39 @@ def _token_sums(terms: torch.Tensor, samples: _Samples, i: int) -> torch.Tensor:
                         (logp[inside] - mu[inside]).abs().sum(), inside.sum()])
 
 
+def _copies(samples: _Samples, seq: list[float], members: list[int], rng: random.Random) -> list[float]:
+    """Were a group's samples drawn independently from π, or copied from one another? Taken in
+    an order the learner draws, each sample repeats an earlier one or not; drawn from π it does
+    with probability q = Σ π(c) over the distinct completions before it, so Σ(repeat − q) has
+    mean 0 and variance Σ q(1 − q) whatever π is (a martingale, like the ranks). Copies repeat
+    where sampling rarely would: a tester's copies of a group's rarest and most common
+    completions, balanced so that the ranks' mean stayed where sampling puts it, passed the
+    rank test (2026-11-29). `seq`: each sample's Σ log π over its tokens (−inf with one outside
+    π's nucleus: such samples are counted apart, not here). Episodes with the environment's
+    tokens are left out (π does not give their probability). Returns [Σ(repeat − q), Σ q(1 − q)]."""
+    if any(not all(samples.masks[i]) for i in members):
+        return [0.0, 0.0]
+    order = list(members)
+    rng.shuffle(order)  # the worker chose the order it sent them in
+    seen: dict[tuple, float] = {}
+    repeats = variance = 0.0
+    for i in order:
+        if seq[i] == -math.inf:
+            continue
+        key = tuple(int(x) for x in samples.completions[i])
+        q = min(1.0, sum(seen.values()))
+        repeats += (key in seen) - q
+        variance += q * (1.0 - q)
+        seen.setdefault(key, math.exp(seq[i]))
+    return [repeats, variance]
+
+
+def _sequence_logprob(terms: torch.Tensor, samples: _Samples, i: int) -> float:
+    """Σ log π over sample `i`'s policy tokens (`echo.hf.rank_terms`' last column)."""
+    policy_token = torch.tensor(samples.masks[i], dtype=torch.bool, device=terms.device)
+    return float(terms[:, 3].double()[policy_token].sum())
+
+
 class Trainer:
     def __init__(self, cfg: LearnerConfig, world: World | None = None, checkpoint: Path | None = None):
         from transformers import AutoTokenizer
@@ -290,7 +323,7 @@ class Trainer:
             "group_tokens": group_tokens,  # per group: [Σ(u − ½), Σ variance, inside, outside]
             "skipped_tokens": skipped_tokens,  # the same for skipped groups drawn: (index in batch.skipped_sample, terms)
             "claimable": claimable,  # stale groups whose claimed version is kept: judged by claim_checks alone
-            "claim_checks": claims,  # those drawn, checked against their own version: [index, terms, gap, tokens]
+            "claim_checks": claims,  # those drawn, checked against their own version: [index, terms, gap, tokens, copies]
             "skipped_claims": skipped_claims,  # the same for skipped groups drawn: (index in batch.skipped_sample, sums)
         }
 
@@ -383,14 +416,14 @@ class Trainer:
         their rewards (each with a wrong answer where π is mostly right): honest workers' tokens
         then read as too unlikely, and the demo's four workers were quarantined at z = +8.
         Per group: Σ(u − ½) of its policy tokens' mid-ranks under π (`echo.hf.rank_terms`) and Σ
-        their variance, over those inside π's nucleus, and the counts inside and outside it (all
-        zero for a group not drawn; `learner.verify.Verifier.tokens_checked` judges). Returns
+        their variance, over those inside π's nucleus, the counts inside and outside it, and its
+        copy terms (`_copies`) (all zero for a group not drawn; `learner.verify.Verifier.tokens_checked` judges). Returns
         them for `batch.groups`, and for the skipped groups drawn as (index in
         `batch.skipped_sample`, terms). Stale groups of a kept version drawn are left unscored:
         `_check_claims` holds them to their own version. The same seeded draw on every rank."""
         f = self.cfg.verify.token_check_fraction
         if f <= 0.0:
-            return [[0.0] * 4 for _ in batch.groups], []
+            return [[0.0] * 6 for _ in batch.groups], []
         rng = random.Random(self.cfg.run.seed * 7_919 + self.version)
         fresh = batch.fresh  # replays were checked at their first use
         population = len(fresh) + batch.skipped
@@ -408,8 +441,10 @@ class Trainer:
         return sums, list(zip(extra, self._rank_sums(audit, split, len(extra))))
 
     def _rank_sums(self, samples: _Samples, indices: list[int], groups: int) -> list[list[float]]:
-        """The token check's four sums per group of `samples`, over `indices` (this rank's), all ranks added."""
+        """The token check's four sums per group of `samples`, over `indices` (this rank's), and
+        its copy terms (`_copies`), all ranks added."""
         sums = torch.zeros(groups, 4, dtype=torch.float64, device=self.world.device)
+        seq = torch.zeros(len(samples.completions), dtype=torch.float64, device=self.world.device)
         self.policy.ranks = True
         try:
             terms = self._score(self.policy, samples, indices)
@@ -417,7 +452,18 @@ class Trainer:
             self.policy.ranks = False
         for i, t in terms.items():
             sums[samples.owner[i]] += _token_sums(t, samples, i)[:4].to(sums)
-        return self.world.all_reduce(sums).tolist()
+            seq[i] = _sequence_logprob(t, samples, i)
+        return self._with_copies(samples, self.world.all_reduce(sums).tolist(), self.world.all_reduce(seq).tolist())
+
+    def _with_copies(self, samples: _Samples, sums: list[list[float]], seq: list[float]) -> list[list[float]]:
+        """Each group's `sums` with its copy terms (`_copies`) appended, for groups scored (any
+        token counted); the same seeded order on every rank."""
+        rng = random.Random(self.cfg.run.seed * 15_485_863 + self.version)
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(samples.owner):
+            members.setdefault(g, []).append(i)
+        return [row + (_copies(samples, seq, members[g], rng) if row[2] + row[3] > 0 else [0.0, 0.0])
+                for g, row in enumerate(sums)]
 
     def _claimable(self, learner_version: int, group: Group) -> bool:
         """Is `group` checked against the version it claims (`_check_claims`), not the drift?"""
@@ -439,8 +485,8 @@ class Trainer:
         draws read −0.2; a fleet's voted level hid it, a bound on it did not). Returns the
         stale groups of `batch.groups` whose version is kept (drawn or not: `learner.verify`
         judges them by this check alone), per trained group checked [index in `batch.groups`,
-        the six sums] and per skipped group checked (index in `batch.skipped_sample`, the six
-        sums), all ranks added; the same seeded draw on every rank."""
+        the six sums, the two copy terms] and per skipped group checked (index in
+        `batch.skipped_sample`, the eight), all ranks added; the same seeded draw on every rank."""
         f, kept = self.cfg.verify.stale_check_fraction, self.kept
         if kept is None or not len(kept):
             return [], [], []
@@ -471,21 +517,26 @@ class Trainer:
         theirs = split_by_tokens(audit.lengths, self.world.size)[self.world.rank]
         sums = torch.zeros(len(batch.groups), 6, dtype=torch.float64, device=self.world.device)
         audit_sums = torch.zeros(len(extra), 6, dtype=torch.float64, device=self.world.device)
+        seq = torch.zeros(len(samples.completions), dtype=torch.float64, device=self.world.device)
+        audit_seq = torch.zeros(len(audit.completions), dtype=torch.float64, device=self.world.device)
         model.ranks = True
         try:
             with self._adapter_restored():
                 for version in sorted({batch.groups[g].version for g in drawn}
                                       | {batch.skipped_sample[j].version for j in extra}):
                     kept.load(version, model)
-                    for into, of, groups, indices in (
-                            (sums, samples, {g for g in drawn if batch.groups[g].version == version}, mine),
-                            (audit_sums, audit, {a for a, j in enumerate(extra)
-                                                 if batch.skipped_sample[j].version == version}, theirs)):
+                    for into, sequences, of, groups, indices in (
+                            (sums, seq, samples, {g for g in drawn if batch.groups[g].version == version}, mine),
+                            (audit_sums, audit_seq, audit, {a for a, j in enumerate(extra)
+                                                            if batch.skipped_sample[j].version == version}, theirs)):
                         for i, t in self._score(model, of, [i for i in indices if of.owner[i] in groups]).items():
                             into[of.owner[i]] += _token_sums(t, of, i).to(into)
+                            sequences[i] = _sequence_logprob(t, of, i)
         finally:
             model.ranks = False
-        sums, audit_sums = self.world.all_reduce(sums).tolist(), self.world.all_reduce(audit_sums).tolist()
+        reduce = self.world.all_reduce
+        sums = self._with_copies(samples, reduce(sums).tolist(), reduce(seq).tolist())
+        audit_sums = self._with_copies(audit, reduce(audit_sums).tolist(), reduce(audit_seq).tolist())
         return claimable, [[g, *sums[g]] for g in drawn], list(zip(extra, audit_sums))
 
     def _score(self, policy, samples: _Samples, indices: list[int]) -> dict[int, torch.Tensor]:

@@ -125,7 +125,7 @@ def test_tokens_outside_the_nucleus_are_caught_and_nothing_is_checked_at_fractio
     verdicts = Verifier(trainer.cfg.verify.model_copy(update={"min_token_checks": 16})).tokens_checked([("x", 0, *terms)])
     assert verdicts and "outside the policy's top-p nucleus" in verdicts[0].message
     off = _trainer(tiny_model, "--verify.token_check_fraction", "0")
-    assert off.step(BatchInfo(groups, learner_version=0, staleness=[0]))["group_tokens"] == [[0.0] * 4]
+    assert off.step(BatchInfo(groups, learner_version=0, staleness=[0]))["group_tokens"] == [[0.0] * 6]
 
 
 def test_the_check_draws_from_the_groups_dynamic_sampling_skipped_too(tiny_model):
@@ -147,3 +147,56 @@ def test_the_check_draws_from_the_groups_dynamic_sampling_skipped_too(tiny_model
     # No dynamic sampling (nothing skipped): the draw is the batch's fresh groups, replays not again.
     stats = trainer.step(BatchInfo(trained, learner_version=trainer.version, staleness=[0] * 8, uses=[1] * 4 + [2] * 4))
     assert stats["skipped_tokens"] == [] and [t[2] > 0 for t in stats["group_tokens"]] == [True] * 4 + [False] * 4
+
+
+def test_repeats_are_what_independent_sampling_gives_and_copies_are_caught():
+    """`Trainer._copies`: taken in a random order, a sample repeats an earlier one with probability
+    Σ π(c) over the distinct completions before it, so Σ(repeat − q) / √Σ q(1 − q) is a standard
+    normal over many groups of samples drawn from π; a tester's copies of each group's most
+    common and rarest completions, balanced to leave the ranks' mean where sampling puts it,
+    passed the rank test (2026-11-29) and repeat far more often."""
+    import math
+    import random
+
+    from learner.train.trainer import _copies, _Samples
+
+    rng = random.Random(0)
+    probs = {(1,): 0.5, (2,): 0.3, (3, 4): 0.15, (5, 6, 7): 0.05}
+    completions, weights = list(probs), list(probs.values())
+
+    def z(groups: list[list[tuple]]) -> float:
+        batch = BatchInfo([Group(f"p{g}", 0, [0], [list(c) for c in group], [[0.0] * len(c) for c in group],
+                                 [0.0] * len(group)) for g, group in enumerate(groups)], 0)
+        samples = _Samples.of(batch, None)
+        seq = [math.log(probs[tuple(c)]) for c in samples.completions]
+        terms = [_copies(samples, seq, [i for i, o in enumerate(samples.owner) if o == g], rng) for g in range(len(groups))]
+        return sum(t[0] for t in terms) / math.sqrt(1.0 + sum(t[1] for t in terms))
+
+    honest = [z([rng.choices(completions, weights, k=16) for _ in range(64)]) for _ in range(20)]
+    assert max(map(abs, honest)) < 4.0 and abs(sum(honest) / len(honest)) < 0.6, honest
+
+    def balanced() -> list[tuple]:  # 60% the most common, 10% the rarest, the rest sampled
+        return [completions[0] if r < 0.6 else completions[3] if r < 0.7 else rng.choices(completions, weights)[0]
+                for r in (rng.random() for _ in range(16))]
+
+    assert z([balanced() for _ in range(64)]) > 8.0
+    # Multi-turn episodes (the environment's tokens under a 0 mask) are left out: π does not give their probability.
+    batch = BatchInfo([Group("p", 0, [0], [[1, 9]] * 4, [[0.0, 0.0]] * 4, [0.0] * 4, masks=[[1, 0]] * 4)], 0)
+    assert _copies(_Samples.of(batch, None), [0.0] * 4, [0, 1, 2, 3], rng) == [0.0, 0.0]
+
+
+def test_a_worker_copying_its_samples_is_caught_by_their_repeats(tiny_model):
+    """Each group's four samples one sampled completion four times, its μ honest: the ranks'
+    mean is sampling's, but eight groups of four alike do not come out of π."""
+    trainer = _trainer(tiny_model)
+    groups = _groups(trainer, "sampled")
+    for g in groups:
+        g.completions, g.behaviour_logprobs = [g.completions[0]] * 4, [g.behaviour_logprobs[0]] * 4
+    stats = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[0] * len(groups)))
+    verifier = Verifier(trainer.cfg.verify.model_copy(update={"min_token_checks": 64}))
+    verdicts = verifier.tokens_checked([("copier", 0, *t) for t in stats["group_tokens"]])
+    assert verdicts and "not drawn independently" in verdicts[0].message, verifier.evidence["copier"].copy_z
+    honest = _trainer(tiny_model)
+    stats = honest.step(BatchInfo(_groups(honest, "sampled"), learner_version=0, staleness=[0] * 8))
+    terms = stats["group_tokens"]
+    assert abs(sum(t[4] for t in terms)) / (1.0 + sum(t[5] for t in terms)) ** 0.5 < 3.0  # sampled: repeats as π gives
