@@ -320,7 +320,7 @@ class Trainer:
             **samples.turn_fields(),
             "lr": lr,
             "group_gaps": group_gaps,  # per group: [Σ|log π − log μ|, tokens] (learner.verify)
-            "group_tokens": group_tokens,  # per group: [Σ(u − ½), Σ variance, inside, outside]
+            "group_tokens": group_tokens,  # per group: [Σ(u − ½), Σ variance, inside, outside, copy terms (2)]
             "skipped_tokens": skipped_tokens,  # the same for skipped groups drawn: (index in batch.skipped_sample, terms)
             "claimable": claimable,  # stale groups whose claimed version is kept: judged by claim_checks alone
             "claim_checks": claims,  # those drawn, checked against their own version: [index, terms, gap, tokens, copies]
@@ -417,8 +417,8 @@ class Trainer:
         then read as too unlikely, and the demo's four workers were quarantined at z = +8.
         Per group: Σ(u − ½) of its policy tokens' mid-ranks under π (`echo.hf.rank_terms`) and Σ
         their variance, over those inside π's nucleus, the counts inside and outside it, and its
-        copy terms (`_copies`) (all zero for a group not drawn; `learner.verify.Verifier.tokens_checked` judges). Returns
-        them for `batch.groups`, and for the skipped groups drawn as (index in
+        copy terms (`_copies`; all zero for a group not drawn; `learner.verify.Verifier.tokens_checked`
+        judges). Returns them for `batch.groups`, and for the skipped groups drawn as (index in
         `batch.skipped_sample`, terms). Stale groups of a kept version drawn are left unscored:
         `_check_claims` holds them to their own version. The same seeded draw on every rank."""
         f = self.cfg.verify.token_check_fraction
