@@ -117,7 +117,8 @@ class Evidence:
     claims_clamped: int = 0
     # per checked group: (Σ(u − ½) − the fleet's at its staleness, Σ variance, inside, outside, fresh: of
     # the learner's own version, where a sampled token never lies outside π's nucleus, and the
-    # standard error of the fleet's Σ over its tokens: inside × the drift's, `Drift.reference`)
+    # standard error of the fleet's Σ over its tokens: inside × the drift's, `Drift.reference`; its
+    # samples' repeats beyond sampling's and their variance, `Trainer._copies`, 0 but at its own version)
     token_checks: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
     tokens_unjudged: int = 0  # in stale groups the token check had no stale reference for (`Drift.at` None)
 
