@@ -78,7 +78,7 @@ class Loop:
                                              skipped_claims)
                 checked = [c[1:] for c in claims] + [sums for _, sums in skipped_claims]
                 stats["claims_checked"] = len(checked)  # stale groups held to their own version (and μ's gap there)
-                stats["claim_gap"] = sum(c[4] for c in checked) / max(1.0, sum(c[5] for c in checked))
+                stats["claim_gap"] = sum(c[6] for c in checked) / max(1.0, sum(c[7] for c in checked))
                 self.leases.stepped()  # room in the buffer, and a new version to judge staleness by
                 last = trainer.updates == self.steps
                 published = trainer.version % self.publish_every == 0 or last

@@ -39,8 +39,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 # check; an honest worker needs it once): one worker looping over it sent 7.8 Gbit/s of 1.2 MB
 # snapshots, and with an 8B model's 16 GB it fills the learner's uplink every other worker needs.
 MAX_SNAPSHOT_DOWNLOADS = 4
-EVIDENCE = ("rewards_checked", "reward_mismatch_share", "logprob_gap", "gap_tokens", "claims_clamped", "token_z", "copy_z",
-            "outside_nucleus_share", "tokens_unjudged")  # `Verifier.summary`'s: the operator's alone
 STATUS_EVERY_S = 1.0  # /v1/status is rebuilt at most this often
 VIEWS_PER_S, VIEW_BURST = 1.0, 10  # /v1/status and /metrics from outside metrics_from, per address (`_paced`)
 MAX_SERVED_WEIGHTS = 2 << 30  # LoRA mode: the largest base /v1/model?weights=1 sends (a worker sets base_dir beyond)
@@ -93,7 +91,9 @@ class StatusRoom:
         if full or built is None or now - built[0] >= STATUS_EVERY_S:
             view = self.status()
             if not full:
-                hidden = {"address", "relay_url", *EVIDENCE}
+                # every field of `Verifier.summary` but the lease rate the learner measured: a field added there is hidden too
+                evidence = self.registry.verifier.summary("").keys() - {"lease_rate"}
+                hidden = {"address", "relay_url", *evidence}
                 view["workers"] = [{k: v for k, v in w.items() if k not in hidden} for w in view["workers"]]
                 view["quarantined"] = [{k: v for k, v in q.items() if k not in hidden} for q in view["quarantined"]]
             built = self._views[full] = (now, json.dumps(view).encode())

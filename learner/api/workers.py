@@ -364,7 +364,7 @@ class WorkerRegistry:
         beyond the fleet's drift at their staleness, and whether its tokens look sampled from π
         (learner.verify); `skipped`: (group, staleness, token terms) of groups dynamic sampling did
         not train, token-checked all the same. `claims`: stale groups checked against the version
-        they claim ([index, token terms, gap, tokens], `Trainer._check_claims`): judged as fresh
+        they claim ([index, token terms (6), gap, tokens], `Trainer._check_claims`): judged as fresh
         ones, at staleness 0, in place of their gap from the trainer's π and the drift. The other
         `claimable` groups (their version kept, not drawn) carry no evidence: the drift stands in
         only where no version can (a lone honest worker was a liar by it, a group labelled older
@@ -375,15 +375,15 @@ class WorkerRegistry:
         if claimable:
             none = [0.0] * 6
             staleness = [0 if i in exact else k for i, k in enumerate(staleness)]
-            group_gaps = [exact[i][4:6] if i in exact else [0.0, 0.0] if i in claimable else gap
+            group_gaps = [exact[i][6:] if i in exact else [0.0, 0.0] if i in claimable else gap
                           for i, gap in enumerate(group_gaps)]
-            group_tokens = [exact[i][:4] + exact[i][6:] if i in exact else none if i in claimable else terms
+            group_tokens = [exact[i][:6] if i in exact else none if i in claimable else terms
                             for i, terms in enumerate(group_tokens or [none] * len(groups))]
         checked = [(g.worker_id, k, gap, int(tokens)) for g, k, (gap, tokens) in zip(groups, staleness, group_gaps)]
-        checked += [(g.worker_id, 0, sums[4], int(sums[5])) for g, sums in skipped_claims]
+        checked += [(g.worker_id, 0, sums[6], int(sums[7])) for g, sums in skipped_claims]
         verdicts = self.verifier.logprobs_checked(checked)
         if group_tokens is not None:
-            tokens = [*zip(groups, staleness, group_tokens), *skipped, *((g, 0, sums[:4] + sums[6:]) for g, sums in skipped_claims)]
+            tokens = [*zip(groups, staleness, group_tokens), *skipped, *((g, 0, sums[:6]) for g, sums in skipped_claims)]
             verdicts += self.verifier.tokens_checked(
                 [(g.worker_id, k, *terms) for g, k, terms in tokens if terms[2] + terms[3]])
         for verdict in verdicts:

@@ -145,13 +145,14 @@ class _Gaps:
 def _token_sums(terms: torch.Tensor, samples: _Samples, i: int) -> torch.Tensor:
     """Sample `i`'s checks from its `echo.hf.rank_terms`, over its policy tokens inside π's
     nucleus: Σ(u − ½), Σ variance, the tokens inside and outside, Σ|log π − log μ| and the
-    tokens that is over (the environment's tokens carry no μ and are the task's, not sampled)."""
+    tokens that is over (the environment's tokens carry no μ and are the task's, not sampled),
+    and Σ log π over all its policy tokens (−inf with one outside: `_copies`' sequence log-prob)."""
     excess, variance, in_nucleus, logp = terms.double().unbind(-1)
     policy_token = torch.tensor(samples.masks[i], dtype=torch.bool, device=terms.device)
     inside = (in_nucleus > 0) & policy_token
     mu = torch.as_tensor(samples.behaviour[i], dtype=torch.float64).to(terms.device)
     return torch.stack([excess[inside].sum(), variance[inside].sum(), inside.sum(), (policy_token & ~inside).sum(),
-                        (logp[inside] - mu[inside]).abs().sum(), inside.sum()])
+                        (logp[inside] - mu[inside]).abs().sum(), inside.sum(), logp[policy_token].sum()])
 
 
 def _copies(samples: _Samples, seq: list[float], members: list[int], rng: random.Random) -> list[float]:
@@ -168,23 +169,18 @@ def _copies(samples: _Samples, seq: list[float], members: list[int], rng: random
         return [0.0, 0.0]
     order = list(members)
     rng.shuffle(order)  # the worker chose the order it sent them in
-    seen: dict[tuple, float] = {}
-    repeats = variance = 0.0
+    seen: set[tuple] = set()
+    repeats = variance = q = 0.0  # q: π's mass on the distinct completions seen
     for i in order:
         if seq[i] == -math.inf:
             continue
         key = tuple(int(x) for x in samples.completions[i])
-        q = min(1.0, sum(seen.values()))
-        repeats += (key in seen) - q
-        variance += q * (1.0 - q)
-        seen.setdefault(key, math.exp(seq[i]))
+        repeats += (key in seen) - min(1.0, q)
+        variance += min(1.0, q) * (1.0 - min(1.0, q))
+        if key not in seen:
+            seen.add(key)
+            q += math.exp(seq[i])
     return [repeats, variance]
-
-
-def _sequence_logprob(terms: torch.Tensor, samples: _Samples, i: int) -> float:
-    """Σ log π over sample `i`'s policy tokens (`echo.hf.rank_terms`' last column)."""
-    policy_token = torch.tensor(samples.masks[i], dtype=torch.bool, device=terms.device)
-    return float(terms[:, 3].double()[policy_token].sum())
 
 
 class Trainer:
@@ -323,7 +319,7 @@ class Trainer:
             "group_tokens": group_tokens,  # per group: [Σ(u − ½), Σ variance, inside, outside, copy terms (2)]
             "skipped_tokens": skipped_tokens,  # the same for skipped groups drawn: (index in batch.skipped_sample, terms)
             "claimable": claimable,  # stale groups whose claimed version is kept: judged by claim_checks alone
-            "claim_checks": claims,  # those drawn, checked against their own version: [index, terms, gap, tokens, copies]
+            "claim_checks": claims,  # those drawn, checked against their own version: [index, terms (6), gap, tokens]
             "skipped_claims": skipped_claims,  # the same for skipped groups drawn: (index in batch.skipped_sample, sums)
         }
 
@@ -451,18 +447,20 @@ class Trainer:
         finally:
             self.policy.ranks = False
         for i, t in terms.items():
-            sums[samples.owner[i]] += _token_sums(t, samples, i)[:4].to(sums)
-            seq[i] = _sequence_logprob(t, samples, i)
+            found = _token_sums(t, samples, i).to(sums)
+            sums[samples.owner[i]] += found[:4]
+            seq[i] = found[6]
         return self._with_copies(samples, self.world.all_reduce(sums).tolist(), self.world.all_reduce(seq).tolist())
 
     def _with_copies(self, samples: _Samples, sums: list[list[float]], seq: list[float]) -> list[list[float]]:
-        """Each group's `sums` with its copy terms (`_copies`) appended, for groups scored (any
-        token counted); the same seeded order on every rank."""
+        """Each group's `sums` with its copy terms (`_copies`) after the four token sums, for
+        groups scored (any token counted), so that a group's token terms are its first six
+        whichever check made them; the same seeded order on every rank."""
         rng = random.Random(self.cfg.run.seed * 15_485_863 + self.version)
         members: dict[int, list[int]] = {}
         for i, g in enumerate(samples.owner):
             members.setdefault(g, []).append(i)
-        return [row + (_copies(samples, seq, members[g], rng) if row[2] + row[3] > 0 else [0.0, 0.0])
+        return [row[:4] + (_copies(samples, seq, members[g], rng) if row[2] + row[3] > 0 else [0.0, 0.0]) + row[4:]
                 for g, row in enumerate(sums)]
 
     def _claimable(self, learner_version: int, group: Group) -> bool:
@@ -485,8 +483,9 @@ class Trainer:
         draws read −0.2; a fleet's voted level hid it, a bound on it did not). Returns the
         stale groups of `batch.groups` whose version is kept (drawn or not: `learner.verify`
         judges them by this check alone), per trained group checked [index in `batch.groups`,
-        the six sums, the two copy terms] and per skipped group checked (index in
-        `batch.skipped_sample`, the eight), all ranks added; the same seeded draw on every rank."""
+        the token check's six terms (`_with_copies`), Σ|log π_v − log μ|, its tokens] and per
+        skipped group checked (index in `batch.skipped_sample`, the eight), all ranks added; the
+        same seeded draw on every rank."""
         f, kept = self.cfg.verify.stale_check_fraction, self.kept
         if kept is None or not len(kept):
             return [], [], []
@@ -530,8 +529,9 @@ class Trainer:
                             (audit_sums, audit_seq, audit, {a for a, j in enumerate(extra)
                                                             if batch.skipped_sample[j].version == version}, theirs)):
                         for i, t in self._score(model, of, [i for i in indices if of.owner[i] in groups]).items():
-                            into[of.owner[i]] += _token_sums(t, of, i).to(into)
-                            sequences[i] = _sequence_logprob(t, of, i)
+                            found = _token_sums(t, of, i).to(into)
+                            into[of.owner[i]] += found[:6]
+                            sequences[i] = found[6]
         finally:
             model.ranks = False
         reduce = self.world.all_reduce

@@ -161,6 +161,6 @@ def claim_checks_alike(one: dict, two: dict) -> None:
                  *((x, y) for (_, x), (_, y) in zip(a["skipped"], b["skipped"]))]
         for x, y in pairs:
             assert x == pytest.approx(y, rel=1e-5, abs=1e-6)
-            assert x[5] > 0 and x[4] / x[5] > 0.5  # tokens checked; Σ|log π_v − log μ| per token
+            assert x[7] > 0 and x[6] / x[7] > 0.5  # tokens checked; Σ|log π_v − log μ| per token
         stale.append(len(pairs))
     assert stale[0] == 0 and stale[1:] == [4] * (len(stale) - 1), stale

@@ -2056,8 +2056,9 @@ def test_stale_groups_checked_against_their_own_version_are_judged_by_that_check
                   for i, w in enumerate([honest] * 6 + [forger] * 2)]
         gaps = [[1.7 * 256, 256]] * 8  # Σ|log π − log μ| against the trainer's π, and the tokens
         tokens = [[0.0] * 4] * 8
-        drawn = [[0, 0.0, 20.0, 256, 0, 1e-7 * 256, 256], [1, 0.0, 20.0, 256, 0, 1e-7 * 256, 256],
-                 [6, 0.0, 20.0, 256, 0, 1.0 * 256, 256], [7, 0.0, 20.0, 256, 0, 1.0 * 256, 256]]
+        # [index, the token terms (four sums, two copy terms), Σ|log π_v − log μ|, tokens]
+        drawn = [[0, 0.0, 20.0, 256, 0, 0.0, 0.0, 1e-7 * 256, 256], [1, 0.0, 20.0, 256, 0, 0.0, 0.0, 1e-7 * 256, 256],
+                 [6, 0.0, 20.0, 256, 0, 0.0, 0.0, 1.0 * 256, 256], [7, 0.0, 20.0, 256, 0, 0.0, 0.0, 1.0 * 256, 256]]
         for _ in range(2):
             api.state.registry.judge_logprobs(groups, [2] * 8, gaps, tokens, [], drawn, list(range(8)))
         quarantined = {w for w, info in api.state.workers.items() if info.quarantined}

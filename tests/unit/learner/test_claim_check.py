@@ -76,8 +76,8 @@ def test_stale_groups_are_checked_against_the_version_they_claim(tiny_model, lor
 
     checks = {int(c[0]): c[1:] for c in stats["claim_checks"]}
     assert sorted(checks) == list(range(len(groups)))  # fraction 1: every stale group, each against v0
-    per_token = {w: sum(checks[i][4] for i, g in enumerate(groups) if g.worker_id == w)
-                 / sum(checks[i][5] for i, g in enumerate(groups) if g.worker_id == w)
+    per_token = {w: sum(checks[i][6] for i, g in enumerate(groups) if g.worker_id == w)
+                 / sum(checks[i][7] for i, g in enumerate(groups) if g.worker_id == w)
                  for w in ("honest", "forger", "mislabel")}
     drift = sum(stats["group_gaps"][i][0] for i in range(4)) / sum(stats["group_gaps"][i][1] for i in range(4))
     assert per_token["honest"] < 1e-4 < 0.2 < drift  # π_v0 is what it sampled from; the trainer's π moved
@@ -90,7 +90,7 @@ def test_stale_groups_are_checked_against_the_version_they_claim(tiny_model, lor
     # mislabeller are, from their first window.
     cfg = trainer.cfg.verify.model_copy(update={"min_gap_tokens": 16})
     verifier = Verifier(cfg)
-    verdicts = verifier.logprobs_checked([(g.worker_id, 0, checks[i][4], int(checks[i][5]))
+    verdicts = verifier.logprobs_checked([(g.worker_id, 0, checks[i][6], int(checks[i][7]))
                                           for i, g in enumerate(groups)])
     assert sorted(v.worker_id for v in verdicts) == ["forger", "mislabel"]
     assert verifier.evidence["honest"].mean_gap < 1e-3
@@ -149,8 +149,8 @@ def test_skipped_stale_groups_are_drawn_for_the_claim_check_too(tiny_model):
                                    skipped_sample=skipped))
     drawn = stats["skipped_claims"]
     assert len(drawn) >= 3 and len(drawn) + len(stats["claim_checks"]) == 4  # ⌈f·G⌉ in all
-    assert all(sums[2] > 0 and sums[4] / sums[5] > 0.9 for _, sums in drawn)  # ranked; μ a nat off π_v0
+    assert all(sums[2] > 0 and sums[6] / sums[7] > 0.9 for _, sums in drawn)  # ranked; μ a nat off π_v0
     assert stats["skipped_tokens"] == [] and all(t[2] + t[3] == 0 for t in stats["group_tokens"])
     verifier = Verifier(trainer.cfg.verify.model_copy(update={"min_gap_tokens": 16}))
-    verdicts = verifier.logprobs_checked([(skipped[j].worker_id, 0, sums[4], int(sums[5])) for j, sums in drawn])
+    verdicts = verifier.logprobs_checked([(skipped[j].worker_id, 0, sums[6], int(sums[7])) for j, sums in drawn])
     assert [v.worker_id for v in verdicts] == ["forger"]
