@@ -571,13 +571,16 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
     from conftest import ROOT, WATCHED
 
     lp = learner_factory(run={"steps": 24, "checkpoint_every": 4}, buffer={"max_staleness": 2})
+    # Slow enough workers that the kill lands mid-run: at 150 rollouts/s each, an update took ~30 ms
+    # and the run could finish between two polls, leaving nothing to resume (CI, 2026-11-29).
     for name in ("a", "b"):
-        lp.worker(name, "--worker.max_rollouts_per_s", "150")
+        lp.worker(name, "--worker.max_rollouts_per_s", "40")
     lp.wait_until(lambda: lp.status()["learner_version"] >= 10, 120, "ten updates")
     lp.proc.send_signal(signal.SIGKILL)
     lp.proc.wait(10)
     before = _ledger(lp.run_dir)
     newest_before = max(e["v"] for e in before if e["e"] == "P")
+    assert newest_before < 20, f"the learner was killed at version {newest_before}, not mid-run"
     leased_before = {p[0] for e in before if e["e"] == "L" for p in e["p"]}
 
     out = open(lp.run_dir.parent / "resumed.log", "w")
@@ -587,9 +590,13 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
         assert resumed.wait(240) == 0, (lp.run_dir.parent / "resumed.log").read_text()[-3000:]
     finally:
         resumed.kill()
-    for w in lp.workers:  # the same processes, never restarted: they found the learner again
-        assert w.wait(60) == 0
-    logs = [(lp.run_dir.parent.parent / f"{name}.log").read_text() for name in ("a", "b")]
+    logs = {name: lp.run_dir.parent.parent / f"{name}.log" for name in ("a", "b")}
+    for w, name in zip(lp.workers, logs):  # the same processes, never restarted: they found the learner again
+        try:
+            assert w.wait(60) == 0, logs[name].read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"worker {name} did not leave: {logs[name].read_text()[-4000:]}") from None
+    logs = [path.read_text() for path in logs.values()]
     assert all("joined" in log and "again as" in log for log in logs)
 
     events = _ledger(lp.run_dir)
