@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from echo.chat import Chat
-from echo.tasks.base import Prompt, Task
+from echo.tasks.base import Prompt, Task, Unscored
 
 if TYPE_CHECKING:  # the learner's checks replay episodes without torch
     from echo.hf import Sample
@@ -57,15 +57,17 @@ class EpisodeError(RuntimeError):
 
 
 def play(task: Task, chat: Chat, prompts: Sequence[tuple[Prompt, list[int]]], generate: Generate, *, n: int,
-         max_new_tokens: int, max_tokens: int, max_turns: int, decode: Callable[[list[int]], str]) -> list[list[Episode]]:
+         max_new_tokens: int, max_tokens: int, max_turns: int, decode: Callable[[list[int]], str],
+         scored: bool = True) -> list[list[Episode]]:
     """Play `n` episodes of each (prompt, its token ids); per prompt, its `n` episodes.
 
     Each turn may write up to `max_new_tokens`; an episode's tokens stop within `max_tokens`
-    and its turns at `max_turns` (truncated, never dropped)."""
+    and its turns at `max_turns` (truncated, never dropped). Not `scored` (a one-turn task
+    whose answers the learner keeps): every return is 0."""
     episodes = [[Episode() for _ in range(n)] for _ in prompts]
     envs = []
     for prompt, _ in prompts:
-        envs.append([task.environment(prompt) for _ in range(n)])
+        envs.append([task.environment(prompt) if scored else Unscored() for _ in range(n)])
         for env in envs[-1]:
             env.reset(prompt.seed)
     first = generate([ids for _, ids in prompts], n, min(max_new_tokens, max_tokens))
@@ -169,14 +171,17 @@ class Episodes:
     max_new_tokens: int  # per turn
     max_tokens: int  # per episode, after its prompt
     max_turns: int
+    scored: bool = True  # False: a worker without the answers (`P.RolloutParams.scored_by_learner`)
 
     @classmethod
     def of(cls, task: Task, tokenizer, *, chat_template: str, system_prompt: str = "",
            template_kwargs: dict | None = None, stop_ids: Sequence[int], max_new_tokens: int, max_tokens: int,
-           max_turns: int) -> Episodes:
+           max_turns: int, scored: bool = True) -> Episodes:
+        if not scored and not task.one_turn:
+            raise ValueError(f"task {task.name!r} plays its own environment: its episodes cannot be played unscored")
         chat = Chat(tokenizer, chat_template, system_prompt, template_kwargs, stop_ids)
         return cls(task, chat, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), max_new_tokens,
-                   max_tokens or max_new_tokens, max_turns)
+                   max_tokens or max_new_tokens, max_turns, scored)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -188,7 +193,7 @@ class Episodes:
 
     def play(self, prompts: Sequence[tuple[Prompt, list[int]]], generate: Generate, n: int) -> list[list[Episode]]:
         return play(self.task, self.chat, prompts, generate, n=n, max_new_tokens=self.max_new_tokens,
-                    max_tokens=self.max_tokens, max_turns=self.max_turns, decode=self.decode)
+                    max_tokens=self.max_tokens, max_turns=self.max_turns, decode=self.decode, scored=self.scored)
 
     def greedy_returns(self, model, prompts: Sequence[Prompt], pad_id: int, batch: int = 256) -> list[float]:
         """Each prompt's return with `model` (an HF causal LM) playing greedily, as a worker plays

@@ -263,6 +263,9 @@ class RolloutParams(Message):
     stop_ids: Annotated[list[int], Field(max_length=64)] = []  # every end-of-turn id (kept in the turn)
     chat_template: Literal["auto", "on", "off"] = "auto"
     chat_template_kwargs: dict[str, Any] = {}
+    # The learner scores every episode itself (a one-turn task, `[verify] rescore_fraction = 1`):
+    # training prompts come without their answers, and a worker sends reward 0 for every sample.
+    scored_by_learner: bool = False
 
 
 class LoraInfo(Message):

@@ -312,7 +312,7 @@ class ServerSection(Section):
 class VerifySection(Section):
     """How the learner checks untrusted workers' work (learner.verify)."""
 
-    rescore_fraction: float = Field(1.0, ge=0.0, le=1.0, description="[verify] rescore_fraction: share of uploaded groups whose rewards the learner recomputes itself (the recomputed rewards are the ones trained on)")
+    rescore_fraction: float = Field(1.0, ge=0.0, le=1.0, description="[verify] rescore_fraction: share of uploaded groups whose rewards the learner recomputes itself (the recomputed rewards are the ones trained on); at 1 a one-turn task's training prompts go to workers without their answers")
     reward_tolerance: float = Field(1e-4, ge=0.0, description="[verify] reward_tolerance: a claimed reward further than this from the learner's counts as a mismatch")
     max_reward_mismatch: float = Field(0.05, ge=0.0, le=1.0, description="[verify] max_reward_mismatch: a worker whose share of mismatched rewards (over its last 256 checked samples) exceeds this is quarantined")
     min_checked: int = Field(16, ge=1, description="[verify] min_checked: checked samples needed before a worker can be judged on rewards")

@@ -185,7 +185,7 @@ class Worker:
                 self.episodes = Episodes.of(self.task, self.tokenizer, chat_template=r.chat_template,
                                             template_kwargs=r.chat_template_kwargs, stop_ids=r.stop_ids,
                                             max_new_tokens=r.max_new_tokens, max_tokens=r.max_tokens,
-                                            max_turns=r.max_turns)
+                                            max_turns=r.max_turns, scored=not r.scored_by_learner)
                 pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
                 self.params = GenerationParams(n=r.group_size, max_new_tokens=r.max_new_tokens,
                                                temperature=r.temperature, top_p=r.top_p,

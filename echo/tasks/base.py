@@ -77,6 +77,18 @@ class OneTurn(Environment):
         return Step([], float(self.task.reward(self.prompt, action)), True)
 
 
+class Unscored(Environment):
+    """A one-turn episode played where the answer is not known (`Task.one_turn`, on a worker
+    the learner does not give answers to): it ends after the completion, scored 0; the learner
+    scores it."""
+
+    def reset(self, seed: int) -> list[Message]:
+        return []
+
+    def step(self, action: str) -> Step:
+        return Step([], 0.0, True)
+
+
 class TaskOptions(BaseModel):
     """Base for a task's options: unknown keys are errors."""
 
@@ -118,6 +130,13 @@ class Task(ABC):
         """The options naming a model directory the environment reads where it runs (option ->
         directory): the learner serves each to workers that hold no copy of it (`echo.dirfiles`)."""
         return {}
+
+    @property
+    def one_turn(self) -> bool:
+        """Played as `OneTurn` (the environment is not the task's own): the episode is one
+        completion, its reward `reward`'s, so whoever holds the answer can score it, and the
+        worker that plays it needs none."""
+        return type(self).environment is Task.environment
 
     @property
     def episodic(self) -> bool:

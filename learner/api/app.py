@@ -109,14 +109,16 @@ class ControlApi:
         self.offload = ThreadPoolExecutor(2, thread_name_prefix="offload")
         self.broadcast = broadcast or P.BroadcastInfo()
         self.leases = LeaseRoom(lease_book, buffer, run, cfg.server, backpressure=cfg.buffer.backpressure,
-                                encode=encode, metrics=self.metrics, evals=evals, waiters=waiters)
+                                encode=encode, metrics=self.metrics, evals=evals, waiters=waiters,
+                                answers=not self.rollout.scored_by_learner)
         self.registry = WorkerRegistry(cfg.server, cfg.verify, run=run, leases=self.leases, buffer=buffer,
                                        links=self.links, verifier=self.verifier, metrics=self.metrics, fleet=fleet,
                                        tickets=tickets, placements=placements, on_note=on_note)
         shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
                       offload=self.offload, rescore=rescore)
         self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, max_tokens=self.rollout.max_tokens,
-                                  stop_ids=tuple(self.rollout.stop_ids), **shared)
+                                  stop_ids=tuple(self.rollout.stop_ids), claimed_rewards=not self.rollout.scored_by_learner,
+                                  **shared)
         self.evals = EvalRoom(cfg, evals, run=run, metrics=self.metrics, vocab_size=vocab_size, offload=self.offload,
                               rescore=rescore, on_result=on_eval)
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,

@@ -41,8 +41,9 @@ ENCODE_CHUNK = 8  # prompts per call of the encoder thread when encoding ahead
 class LeaseRoom:
     def __init__(self, book: LeaseBook, buffer: AsyncBuffer, run: Run, server: ServerSection, *,
                  backpressure: bool, encode, metrics: LearnerMetrics, evals: EvalBook | None = None,
-                 waiters: Waiters | None = None):
+                 waiters: Waiters | None = None, answers: bool = True):
         self.book, self.buffer, self.run, self.server = book, buffer, run, server
+        self.answers = answers  # training prompts go out with their answers (not when the learner scores them all)
         self.backpressure, self.metrics, self.evals = backpressure, metrics, evals
         self.encode = encode  # Prompt -> its episode's first token ids (the learner's rendering is authoritative)
         # `is None`, not `or`: an empty Waiters is falsy (it has a length), and the room made its own,
@@ -211,7 +212,7 @@ class LeaseRoom:
             if got is not None:
                 self._leased.set()
                 await self._encoded(got.prompts.values(), self._token_ids)  # done ahead, unless re-issued or a burst
-                prompts = [P.PromptMsg.model_construct(id=p.id, text=p.text, answer=p.answer,
+                prompts = [P.PromptMsg.model_construct(id=p.id, text=p.text, answer=p.answer if self.answers else "",
                                                        prompt_ids=self._token_ids[p.id], seed=p.seed)
                            for p in got.prompts.values()]
                 if self.room():

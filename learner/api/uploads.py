@@ -52,14 +52,17 @@ from learner.verify import Verdict
 
 
 class UploadRoom:
-    """`rescore` (a `learner.verify.Rescorer`, or None: rewards are taken as claimed) runs on `offload`."""
+    """`rescore` (a `learner.verify.Rescorer`, or None: rewards are taken as claimed) runs on `offload`.
+    Without `claimed_rewards` (the workers were given no answers) a sample's reward is the
+    learner's alone: what a worker sent for it is neither used nor evidence."""
 
     def __init__(self, cfg: LearnerConfig, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom,
                  registry: WorkerRegistry, metrics: LearnerMetrics, vocab_size: int, offload: Executor,
-                 max_tokens: int, stop_ids: tuple[int, ...] = (), rescore=None):
+                 max_tokens: int, stop_ids: tuple[int, ...] = (), rescore=None, claimed_rewards: bool = True):
         self.max_body_mb, self.rollout, self.max_staleness = cfg.server.max_body_mb, cfg.rollout, cfg.buffer.max_staleness
         self.run, self.buffer, self.leases, self.registry, self.metrics = run, buffer, leases, registry, metrics
         self.vocab_size, self.offload, self.rescore = vocab_size, offload, rescore
+        self.claimed_rewards = claimed_rewards
         self.max_tokens = max_tokens  # an episode's tokens after its prompt
         self.stop_ids = stop_ids  # the ids that end a policy turn (`P.RolloutParams.stop_ids`)
         self.inflight_cap = int(cfg.server.max_inflight_upload_mb * (1 << 20))
@@ -164,8 +167,9 @@ class UploadRoom:
         return reply(P.UploadReply(accepted=len(groups), given_back=len(sub.groups) - len(groups)))
 
     async def check_rewards(self, worker: WorkerInfo, groups: list[Group]) -> web.Response | None:
-        """Recompute the rewards of the verifier's pick of `groups`; quarantine a worker whose claims differ.
-        A refusal when the task's reward code itself failed (the prompts go out again)."""
+        """Recompute the rewards of the verifier's pick of `groups`; quarantine a worker whose claims
+        differ (where it had the answers to claim them with), or whose episodes the environment does
+        not answer so. A refusal when the task's reward code itself failed (the prompts go out again)."""
         verifier = self.registry.verifier
         rescored = [g for g, pick in zip(groups, verifier.pick(groups)) if pick] if self.rescore else []
         if not rescored:
@@ -181,6 +185,8 @@ class UploadRoom:
         if replayed.forged:  # a deterministic environment said otherwise: proof, quarantined at once
             self.registry.quarantine(worker, Verdict(worker.id, "episodes", f"{len(replayed.forged)} of its episodes "
                                                      f"are not what the environment answers: {replayed.forged[0][:200]}"))
+        if not self.claimed_rewards:
+            return None
         flags = [m for per_group in replayed.mismatches for m in per_group]
         self.metrics.rewards_checked.inc(len(flags))
         self.metrics.rewards_mismatched.inc(sum(flags))

@@ -765,12 +765,15 @@ class Trainer:
         return sum(returns) / max(1, len(prompts))
 
     def rollout_params(self) -> P.RolloutParams:
-        """How every worker plays this run's episodes (sent at join)."""
+        """How every worker plays this run's episodes (sent at join). A one-turn task whose every
+        group the learner scores itself goes out without its answers: a worker holding them could
+        choose which of its samples to send by their rewards, or write right answers it never sampled."""
         r, e = self.cfg.rollout, self.episodes
         return P.RolloutParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                top_p=r.top_p, max_turns=e.max_turns, max_tokens=e.max_tokens, stop_ids=list(e.stop_ids),
                                chat_template="on" if e.chat.templated else "off",
-                               chat_template_kwargs=self.cfg.task.chat_template_kwargs)
+                               chat_template_kwargs=self.cfg.task.chat_template_kwargs,
+                               scored_by_learner=e.task.one_turn and self.cfg.verify.rescore_fraction >= 1.0)
 
 
 def prune_checkpoints(directory: Path, keep: int) -> list[Path]:

@@ -82,11 +82,12 @@ class Api:
         return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
 
 
-def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, lora=None, **overrides):
+def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, lora=None, rollout=None, **overrides):
     """Serve the control API with `overrides` ({"section.key": value}) and run `test(api)`;
     `evals`: an `EvalBook` the workers answer, each finished round appended to `api.state.results`;
     `encode`: a prompt's token ids (default: the tokenizer's); `task_dirs`: the task's model
-    directories; `lora`: LoRA mode (`P.LoraInfo`), where /v1/model serves the base's weights."""
+    directories; `lora`: LoRA mode (`P.LoraInfo`), where /v1/model serves the base's weights;
+    `rollout`: the `P.RolloutParams` workers are told (default: the config's, answers sent)."""
     # Wrong tokens answered at once, unless a test asks otherwise: what is refused is asserted
     # here, how late in `test_a_wrong_credential_is_answered_late_and_holds_up_nobody_else`.
     overrides.setdefault("server.auth_failure_delay_s", 0.0)
@@ -108,7 +109,7 @@ def run_api(tokenizer, test, tmp_path, evals=None, encode=None, task_dirs=None, 
                              encode=encode or (lambda prompt: tokenizer(prompt.text)["input_ids"]), vocab_size=len(tokenizer),
                              model_dir=tmp_path, rescore=Rescorer(task, tokenizer, cfg.verify.reward_tolerance),
                              evals=evals, on_eval=results.append, machine_key=MACHINE_KEY, task_dirs=task_dirs,
-                             lora=lora)
+                             lora=lora, rollout=rollout)
         # What the tests look at: the parts the API was built from.
         state = SimpleNamespace(leases=leases, buffer=buffer, workers=control.registry.workers, evals=evals,
                                 verifier=control.verifier, metrics=control.metrics, waiters=waiters,
@@ -263,6 +264,35 @@ def test_fabricated_rewards_are_recomputed_and_the_worker_quarantined(tokenizer,
         assert (status, body["error"]) == (403, "banned") and "rewards differ" in body["message"]
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_a_one_turn_task_the_learner_scores_itself_sends_no_answers_and_believes_no_reward(tokenizer, tmp_path):
+    """Where the learner scores every group itself (a one-turn task, rescore_fraction 1: the
+    default), training leases carry no answers: a worker holding them could send, of many
+    samples, those the rewards favour, or right answers it never sampled, and tell which of
+    its samples are right without solving anything. Its rewards then say nothing: a worker's
+    claim is neither trained on nor evidence. Before, every training lease carried its answer."""
+    rollout = P.RolloutParams(group_size=4, max_new_tokens=8, max_tokens=8, temperature=1.0, top_p=1.0,
+                              scored_by_learner=True)
+
+    async def test(api: Api):
+        honest, cred_h = await api.join("honest")
+        cheat, cred_c = await api.join("cheat")
+        for cred, wid, claim in [(cred_h, honest, 0.0)] * 5 + [(cred_c, cheat, 1.0)] * 5:
+            status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+            assert status == 200 and lease["lease_id"], lease
+            prompt = lease["prompts"][0]
+            assert prompt["answer"] == ""
+            right = str(eval(prompt["text"].rstrip("=")))  # noqa: S307 (the task's own sums): a worker must solve it
+            g = group(tokenizer, prompt["id"], [right, right, "x", "x"], claim)  # honest: 0, not knowing
+            status, body = await api.upload(cred, Submission(wid, lease["lease_id"], [g]))
+            assert status == 200 and body["accepted"] == 1, body
+        queued = list(api.state.buffer.buffer._queue)
+        assert len(queued) == 10 and all(g.rewards == [1.0, 1.0, 0.0, 0.0] for g in queued)  # the learner's, both
+        assert not any(w.quarantined for w in api.state.workers.values())  # 20 claims apart: not evidence
+        assert api.metric("echo_verify_rewards_mismatched_total") == 0
+
+    run_api(tokenizer, test, tmp_path, rollout=rollout)
 
 
 def test_a_statistical_verdict_quarantines_the_worker_but_bans_no_address(tokenizer, tmp_path):
@@ -1672,6 +1702,7 @@ def test_a_flood_of_groups_without_an_advantage_is_not_trained(learner_factory, 
             version = lease["snapshot"]["version"]
         if status != 200 or not lease.get("lease_id") or lease.get("eval_version") is not None:
             continue
+        assert all(p["answer"] == "" for p in lease["prompts"])  # the learner scores them: it keeps the answers
         groups = []
         for p in lease["prompts"]:
             answer = str(eval(p["text"].split("=")[0].split(":")[-1].strip()))  # noqa: S307 (the task's own sums)

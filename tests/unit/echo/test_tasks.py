@@ -113,6 +113,31 @@ def test_arith_reward():
         assert task.reward(p, weird) == 0.0  # type: ignore[arg-type]
 
 
+def test_a_one_turn_task_plays_unscored_where_the_answers_are_kept_and_an_environment_does_not(tiny_model):
+    """A worker given no answers (the learner scores every group itself) plays a one-turn task
+    with every return 0; a task with an environment of its own (its messages may need the
+    answer) cannot be played so."""
+    from transformers import AutoTokenizer
+
+    from echo.episodes import Episodes
+    from echo.hf import Sample
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    arith, calculator = load_task("arith", {}), load_task("calculator", {})
+    assert arith.one_turn and not calculator.one_turn
+    prompt = Prompt("p", "2+3=", "5")
+    right = tok("5", add_special_tokens=False)["input_ids"]
+    for scored, reward in ((True, 1.0), (False, 0.0)):  # unscored: the task's reward is never asked
+        episodes = Episodes.of(arith, tok, chat_template="off", stop_ids=[tok.eos_token_id], max_new_tokens=4,
+                               max_tokens=4, max_turns=1, scored=scored)
+        played = episodes.play([(prompt, [1, 2])], lambda c, n, m: [[Sample(right, [-0.1] * len(right), "stop")] * n
+                                                                    for _ in c], n=2)
+        assert [e.reward for e in played[0]] == [reward, reward] and not any(e.truncated for e in played[0])
+    with pytest.raises(ValueError, match="calculator.*unscored"):
+        Episodes.of(calculator, tok, chat_template="off", stop_ids=[tok.eos_token_id], max_new_tokens=4,
+                    max_tokens=16, max_turns=3, scored=False)
+
+
 def test_arith_warmup_is_correct_deterministic_and_not_the_training_stream():
     task = load_task("arith", {"digits": 2, "ops": "+-"})
     examples = task.warmup_examples(100, seed=0)
