@@ -102,6 +102,9 @@ class ControlApi:
         self.rollout = rollout or P.RolloutParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
                                                   temperature=r.temperature, top_p=r.top_p,
                                                   max_tokens=r.max_new_tokens)
+        if self.rollout.scored_by_learner and (rescore is None or cfg.verify.rescore_fraction < 1.0):
+            raise ValueError("workers told the learner scores every group (rollout.scored_by_learner) need a rescorer "
+                             "and [verify] rescore_fraction = 1: they send no rewards")
         self.metrics = metrics or LearnerMetrics()
         self.links = links or link_table(cfg.broadcast)
         self.verifier = Verifier(cfg.verify, seed=cfg.run.seed)
