@@ -583,11 +583,12 @@ class Verifier:
                 f"its tokens were not sampled from the policy: their ranks under it lie {ev.token_z:+.1f} standard "
                 f"deviations from sampling's ({'likelier' if ev.token_z < 0 else 'less likely'} than sampling "
                 f"gives) over its last {ev.checked_tokens} checked tokens (allowed {self.cfg.max_token_z:g})"), certain=False)
-        if ev.copy_z > self.cfg.max_token_z:
+        if abs(ev.copy_z) > self.cfg.max_token_z:  # too few repeats too: samples chosen to differ (a tester, 2026-11-29)
             return Verdict(worker_id, "tokens", (
-                f"its samples were not drawn independently: they repeat one another {ev.copy_z:.1f} standard "
-                f"deviations more often than sampling from the policy gives, over its last {len(ev.token_checks)} "
-                f"checked groups (allowed {self.cfg.max_token_z:g}): copies"), certain=False)
+                f"its samples were not drawn independently: they repeat one another {abs(ev.copy_z):.1f} standard "
+                f"deviations {'more' if ev.copy_z > 0 else 'less'} often than sampling from the policy gives, over its "
+                f"last {len(ev.token_checks)} checked groups (allowed {self.cfg.max_token_z:g}): "
+                f"{'copies' if ev.copy_z > 0 else 'chosen to differ'}"), certain=False)
         if ev.fresh_tokens >= self.cfg.min_token_checks and ev.outside_share > self.cfg.max_outside_nucleus:
             return Verdict(worker_id, "tokens", (
                 f"{ev.outside_share:.1%} of its last {ev.fresh_tokens} checked tokens of the learner's own version lie "

@@ -154,7 +154,8 @@ def test_repeats_are_what_independent_sampling_gives_and_copies_are_caught():
     Σ π(c) over the distinct completions before it, so Σ(repeat − q) / √Σ q(1 − q) is a standard
     normal over many groups of samples drawn from π; a tester's copies of each group's most
     common and rarest completions, balanced to leave the ranks' mean where sampling puts it,
-    passed the rank test (2026-11-29) and repeat far more often."""
+    passed the rank test (2026-11-29) and repeat far more often; samples chosen to differ repeat
+    less often than sampling gives (a tester's distinct picks read −9.0, 2026-11-29)."""
     import math
     import random
 
@@ -180,6 +181,8 @@ def test_repeats_are_what_independent_sampling_gives_and_copies_are_caught():
                 for r in (rng.random() for _ in range(16))]
 
     assert z([balanced() for _ in range(64)]) > 8.0
+    # Chosen to differ (of many samples, each completion once): fewer repeats than sampling gives.
+    assert z([list(completions) for _ in range(64)]) < -8.0
     # Multi-turn episodes (the environment's tokens under a 0 mask) are left out: π does not give their probability.
     batch = BatchInfo([Group("p", 0, [0], [[1, 9]] * 4, [[0.0, 0.0]] * 4, [0.0] * 4, masks=[[1, 0]] * 4)], 0)
     assert _copies(_Samples.of(batch, None), [0.0] * 4, [0, 1, 2, 3], rng) == [0.0, 0.0]
@@ -200,3 +203,16 @@ def test_a_worker_copying_its_samples_is_caught_by_their_repeats(tiny_model):
     stats = honest.step(BatchInfo(_groups(honest, "sampled"), learner_version=0, staleness=[0] * 8))
     terms = stats["group_tokens"]
     assert abs(sum(t[4] for t in terms)) / (1.0 + sum(t[5] for t in terms)) ** 0.5 < 3.0  # sampled: repeats as π gives
+
+
+def test_samples_chosen_to_differ_are_caught_by_their_repeats_too():
+    """The repeat test is two-sided: a worker that keeps, of many samples, those unlike the
+    others (more signal per group) repeats less often than sampling gives. A tester's distinct
+    picks read −9.0 and passed it, caught by the rank test only because its picks were rare ones."""
+    verify = load_learner_config(None, []).verify.model_copy(update={"min_token_checks": 64})
+    # Ranks as sampling gives (Σ(u − ½) = 0), each group's samples repeating one another twice
+    # less often than π's probabilities say they should.
+    rows = [("chooser", 0, 0.0, 16 / 12, 16.0, 0.0, -2.0, 1.0)] * 64
+    verdicts = Verifier(verify).tokens_checked(rows)
+    assert verdicts and "less often" in verdicts[0].message and "chosen to differ" in verdicts[0].message
+    assert not Verifier(verify).tokens_checked([("honest", 0, 0.0, 16 / 12, 16.0, 0.0, -0.1, 1.0)] * 64)
