@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import itertools
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -129,7 +130,7 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerInfo] = {}
         # Per address: workers joined, wrong tokens, bans that expire (learner.addresses).
         self.addresses = AddressBook(max_workers=server.max_workers_per_address,
-                                     max_64s_per_48=server.max_64s_per_48, ban_s=server.ban_s,
+                                     max_64s_per_48=server.max_64s_per_48, ban_s=server.ban_s, hold_s=server.hold_s,
                                      failures_per_min=server.auth_failures_per_min,
                                      failure_burst=server.auth_failure_burst)
         self.gate = JoinGate(server.join_rate, server.join_burst, server.allow_networks)
@@ -168,6 +169,12 @@ class WorkerRegistry:
         if machine and machine in self.quarantined_machines:  # its machine token is its identity
             refused.labels("banned").inc()
             return json_error(403, "banned", f"machine {machine} was quarantined: {self.quarantined_machines[machine]}")
+        wait, why = (0.0, "") if machine else self.addresses.held(address, now)
+        if wait > 0:
+            refused.labels("held").inc()
+            return json_error(429, "held", f"a worker from {address} was quarantined ({why[:300]}); no new worker "
+                                           f"joins from it for {wait:.0f} s more ([server] hold_s, doubled for each "
+                                           "repeat); retry after the given seconds", {"Retry-After": str(math.ceil(wait))})
         replaced = previous is not None
         same_address = replaced and address_key(previous.address) == address_key(address)
         full = "" if same_address else self.addresses.full(address)
@@ -342,8 +349,11 @@ class WorkerRegistry:
             self.tickets.revoke(worker.id)
         if worker.machine:  # its machine token may not bring it back as a new identity
             remember(self.quarantined_machines, worker.machine, verdict.message[:500], keep=4096)
-        if self.verify.ban_address and verdict.certain and worker.address:  # else it would join again under a new name
-            self.addresses.ban(worker.address, verdict.message, time.monotonic())
+        if self.verify.ban_address and worker.address:  # else it would join again under a new name, at once
+            if verdict.certain:
+                self.addresses.ban(worker.address, verdict.message, time.monotonic())
+            else:  # bad luck is possible: its address is held back a while, not banned
+                self.addresses.hold(worker.address, verdict.message, time.monotonic())
         leased = self.leases.release_worker(worker.id)
         dropped = self.buffer.buffer.drop_worker(worker.id)
         self.metrics.quarantined.labels(verdict.reason).inc()

@@ -295,10 +295,12 @@ def test_a_one_turn_task_the_learner_scores_itself_sends_no_answers_and_believes
     run_api(tokenizer, test, tmp_path, rollout=rollout)
 
 
-def test_a_statistical_verdict_quarantines_the_worker_but_bans_no_address(tokenizer, tmp_path):
+def test_a_statistical_verdict_quarantines_the_worker_and_holds_its_address_back_but_bans_it_not(tokenizer, tmp_path):
     """The tokens' z is a finding an honest worker can draw by bad luck: a lone honest worker was
     once quarantined by it and banned with its address for an hour, and with it every honest
-    worker behind the same NAT. It quarantines the worker; only a certain verdict bans."""
+    worker behind the same NAT. It quarantines the worker; only a certain verdict bans. But a
+    chooser it caught joined again at once, eleven identities in 150 s from one address (a
+    tester, 2026-11-29): the address's next identity now waits `hold_s`, told when to retry."""
     from learner.verify import Verdict
 
     async def test(api: Api):
@@ -307,12 +309,16 @@ def test_a_statistical_verdict_quarantines_the_worker_but_bans_no_address(tokeni
         registry.quarantine(registry.workers[unlucky], Verdict(unlucky, "tokens", "ranks +8.2 sd", certain=False))
         status, body, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
         assert (status, body["error"]) == (403, "quarantined")
-        neighbour, _ = await api.join("neighbour")  # the same address: still welcome
+        status, body, headers = await api.call("/v1/join", {"name": "neighbour"})
+        assert (status, body["error"]) == (429, "held") and "ranks +8.2 sd" in body["message"]
+        assert 1 <= int(headers["Retry-After"]) <= 2
+        await asyncio.sleep(float(headers["Retry-After"]))
+        neighbour, _ = await api.join("neighbour")  # the same address: welcome once the hold is over
         registry.quarantine(registry.workers[neighbour], Verdict(neighbour, "rewards", "rewards differ"))
         status, body, _ = await api.call("/v1/join", {"name": "neighbour-again"})
         assert (status, body["error"]) == (403, "banned") and "rewards differ" in body["message"]
 
-    run_api(tokenizer, test, tmp_path)
+    run_api(tokenizer, test, tmp_path, **{"server.hold_s": 1.5})
 
 
 async def expecting_continue(api: Api, path: str, cred: str, content_type: str, length: int):

@@ -91,6 +91,18 @@ def test_a_ban_expires_and_a_repeat_lasts_longer():
     assert book.banned("192.0.2.1", now=30.0) == "again" and book.banned("192.0.2.1", now=31.5) == ""
 
 
+def test_a_hold_is_shorter_than_a_ban_doubles_while_repeated_and_starts_over_after_a_quiet_ban_s():
+    book = AddressBook(ban_s=100.0, hold_s=10.0)
+    assert book.held("192.0.2.1", now=0.0) == (0.0, "")
+    assert book.hold("192.0.2.1", "ranks +8.2 sd", now=0.0) == 10.0
+    assert book.held("192.0.2.1", now=4.0) == (6.0, "ranks +8.2 sd") and book.banned("192.0.2.1", now=4.0) == ""
+    assert book.held("192.0.2.2", now=4.0)[0] == 0.0  # another address: not held
+    assert book.hold("192.0.2.1", "again", now=12.0) == 20.0  # within ban_s of the last: doubled
+    assert [book.hold("192.0.2.1", "again", now=t) for t in (40.0, 90.0)] == [40.0, 80.0]
+    assert book.hold("192.0.2.1", "again", now=200.0) == 100.0  # never longer than a ban
+    assert book.hold("192.0.2.1", "later", now=500.0) == 10.0  # quiet for ban_s after the last: the first again
+
+
 def test_the_forwarded_address_is_believed_only_from_a_trusted_proxy():
     proxies = [ipaddress.ip_network("10.0.0.0/8")]
     assert client_address("10.0.0.5", "198.51.100.7", proxies) == "198.51.100.7"
