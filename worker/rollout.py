@@ -242,8 +242,9 @@ class Worker:
             except LearnerError as e:
                 if e.status not in (429, 503):
                     raise
-                log.info("%s: the learner is not taking joins now (%s); retrying in %.0f s", self.name, e.reason,
-                         max(1.0, e.retry_after))
+                # A hold says why (a worker of this address was quarantined): an honest neighbour should read it.
+                log.info("%s: the learner is not taking joins now (%s); retrying in %.0f s", self.name,
+                         e.message if e.reason == "held" else e.reason, max(1.0, e.retry_after))
                 await asyncio.sleep(max(1.0, e.retry_after) * random.uniform(1.0, 1.5))  # spread a herd
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 if time.monotonic() - since > self.give_up_s:
