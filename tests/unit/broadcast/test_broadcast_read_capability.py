@@ -80,6 +80,12 @@ def test_nothing_is_served_without_the_read_capability():
                     out["nan", "right"] = (resp.status, 0)
                 async with session.get(src.url + f"{PREFIX}/health") as resp:
                     out["health", "none"] = (resp.status, 0)
+            # The status (pushes, receipts, the stripe plan) answers the node's own machine only:
+            # any ticket holder read every relay's once it knew their addresses (a tester, 2026-11-29).
+            elsewhere = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+            async with aiohttp.ClientSession(connector=elsewhere) as session:
+                async with session.get(src.url + f"{PREFIX}/status", headers=right) as resp:
+                    out["status", "elsewhere"] = (resp.status, await resp.text())
         finally:
             await src.stop()
         return out
@@ -97,6 +103,7 @@ def test_nothing_is_served_without_the_read_capability():
     assert out["push", "none"][0] == 401
     assert out["head", "right"][0] == 405 and out["nan", "right"][0] == 400
     assert out["health", "none"][0] == 200  # reachability probes carry no weights
+    assert out["status", "elsewhere"][0] == 403 and "own machine" in out["status", "elsewhere"][1]
 
 
 def test_a_relay_with_the_capability_fetches_and_one_without_is_refused():
