@@ -430,7 +430,7 @@ class Node:
         the source, a worker's owner at its relay). Any ticket holder read every relay's stripe plan
         and receipts once it knew their addresses (an API-only tester, 2026-11-29)."""
         self.require_read(bearer(request))  # a `Refused` is answered by `refusals_returned`
-        if request.remote not in ("127.0.0.1", "::1"):
+        if request.remote not in ("127.0.0.1", "::1"):  # not all of 127/8: the hostile bench's attackers are there
             raise Refused(403, f"{self.id}: a node's status answers its own machine only")
         return web.json_response({"id": self.id, "url": self.url,
                                   "versions": {k: s.status() for k, s in self.stores.items()}})
