@@ -242,9 +242,10 @@ class Worker:
             except LearnerError as e:
                 if e.status not in (429, 503):
                     raise
-                # A hold says why (a worker of this address was quarantined): an honest neighbour should read it.
+                # The learner's own words: a hold says why (a worker of this address was quarantined), a full
+                # fleet or the join rate names its setting; an honest neighbour should read them.
                 log.info("%s: the learner is not taking joins now (%s); retrying in %.0f s", self.name,
-                         e.message if e.reason == "held" else e.reason, max(1.0, e.retry_after))
+                         e.message or e.reason, max(1.0, e.retry_after))
                 await asyncio.sleep(max(1.0, e.retry_after) * random.uniform(1.0, 1.5))  # spread a herd
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 if time.monotonic() - since > self.give_up_s:
