@@ -34,6 +34,9 @@ test: install            ## the default suite, then the vLLM engine tests in .ve
 test-slow: install       ## long scenarios and benchmark-style tests
 	$(BIN)/python -m pytest -m slow
 
+test-gpu: install        ## the learner and workers on a CUDA GPU (skipped without one; ~5 min)
+	$(BIN)/python -m pytest -m gpu tests/gpu
+
 bench: install           ## every benchmark whose table is in docs/benchmarks.md
 	$(BIN)/echo-rl bench activation
 	$(BIN)/echo-rl bench staleness

@@ -56,6 +56,38 @@ def _reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current RSS
 
 
+class _Peak:
+    """A step's peak memory. On a CPU the process's resident set (VmHWM). On a GPU what the
+    process holds on the device: the caching allocator's peak reservation plus what lives outside
+    the allocator (the CUDA context, NCCL's and the kernels' own buffers), read after the step
+    as the device's used memory less the allocator's current reservation."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.cuda = torch, device.type == "cuda"
+        self.allocated = 0.0  # the tensors alone, the highest over every read since the first reset
+
+    def reset(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_peak()
+
+    def outside_allocator(self) -> float:
+        cuda = self.torch.cuda
+        cuda.synchronize()
+        free, total = cuda.mem_get_info()
+        return float(total - free - cuda.memory_reserved())
+
+    def read(self) -> float:
+        if self.cuda:
+            self.allocated = max(self.allocated, float(self.torch.cuda.max_memory_allocated()))
+            return self.outside_allocator() + self.torch.cuda.max_memory_reserved()
+        return _status("VmHWM")
+
+
 def model_config(hidden: int, layers: int, vocab: int, tied: bool = False, **ids):
     """The Qwen2 config of the models built here: heads of 64, a quarter as many key/value heads,
     an intermediate size of 2.75 × hidden."""
@@ -67,10 +99,21 @@ def model_config(hidden: int, layers: int, vocab: int, tied: bool = False, **ids
                        max_position_embeddings=4096, tie_word_embeddings=tied, **ids)
 
 
-def build_model(out: Path, hidden: int, layers: int, vocab: int, tied: bool = False) -> Path:
-    """A Qwen2-architecture model of this shape with the local character tokenizer (cached)."""
+def build_model(out: Path, hidden: int, layers: int, vocab: int, tied: bool = False, device: str = "cpu") -> Path:
+    """A Qwen2-architecture model of this shape with the local character tokenizer (cached),
+    initialized on `device` (a GPU draws a 2B model's weights in seconds, a CPU in minutes) in a
+    process of its own, so that no memory of it stays on the GPU the measured steps use."""
     if (out / "config.json").exists():
         return out
+    if device != "cpu":
+        spec = {"out": str(out), "hidden": hidden, "layers": layers, "vocab": vocab, "tied": tied, "device": device}
+        if "error" in (r := _run_child("build", spec)[0]):
+            raise RuntimeError(f"building {out} on {device} failed: {r['error']}")
+        return out
+    return _build_here(out, hidden, layers, vocab, tied, device)
+
+
+def _build_here(out: Path, hidden: int, layers: int, vocab: int, tied: bool, device: str) -> Path:
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -80,7 +123,7 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int, tied: bool = Fa
     torch.manual_seed(0)
     config = model_config(hidden, layers, vocab, tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
-    with torch.device("cpu"):
+    with torch.device(device):
         model = Qwen2ForCausalLM(config)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -132,13 +175,15 @@ def child_step(spec: dict) -> dict:
     from learner.train.trainer import Trainer
 
     torch.set_num_threads(spec.get("threads", 1))
-    world = init_world("cpu")
-    cfg = load_learner_config(None, ["--model.path", spec["model"], "--trainer.batch_prompts", "1",
+    device = spec.get("device", "cpu")
+    world = init_world(device)
+    cfg = load_learner_config(None, ["--model.path", spec["model"], "--model.device", device, "--trainer.batch_prompts", "1",
                                      "--rollout.group_size", str(GROUP), "--publish.dtype", "float32",
                                      "--trainer.micro_batch_tokens", str(spec["micro_batch_tokens"]),
                                      *spec.get("overrides", [])])
     runtime = _status("VmRSS")  # the interpreter with torch, transformers and the learner imported, no model
     trainer = Trainer(cfg, world)
+    meter = _Peak(world.device)
     vocab, tail, stale = trainer.vocab_size, spec.get("long_tail", False), spec.get("stale", False)
     if stale:  # v0 published, so kept: every batch after claims it (table 9)
         trainer.snapshot()
@@ -155,28 +200,32 @@ def child_step(spec: dict) -> dict:
         opt_step = trainer.optimizer.step
 
         def step_with_phases(*args, **kwargs):
-            phases["forward_backward"] = max(phases["forward_backward"], _status("VmHWM"))
-            _reset_peak()
+            phases["forward_backward"] = max(phases["forward_backward"], meter.read())
+            meter.reset()
             result = opt_step(*args, **kwargs)
-            phases["optimizer"] = max(phases["optimizer"], _status("VmHWM"))
+            phases["optimizer"] = max(phases["optimizer"], meter.read())
             return result
 
         trainer.optimizer.step = step_with_phases
     times = []
     before = _status("VmRSS")
-    _reset_peak()
+    meter.reset()
+    meter.allocated = 0.0
     for i in range(spec.get("steps", 1)):
         t0 = time.perf_counter()
         batch = synthetic_batch(spec["rows"], vocab, seed=2 + i, long_tail=tail)
         batch.learner_version = trainer.version if stale else 0
         stats = trainer.step(batch)
         times.append(time.perf_counter() - t0)
+    peak = max(meter.read(), *phases.values())  # before the snapshot below allocates anything
+    cuda = {"allocated": meter.allocated, "outside": meter.outside_allocator(),  # context, NCCL, kernels
+            "device_name": torch.cuda.get_device_name()} if meter.cuda else {}
     out = {"claims_checked": len(stats["claim_checks"]), "kept_bytes": trainer.kept.bytes() if trainer.kept else 0,
-           "rank": world.rank, "ranks": world.size, "peak": max(_status("VmHWM"), *phases.values()), "before": before,
+           "rank": world.rank, "ranks": world.size, "peak": peak, "before": before,
            "runtime": runtime, "phases": phases,
            "step_s": statistics.median(times), "state": _state_bytes(trainer), "params": trainer.num_parameters,
            "padded_token_share": stats["padded_token_share"], "loss": stats["loss"],
-           "version_bytes": len(trainer.snapshot() or b"")}
+           "version_bytes": len(trainer.snapshot() or b""), **cuda}
     close(world)
     return out
 
@@ -227,16 +276,18 @@ def _run_child(kind: str, spec: dict, ranks: int = 0, timeout: float = 1800) -> 
 
 
 def _predicted(model: Path, tokens: int, ranks: int = 1, checkpointing: bool = False, top_p: float = 1.0,
-               dtype: str = "float32", plan: bool = False):
+               dtype: str = "float32", plan: bool = False, gpu: bool = False, lora_rank: int = 0):
     """`learner.train.memory`'s prediction for this step, as the preflight makes it."""
     from echo.hf import chunk_tokens_for
+    from learner.config import LoraSection
     from learner.train.memory import ModelShape, predict
 
     shape = ModelShape.of(model)
     mixed = dtype == "bfloat16"
+    adapter = shape.adapter_params(lora_rank, LoraSection().target_modules) if lora_rank else 0
     out = predict(shape, ranks=ranks, micro_batch_tokens=tokens, compute_bytes=2 if mixed else 4,
                   checkpointing=checkpointing, reference=False, chunk_tokens=min(tokens, chunk_tokens_for(shape.vocab)),
-                  top_p=top_p, mixed=mixed)
+                  top_p=top_p, mixed=mixed, gpu=gpu, adapter_params=adapter)
     return out if plan else out.total
 
 
@@ -259,23 +310,43 @@ MEMORY_GRID = [
     ((512, 16, 32000), 512, True, 1.0, "float32"),
 ]
 QUICK_MEMORY_GRID = [((64, 2, 1000), 256, False, 1.0, "float32"), ((64, 2, 1000), 512, True, 0.9, "float32")]
+# On a GPU (`--device cuda`, one rank): the settings of configs/learner-8b.toml (16,384-token
+# micro-batches, checkpointing, bf16, a 152k vocabulary) on models of 0.5B and 1.9B parameters,
+# one knob at a time; the last point a rank-16 LoRA adapter (a sixth field: the LoRA rank).
+GPU_MEMORY_GRID = [
+    ((1024, 16, 151936), 4096, False, 1.0, "float32"),
+    ((1024, 16, 151936), 16384, True, 1.0, "float32"),
+    ((1024, 16, 151936), 16384, True, 1.0, "bfloat16"),
+    ((1024, 16, 151936), 16384, True, 0.9, "bfloat16"),
+    ((1024, 16, 151936), 8192, False, 1.0, "bfloat16"),
+    ((2048, 28, 151936), 16384, True, 1.0, "bfloat16"),
+    ((2048, 28, 151936), 16384, True, 1.0, "bfloat16", 16),
+]
 
 
-def bench_memory(models: Path, grid: list) -> list[dict]:
+def bench_memory(models: Path, grid: list, device: str = "cpu") -> list[dict]:
     """Each point a fresh process: a warm-up step, then one step of two micro-batches, the
     smaller first, so the measured one (`tokens` long) runs with every gradient held."""
     rows = []
-    for (hidden, layers, vocab), tokens, ckpt, top_p, dtype in grid:
-        model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab)
+    for (hidden, layers, vocab), tokens, ckpt, top_p, dtype, *lora in grid:
+        lora_rank = lora[0] if lora else 0
+        model = build_model(models / f"h{hidden}-l{layers}-v{vocab}", hidden, layers, vocab, device=device)
         per_micro = max(1, tokens // ROW_TOKENS)
         n_rows = per_micro + GROUP if per_micro >= GROUP else 2 * per_micro  # two micro-batches
         overrides = ["--trainer.activation_checkpointing", str(ckpt).lower(), "--rollout.top_p", str(top_p),
                      "--trainer.compute_dtype", dtype]
+        if lora_rank:
+            overrides += ["--trainer.lora", f"{{rank = {lora_rank}, alpha = {2 * lora_rank}}}"]
         r = _run_child("step", {"model": str(model), "rows": max(GROUP, n_rows), "micro_batch_tokens": tokens,
-                                "threads": 2, "grads_held": True, "overrides": overrides})[0]
+                                "threads": 2, "grads_held": True, "overrides": overrides, "device": device})[0]
         rows.append({"model": model.name, "hidden": hidden, "layers": layers, "vocab": vocab, "tokens": tokens,
-                     "checkpointing": ckpt, "top_p": top_p, "dtype": dtype, **r,
-                     "predicted": _predicted(model, tokens, checkpointing=ckpt, top_p=top_p, dtype=dtype)})
+                     "checkpointing": ckpt, "top_p": top_p, "dtype": dtype, "lora_rank": lora_rank, "device": device,
+                     **r, "predicted": _predicted(model, tokens, checkpointing=ckpt, top_p=top_p, dtype=dtype,
+                                                  gpu=device.startswith("cuda"), lora_rank=lora_rank)})
+        print(f"memory {len(rows)}/{len(grid)}: {model.name} {tokens} tokens: "
+              + (f"failed: {r['error']}" if "error" in r else
+                 f"peak {r['peak'] / MiB:.0f} MiB, predicted {rows[-1]['predicted'] / MiB:.0f} MiB"),
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -470,16 +541,20 @@ def _print_claims_table(result: dict) -> None:
 def _print_memory_table(result: dict) -> None:
     me = result.get("memory")
     if me:
-        print("8. the memory model against the measured peak (one step, two micro-batches, the measured one last)")
-        print(f"{'model':>16} {'params':>7} {'tokens':>6} {'ckpt':>4} {'top-p':>5} {'dtype':>8} {'peak':>9} "
-              f"{'predicted':>10} {'ratio':>6}")
+        gpu = next((r["device_name"] for r in me if "device_name" in r), None)
+        print("8. the memory model against the measured peak (one step, two micro-batches, the measured one last)"
+              + (f", on {gpu}: the peak is the allocator's reservation plus what lives outside it "
+                 "(context, NCCL); tensors: the allocator's allocated peak" if gpu else ""))
+        print(f"{'model':>16} {'params':>7} {'tokens':>6} {'ckpt':>4} {'top-p':>5} {'dtype':>8} {'lora':>4} {'peak':>9} "
+              f"{'predicted':>10} {'ratio':>6}" + (f" {'tensors':>9} {'outside':>8}" if gpu else ""))
         for r in me:
             head = f"{r['model']:>16} {r.get('params', 0) / 1e6:>6.0f}M {r['tokens']:>6} {'on' if r['checkpointing'] else 'off':>4} " \
-                   f"{r['top_p']:>5} {r['dtype']:>8}"
+                   f"{r['top_p']:>5} {r['dtype']:>8} {r.get('lora_rank') or '-':>4}"
             if "error" in r:
                 print(f"{head}  failed: {r['error']}")
                 continue
-            print(f"{head} {r['peak'] / MiB:>7.0f}Mi {r['predicted'] / MiB:>8.0f}Mi {r['predicted'] / r['peak']:>6.3f}")
+            print(f"{head} {r['peak'] / MiB:>7.0f}Mi {r['predicted'] / MiB:>8.0f}Mi {r['predicted'] / r['peak']:>6.3f}"
+                  + (f" {r['allocated'] / MiB:>7.0f}Mi {r['outside'] / MiB:>6.0f}Mi" if "allocated" in r else ""))
 
 
 def cli(argv: list[str]) -> int:
@@ -492,9 +567,14 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--models", type=Path, default=Path(".echo-cache/bench-models"),
                    help="where the built models are kept between runs (default .echo-cache/bench-models)")
     p.add_argument("--quick", action="store_true", help="seconds-long smoke version (tiny sizes)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda (default cpu). Only table 8 (--only memory) runs on a GPU, on its own grid "
+                        "of 0.5B- and 1.9B-parameter models at the 8B config's settings")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
+    if args.device != "cpu" and only != {"memory"}:
+        p.error(f"--device {args.device}: only table 8 runs on a GPU; add --only memory")
     quick = args.quick
     models = Path(tempfile.mkdtemp()) if quick else args.models
     result: dict = {}
@@ -522,7 +602,9 @@ def cli(argv: list[str]) -> int:
     if "claims" in only:
         result["claims"] = bench_claims(models, **small, rows=GROUP if quick else 8 * GROUP, micro=1024 if quick else 4096)
     if "memory" in only:
-        result["memory"] = bench_memory(models, QUICK_MEMORY_GRID if quick else MEMORY_GRID)
+        gpu = args.device.startswith("cuda")
+        result["memory"] = bench_memory(models, QUICK_MEMORY_GRID if quick else GPU_MEMORY_GRID if gpu else MEMORY_GRID,
+                                        args.device)
     if args.json:
         print(json.dumps(result))
     else:
@@ -535,7 +617,11 @@ def cli(argv: list[str]) -> int:
 
 def _child_main(kind: str, payload: str) -> None:
     spec = json.loads(payload)
-    out = child_step(spec) if kind == "step" else child_logprobs(spec)
+    if kind == "build":
+        _build_here(Path(spec.pop("out")), **spec)
+        out = {}
+    else:
+        out = child_step(spec) if kind == "step" else child_logprobs(spec)
     print("RESULT " + json.dumps(out), flush=True)
 
 
