@@ -24,13 +24,14 @@ from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
 from learner.rundir import RunDir, finished, port_in_use
 from learner.serve import serve
-from learner.train.dist import DeviceError, close, init_world, under_torchrun
+from learner.train.dist import DeviceError, close, cuda_allocator_defaults, init_world, under_torchrun
 
 DEFAULT_CONFIG = "configs/demo.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    cuda_allocator_defaults()
     parser = argparse.ArgumentParser(
         prog="echo-learner",
         description="Run the echo learner: serve prompts to workers, train on their rollouts with "

@@ -171,9 +171,10 @@ def child_step(spec: dict) -> dict:
     import torch
 
     from learner.config import load_learner_config
-    from learner.train.dist import close, init_world
+    from learner.train.dist import close, cuda_allocator_defaults, init_world
     from learner.train.trainer import Trainer
 
+    cuda_allocator_defaults()  # as echo-learner runs
     torch.set_num_threads(spec.get("threads", 1))
     device = spec.get("device", "cpu")
     world = init_world(device)
@@ -219,7 +220,9 @@ def child_step(spec: dict) -> dict:
         times.append(time.perf_counter() - t0)
     peak = max(meter.read(), *phases.values())  # before the snapshot below allocates anything
     cuda = {"allocated": meter.allocated, "outside": meter.outside_allocator(),  # context, NCCL, kernels
-            "device_name": torch.cuda.get_device_name()} if meter.cuda else {}
+            "device_name": torch.cuda.get_device_name(),
+            "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+            } if meter.cuda else {}
     out = {"claims_checked": len(stats["claim_checks"]), "kept_bytes": trainer.kept.bytes() if trainer.kept else 0,
            "rank": world.rank, "ranks": world.size, "peak": peak, "before": before,
            "runtime": runtime, "phases": phases,

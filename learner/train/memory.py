@@ -19,13 +19,14 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
                  + max(0, T·A − head)  its saved tensors A, only beyond the head's transient: the
                                    head's backward ends before the first layer is recomputed
                  or 1.55·T·L·A      without: every layer's A, held at the head's backward (the
-                                   step's peak), and the CPU allocator's slack
+                                   step's peak), and the CPU allocator's slack (1.3 on a GPU)
                  + 128·T·H          outside the layers: embeddings, final norm, the head's inputs
+                                   (64 on a GPU)
     head         c·V·(8 [+12])     one chunk of c tokens: fp32 logits, then their gradient (+ top-p's
                  + 2.5·b·V·H        sort: values and int64 order); the head's weight gradient of a
                  [+ 0.5·T·V]        chunk and autograd's sum of it over chunks (not in LoRA); on a
                                    CPU with top-p, the chunks' masks glibc's heap keeps
-    runtime      1 GiB on a GPU    CUDA context and workspaces; 0.4 GiB on a CPU (the
+    runtime      1.3 GiB on a GPU  CUDA context, kernels and NCCL; 0.4 GiB on a CPU (the
                                    interpreter with torch and transformers imported, 0.25 GiB, and
                                    what the allocator keeps between steps)
 
@@ -39,7 +40,11 @@ the points in tests/unit/learner/test_memory_model.py, each the highest of 2-6 r
 step's peak varies by up to 8% between runs on this CPU (glibc's heap), so the band is against
 the highest run: 1.00-1.05 on eleven of twelve points, 0.986 on one (1024 × 8 at 2,048 tokens,
 whose saved tensors sit 1.55× their count in the resident set where another model's same bytes
-sit 1.15×). Not measured on a GPU: its allocator will move the fitted factors.
+sit 1.15×). On a GPU (an H200, one rank, 0.5B and 1.9B parameters at 4k-16k tokens, fp32, bf16,
+top-p, LoRA; `--device cuda`) three factors have their own fit, below: 1.01-1.15× every peak with
+the learner's allocator setting (expandable segments). The default allocator reserved up to 12%
+more (the 1.9B bf16 step: 45.9 GiB against 40.3), more than this fit covers. More than one rank
+has not been measured on a GPU (only one was lent): the gathered term there is counted, not fitted.
 
 Loading adds no term: a sharded rank allocates its shards and reads its rows of each tensor into
 them (`learner.train.load`), one tensor's rows in transit; one plain rank loads the model whole,
@@ -134,6 +139,17 @@ HEAD_GRAD = 2.5  # × b·V·H: each chunk's gradient of the head's weight, and a
 CPU_RUNTIME = 0.4  # GiB: the interpreter with torch, transformers and the model's code (0.25 GiB measured
 #   before the model loads) and what the allocator keeps between steps
 
+# On a GPU (fitted to the peaks `echo-rl bench learner --only memory --device cuda` measured on an
+# H200, torch 2.11 + CUDA 13, with the learner's expandable segments: table 8b of docs/benchmarks.md,
+# the points in tests/unit/learner/test_memory_model.py; every peak ≤ the prediction ≤ 1.15× it).
+# A GPU peak is the caching allocator's reservation plus the context: the reservation ran 1.03-1.25×
+# the tensors held, and these two terms absorb that, as the CPU's absorb glibc's heap.
+ACTIVATION_FACTOR_GPU = 1.3  # × `saved_per_token_layer`, no checkpointing (the CPU's 1.55 over-predicted 12-22%)
+OUTSIDE_LAYERS_GPU = 64  # bytes × H per token outside the layers (the CPU's 128 is mostly glibc's slack:
+#   128 over-predicted a bf16 LoRA step of 1.9B parameters at 16k tokens by 35%, 4 GiB of its 13.5)
+GPU_RUNTIME = 1.3  # GiB outside the allocator: measured 0.74 GiB for a plain process (the CUDA context and
+#   kernels) and 1.30 GiB for one with an NCCL group, which every sharded learner has
+
 
 def saved_per_token_layer(shape: ModelShape, b: int) -> int:
     """Bytes autograd keeps per token for one pre-norm SwiGLU decoder layer in compute dtype `b`,
@@ -189,8 +205,9 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
         kept = CHECKPOINTED_INPUT if gpu else CHECKPOINTED_INPUT_CPU
         activations = T * kept * shape.layers * r * H + max(0, RECOMPUTED_LAYER * saved * T - head)
     else:
-        activations = T * shape.layers * ACTIVATION_FACTOR * saved
-    activations += T * OUTSIDE_LAYERS * H  # embeddings, final norm, the completions' hidden states, their gradients
+        activations = T * shape.layers * (ACTIVATION_FACTOR_GPU if gpu else ACTIVATION_FACTOR) * saved
+    # embeddings, final norm, the completions' hidden states, their gradients
+    activations += T * (OUTSIDE_LAYERS_GPU if gpu else OUTSIDE_LAYERS) * H
     unit = shape.root_params + 2 * shape.layer_params  # unsharded at once: the root and two layers (one prefetched)
     return MemoryPlan(
         state=(b * P + 16 * adapter_params) / N if lora else 16 * P / N,
@@ -202,7 +219,7 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
                   else 8 * unit if N > 1 else 0.0),
         activations=float(activations),
         head=float(head),
-        runtime=GiB if gpu else CPU_RUNTIME * GiB,
+        runtime=(GPU_RUNTIME if gpu else CPU_RUNTIME) * GiB,
         claim_copy=b * P / N if claim_copy and not lora else 0.0,
     )
 
