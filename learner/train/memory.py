@@ -5,7 +5,8 @@ Per rank, for `P` parameters sharded over `N` ranks and a micro-batch of `T` pad
     state        16·P/N            fp32 master weights 4, gradients 4, AdamW m and v 8
     reference    b·P/N             the frozen KL reference in the compute dtype (kl_coef > 0)
     eval_copy    b·P/N             the weights of the version evaluated on workers, held to check
-                                   their greedy answers against ([eval] where = "workers")
+                                   their greedy answers against ([eval] where = "workers"; not
+                                   in LoRA mode, where the held adapter is swapped into the policy)
     claim_copy   b·P/N             the frozen copy stale groups are checked on, loaded with the
                                    version each claims ([verify] stale_check_fraction > 0; not
                                    in LoRA mode, where the adapter is swapped into the policy)
@@ -212,7 +213,7 @@ def predict(shape: ModelShape, *, ranks: int, micro_batch_tokens: int, compute_b
     return MemoryPlan(
         state=(b * P + 16 * adapter_params) / N if lora else 16 * P / N,
         reference=b * P / N if reference else 0.0,
-        eval_copy=b * P / N if eval_copy else 0.0,
+        eval_copy=b * P / N if eval_copy and not lora else 0.0,  # LoRA: the held adapter, swapped in to check
         # fp32: the unit's parameters and gradients; mixed: both in the compute dtype plus the fp32 gradient
         # reduced; LoRA: the frozen base's unit in the compute dtype, no gradient
         gathered=(b * unit if lora and (mixed or N > 1) else (2 * b + 4) * unit if mixed

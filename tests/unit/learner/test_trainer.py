@@ -335,6 +335,8 @@ def test_preflight_predicts_qwen3_8b_lora_on_one_a100_with_versions_the_adapters
     assert lora.total < 80e9 < full.total
     assert lora.state == pytest.approx(2 * shape.params + 16 * adapter)
     assert shape.params * 2 / (adapter * 2) > 50  # ≥ 50× fewer bytes per version
+    # the eval check's held version is its adapter (swapped in), not a second 16 GB base
+    assert lora.eval_copy == 0 and full.eval_copy == pytest.approx(2 * shape.params)
 
 
 def test_a_lora_trainer_trains_the_adapter_alone_and_publishes_it(tiny_model):

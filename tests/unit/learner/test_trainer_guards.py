@@ -63,6 +63,36 @@ def test_the_held_eval_copy_tells_greedy_answers_from_written_ones(tiny_model):
     assert min(trainer.greedy_gaps(prompts, forged)) > 0.05
 
 
+def test_in_lora_mode_the_held_eval_version_is_its_adapter_swapped_in_not_a_second_base(tiny_model):
+    """LoRA: the version evaluated is its adapter. The eval check held a whole second base for it
+    (15 GiB of an 8B run's 47 on one GPU); it now keeps the adapter and swaps it into the policy.
+    After training has moved the policy's greedy answers, the held version's answers still sit
+    on its argmax, the trained adapter is back in place, and no second model exists."""
+    from echo.hf import sample
+    from learner.train.lora import adapter_parameters
+
+    trainer = _trainer(tiny_model, "--trainer.lora", "{rank = 4, alpha = 16}", "--trainer.lr", "0.05")
+    tok = trainer.tokenizer
+    prompts = [trainer.episodes.chat(f"{a}+{b}=") for a, b in ((3, 4), (5, 2), (1, 8), (6, 0), (2, 2), (4, 4))]
+
+    def greedy():
+        return [o.tokens for o in sample(trainer.hf, prompts, max_new_tokens=4, stop_ids=tok.eos_token_id,
+                                          pad_id=tok.pad_token_id, temperature=0.0)]
+
+    held = greedy()
+    assert trainer.hold_for_eval() == 0
+    for step in range(8):
+        trainer.step(synthetic_batch(step, trainer.vocab_size))
+    assert greedy() != held, "training did not move the greedy answers: the check below would prove nothing"
+    trained = [p.detach().clone() for _, p in adapter_parameters(trainer.hf)]
+    assert max(trainer.greedy_gaps(prompts, held)) < 1e-3
+    assert all(torch.equal(p, t) for (_, p), t in zip(adapter_parameters(trainer.hf), trained))
+    assert trainer._eval_copy is None and not trainer.policy.greedy
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    forged = [[next(d for d in digits if d != c[0])] + c[1:] for c in held]
+    assert min(trainer.greedy_gaps(prompts, forged)) > 0.05
+
+
 def test_a_one_rank_cuda_device_gets_an_index_and_no_gpu_is_one_clear_line(monkeypatch):
     """`[model] device = "cuda"` on one rank (configs/learner-gpu.toml): torch refuses to make an
     index-less `cuda` current, so every one-rank GPU run failed as the trainer started; on a
