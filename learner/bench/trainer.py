@@ -21,6 +21,8 @@ and optimizer state. The tables, each against a baseline from the same run:
    8 and 16 layers, vocab 32k and 152k, top-p 1.0 and 0.9, fp32 and bf16 on one rank. The
    measured step has two micro-batches, the smaller first, so the measured one runs with every
    gradient held (as all but the first of a real step do); its phases' peaks are kept too.
+   With `--device cuda` (8b) the same step on a GPU, over a grid of 0.5B and 1.9B models at the
+   8B config's settings: the peak is the allocator's reserved peak plus what lives outside it.
 9. claims: a batch of stale groups with a share of them checked against the version they claim
    (`[verify] stale_check_fraction` 0, 0.25, 1): step time and the host memory the kept versions hold.
 """
