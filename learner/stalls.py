@@ -5,6 +5,10 @@ model; all right: too easy) and dynamic sampling skips them all, so no batch fil
 
 `NoInstalls`: workers joined, and none has installed a snapshot.
 
+`ThinSignal`: the run goes on, but dynamic sampling trains only a small share of what arrives,
+and each update, a mean over that share alone, is as large as a full batch of signal's: the
+poker demo's policy collapsed by step 60 that way with nothing said (2026-11-29).
+
 A worker that refuses every version (an adapter probe it cannot match, a snapshot of another
 shape) takes no leases and logs why on its own machine; the learner then waits for rollouts
 with nothing on its console, indefinitely. `NoInstalls` notes it once per stall, pointing at
@@ -73,6 +77,44 @@ class NoSignal:
                   "trainer.kl_coef to hold it near the start): warm-start the model "
                   "(echo-rl build-model --warmup-steps), use a larger rollout.group_size, or set "
                   "[buffer] dynamic_sampling = false to take steps without a gradient")
+        return True
+
+    async def watch(self, buffer, every_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            self.check(buffer.stats)
+
+
+class ThinSignal:
+    """Note once per run when, of `window` groups accepted in a row, fewer than `below` of them
+    had rewards that differ (`[buffer] dynamic_sampling` skipped the rest). None at all is
+    `NoSignal`'s to say."""
+
+    def __init__(self, window: int, note: Callable[[str], None], below: float = 0.25):
+        self.window, self.note, self.below = window, note, below
+        self.start: tuple[int, int] | None = None  # (accepted, skipped) when the window began
+        self.said = False
+
+    def check(self, stats) -> bool:
+        """`stats`: the buffer's `BufferStats`. Returns whether it noted now."""
+        now = (stats.accepted, stats.skipped_uniform)
+        if self.said:
+            return False
+        if self.start is None:
+            self.start = now
+        accepted, skipped = now[0] - self.start[0], now[1] - self.start[1]
+        if accepted < self.window:
+            return False
+        self.start = now
+        share = 1 - skipped / accepted
+        if not 0 < share < self.below:
+            return False
+        self.said = True
+        self.note(f"dynamic sampling: {share:.0%} of the last {accepted} groups had rewards that differ, the rest "
+                  "were skipped: each update is a mean over that share alone, a step as large as a full batch of "
+                  "signal would take. If the eval falls or every sample of a group starts to play out alike, lower "
+                  "[trainer] lr, or set [buffer] dynamic_sampling = false with [trainer] kl_coef > 0 "
+                  "(the poker demo collapsed by step 60 with it: docs/poker.md)")
         return True
 
     async def watch(self, buffer, every_s: float = 5.0) -> None:

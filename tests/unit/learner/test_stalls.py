@@ -105,3 +105,24 @@ def test_the_banner_defines_every_status_column():
         assert ("signal =" in text) == (sampling == "true")
         # a learner-side eval is of weights not yet published: `eval 0.280@v3` beside `v0` (a new user)
         assert ("newer than v" in text) == (where == "learner")
+
+
+def test_a_thin_signal_under_dynamic_sampling_is_noted_once_per_run():
+    """The poker demo, with dynamic sampling, trained 480 groups of 2,016 in 60 steps (24%) and
+    its policy collapsed with nothing said: each update averaged over that share alone."""
+    from learner.buffer import BufferStats
+    from learner.stalls import ThinSignal
+
+    notes = []
+    watch, stats = ThinSignal(window=100, note=notes.append), BufferStats()
+    assert not watch.check(stats)
+    stats.accepted, stats.skipped_uniform = 99, 90
+    assert not watch.check(stats)  # the window is not full
+    stats.accepted, stats.skipped_uniform = 100, 70
+    assert not watch.check(stats)  # 30% with signal: nothing to say; a new window begins
+    stats.accepted, stats.skipped_uniform = 200, 170
+    assert not watch.check(stats)  # 100 skipped of 100: NoSignal's to say
+    stats.accepted, stats.skipped_uniform = 300, 250
+    assert watch.check(stats) and "20% of the last 100 groups" in notes[0] and "[trainer] lr" in notes[0]
+    stats.accepted, stats.skipped_uniform = 500, 450
+    assert not watch.check(stats) and len(notes) == 1  # once per run
