@@ -170,5 +170,5 @@ class HttpTransport(Transport):
         self.node.require_read(bearer(request))
         wire = self.node.manifest_wire(request.match_info["key"])
         if wire is None:
-            raise web.HTTPNotFound(text=f"{self.node.id} does not hold {request.match_info['key']}")
+            raise web.HTTPNotFound(text=f"{self.node.id} does not hold {request.match_info['key'][:64]!r}")
         return web.Response(body=wire, content_type="application/octet-stream")

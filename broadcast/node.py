@@ -347,7 +347,7 @@ class Node:
         """The store and chunk range of a pull request; `Refused` (404, 400) if it cannot be served."""
         store = await self._store_soon(key, min(self.stall_timeout, 5.0))
         if store is None or store.gone is not None:
-            raise Refused(404, f"{self.id} does not hold {key}")
+            raise Refused(404, f"{self.id} does not hold {key[:64]!r}")  # a key is anyone's: bounded, escaped
         n = store.manifest.num_chunks
         try:
             start, end = int(start), n if end is None else int(end)

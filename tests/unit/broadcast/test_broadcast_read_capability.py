@@ -373,6 +373,32 @@ def test_what_aiohttps_parser_refuses_is_answered_without_its_version_or_the_req
         assert body == b"400 Bad Request", body
 
 
+def test_a_key_a_node_does_not_hold_is_answered_bounded_and_escaped_not_echoed():
+    """The 404 for a manifest or chunks a node does not hold repeated the requested key whole:
+    7,000 characters gave a 7,021-byte reply, and control characters went out raw (an API-only
+    tester, 2026-11-30), where every refusal is meant to stay short and echo nothing."""
+    w1 = worker_pass(KEY, "w1")
+    key = "A" * 7000 + "\x1b[31m"
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        out = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for path in (f"{PREFIX}/manifest/{key}", f"{PREFIX}/chunks/{key}"):
+                    headers = {"Authorization": f"Bearer {w1['read_token']}",
+                               PROOF_HEADER: prove(w1["proof_key"], "source", "GET", path)}
+                    async with session.get(src.url + path.replace("\x1b", "%1b"), headers=headers) as resp:
+                        out.append((resp.status, await resp.read()))
+        finally:
+            await src.stop()
+        return out
+
+    for status, body in asyncio.run(run()):
+        assert status == 404 and len(body) <= 250 and b"\x1b" not in body and b"AAAA" in body, (status, body[:300])
+
+
 def test_a_holder_pulls_a_version_at_most_twice_over_from_a_node():
     """A joined identity with no work pulled 2,060 whole versions from the learner's source in
     20 s (989 Mbit/s, the whole paced uplink): a fallback or repair pull by an honest worker fell
