@@ -29,12 +29,13 @@ class LocalWorkers:
         w = self.section
         self.log_dir.mkdir(exist_ok=True)
         for i in range(w.spawn):
-            cmd = [w.python or sys.executable, "-m", "worker.main", "join", url, f"--token={self.token}",
+            # The token in the environment, not the command line, which any local user's `ps` reads.
+            cmd = [w.python or sys.executable, "-m", "worker.main", "join", url,
                    "--config", str(w.config), "--worker.name", f"local-{i}",
                    "--worker.seed", str(self.seed * 100 + i), *w.overrides]
             out = open(self.log_dir / f"local-{i}.log", "w")
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(),
-                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+                                               env={**os.environ, "PYTHONUNBUFFERED": "1", "ECHO_TOKEN": self.token}))
 
     async def watch(self) -> None:
         """Say so when a spawned worker dies, with where to look."""
