@@ -5,11 +5,20 @@ A *round* evaluates snapshot `v` on the task's eval prompts. Its prompts go out 
 when they ask for a lease, and generate the batch before installing anything else), so every
 answer of the round is `v`'s. Eval leases come before training prompts. A worker that dies
 loses nothing: its eval lease expires like any other and the prompts go back to the round.
-A worker holds one eval lease at a time, and a lease lives at most `lifetime` seconds from its
-issue whatever its heartbeats: a few identities cannot sit on a round. If no live worker holds
-`v` any more (all moved on, or they were sitting on it), the round is abandoned (`abandoned`):
-the learner opens the next one at a version it holds aside to check, never a round whose
-answers it cannot check.
+A worker holds one eval lease at a time, only once it has delivered training work the learner
+accepted (`proven`; any worker before the run's first accepted group), and a lease lives at
+most `lifetime` seconds from its issue whatever its heartbeats: `lifetime`, or once leases of
+the run came back, four times their median answer time (at least `ttl`). One identity that took
+an eval lease and sat on it, heartbeating, held up every eval round for ~60 s and the rounds
+due meanwhile never opened (an API-only tester, 2026-11-30). So also: once nothing of a round
+is pending, a worker on `v` asking for work gets a *backup* of an outstanding lease late by the
+run's median answer time (at most `HOLDERS` holders of one set of prompts; the first answer
+counts, the others are refused), and honest workers still on `v` finish the round; and a
+worker that kept its lease alive to its lifetime without answering is `barred` from eval leases
+for the rest of the run (a learner that stalls lets leases lapse unrenewed: nobody is barred for
+it). If no live worker that may still answer holds `v` (all moved on, or barred), the round is
+abandoned (`abandoned`): the learner opens the next one at a version it holds aside to check,
+never a round whose answers it cannot check.
 
 Workers are never told the answers (a worker holding them could return them instead of its
 model's), and their rewards are not believed: the learner scores each completion itself, and
@@ -42,6 +51,7 @@ class EvalResult:
     scores: dict[str, float] = field(default_factory=dict)  # prompt id -> the learner's reward
     answered_by: frozenset[str] = frozenset()  # the workers whose answers it holds (`workers` of them)
     opened: float | None = None  # when the round was first opened (a re-asked round goes on from it)
+    backups: int = 0  # backup leases issued: what a round cost beyond one answer per prompt
 
 
 @dataclass
@@ -50,6 +60,9 @@ class _Lease:
     deadline: float
     prompt_ids: list[str]
     latest: float = float("inf")  # heartbeats renew the deadline up to this, never past it
+    slot: str = ""  # the lease it backs up (its own id for the first): the slot's first answer counts
+    issued: float = 0.0
+    renewed: float = 0.0  # the holder's latest heartbeat
 
 
 @dataclass
@@ -62,10 +75,14 @@ class _Round:
     answers: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     workers: set[str] = field(default_factory=set)
     restarts: int = 0
+    backups: int = 0  # backup leases issued (`EvalBook.HOLDERS`)
 
 
 class EvalBook:
-    """Invariant of the open round: every prompt is pending, leased once, or answered."""
+    """Invariant of the open round: every prompt is pending, in one slot (leased to 1..HOLDERS
+    workers), or answered."""
+
+    HOLDERS = 2  # workers holding one slot at once: the first and one backup (at most twice the work)
 
     def __init__(self, prompts: list[Prompt], ttl: float, per_lease: int, lifetime: float | None = None):
         if not prompts:
@@ -75,6 +92,8 @@ class EvalBook:
         self.lifetime = lifetime if lifetime is not None else 3 * ttl
         self.round: _Round | None = None
         self.abandoned: _Round | None = None  # the last round nobody alive could finish, until the next opens
+        self.barred: set[str] = set()  # workers that sat on an eval lease to its lifetime: no more eval leases
+        self._answer_s: deque[float] = deque(maxlen=64)  # issue -> answer of the run's latest eval leases
         self._ids = itertools.count()
 
     @property
@@ -103,16 +122,46 @@ class EvalBook:
         r = self.round
         return r is not None and bool(r.pending) and worker_version < r.version <= installable
 
-    def lease(self, worker_id: str, worker_version: int, max_prompts: int, now: float) -> tuple[str, int, list[Prompt]] | None:
+    def lease(self, worker_id: str, worker_version: int, max_prompts: int, now: float,
+              proven: bool = True) -> tuple[str, int, list[Prompt]] | None:
+        """An eval lease of the open round for a worker on its version (`proven`: it delivered
+        accepted training work), or a backup of an outstanding one once nothing is pending."""
         r = self.round
-        if r is None or not r.pending or worker_version != r.version:
+        if r is None or worker_version != r.version or worker_id in self.barred or not proven:
             return None
         if any(lease.worker_id == worker_id for lease in r.leased.values()):
             return None  # one at a time
-        ids = [r.pending.popleft() for _ in range(min(max_prompts, self.per_lease, len(r.pending)))]
+        if r.pending:
+            ids, slot = [r.pending.popleft() for _ in range(min(max_prompts, self.per_lease, len(r.pending)))], ""
+        elif (slot := self._backup_slot(now)) is not None:
+            ids = list(r.leased[slot].prompt_ids)
+            r.backups += 1
+        else:
+            return None
         lease_id = f"E{next(self._ids)}-{secrets.token_hex(4)}"
-        r.leased[lease_id] = _Lease(worker_id, now + self.ttl, ids, latest=now + self.lifetime)
+        r.leased[lease_id] = _Lease(worker_id, now + self.ttl, ids, latest=now + self._lifetime(), slot=slot or lease_id,
+                                    issued=now, renewed=now)
         return lease_id, r.version, [self.prompts[i] for i in ids]
+
+    def _median_answer_s(self) -> float:
+        return sorted(self._answer_s)[len(self._answer_s) // 2] if self._answer_s else 0.0
+
+    def _lifetime(self) -> float:
+        """Four times the run's median answer time (at least `ttl`), or `lifetime` before any came back."""
+        if not self._answer_s:
+            return self.lifetime
+        return min(self.lifetime, max(self.ttl, 4 * self._median_answer_s()))
+
+    def _backup_slot(self, now: float) -> str | None:
+        """An outstanding slot late by the run's median answer time, with the fewest holders (below
+        `HOLDERS`), the oldest first: a straggler's, not one as young as the asker's own was."""
+        holders: dict[str, list[_Lease]] = {}
+        for lease in self.round.leased.values():
+            holders.setdefault(lease.slot, []).append(lease)
+        late = now - self._median_answer_s()
+        open_slots = [(len(held), issued, slot) for slot, held in holders.items()
+                      if len(held) < self.HOLDERS and (issued := min(h.issued for h in held)) <= late]
+        return min(open_slots)[2] if open_slots else None
 
     def check(self, worker_id: str, lease_id: str, version: int, prompt_ids) -> _Lease:
         """The outstanding eval lease `lease_id` of `worker_id`, answered for exactly its prompts
@@ -121,7 +170,7 @@ class EvalBook:
         lease = r.leased.get(lease_id) if r else None
         if r is None or lease is None or lease.worker_id != worker_id:
             raise Rejected(409, "unknown-lease", f"eval lease {lease_id[:128]!r} is not outstanding for this worker "
-                                                    "(expired, or its round was restarted)")
+                                                    "(expired, answered by another worker, or its round was restarted)")
         if version != r.version:
             raise Rejected(409, "wrong-version", f"eval lease {lease_id!r} evaluates v{r.version}, not v{version}")
         if set(prompt_ids) != set(lease.prompt_ids):
@@ -137,14 +186,18 @@ class EvalBook:
         bad = [k for k, v in rewards.items() if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0]
         if bad:
             raise Rejected(422, "bad-reward", f"rewards must be numbers in [0, 1]; got {rewards[bad[0]]!r}")
-        del r.leased[lease_id]
+        slot = r.leased[lease_id].slot
+        self._answer_s.append(now - r.leased[lease_id].issued)
+        for other in [k for k, held in r.leased.items() if held.slot == slot]:  # the slot is answered
+            del r.leased[other]
         r.rewards.update({k: float(v) for k, v in rewards.items()})
         r.answers.update({k: (worker_id, list(ids)) for k, ids in (completions or {}).items()})
         r.workers.add(worker_id)
         if len(r.rewards) < len(self.prompts):
             return None
         result = EvalResult(r.version, sum(r.rewards.values()) / len(r.rewards), len(r.rewards), now - r.opened,
-                            len(r.workers), r.restarts, dict(r.answers), dict(r.rewards), frozenset(r.workers), r.opened)
+                            len(r.workers), r.restarts, dict(r.answers), dict(r.rewards), frozenset(r.workers), r.opened,
+                            r.backups)
         self.round = None
         return result
 
@@ -152,19 +205,25 @@ class EvalBook:
         if self.round:
             for lease in self.round.leased.values():
                 if lease.worker_id == worker_id:
-                    lease.deadline = min(now + self.ttl, lease.latest)
+                    lease.deadline, lease.renewed = min(now + self.ttl, lease.latest), now
 
-    def expire(self, now: float, live_versions: set[int], newest: int) -> bool:
-        """Give expired leases' prompts back; abandon the round when nobody alive holds its
-        version, nothing is leased and a newer version exists (returns True when it did)."""
+    def expire(self, now: float, live: dict[str, int], newest: int) -> bool:
+        """Give expired leases' prompts back (unless a backup holds them); bar the workers that kept
+        theirs alive to its lifetime unanswered; abandon the round when no live worker (`live`:
+        worker id -> installed version) that may answer holds its version, nothing is leased and
+        a newer version exists (returns True when it did)."""
         r = self.round
         if r is None:
             return False
         for lease_id, lease in list(r.leased.items()):
             if lease.deadline < now:
                 del r.leased[lease_id]
-                r.pending.extendleft(reversed(lease.prompt_ids))
-        if r.version not in live_versions and not r.leased and newest > r.version:
+                if lease.deadline >= lease.latest and lease.renewed >= lease.latest - self.ttl / 2:
+                    self.barred.add(lease.worker_id)  # alive, heartbeating to the end, and never answered
+                if not any(held.slot == lease.slot for held in r.leased.values()):
+                    r.pending.extendleft(reversed(lease.prompt_ids))
+        holders = [w for w, version in live.items() if version == r.version and w not in self.barred]
+        if not holders and not r.leased and newest > r.version:
             self.round, self.abandoned = None, r
             return True
         return False

@@ -12,7 +12,8 @@
              make honest ones) is scored by the learner's own greedy answer instead: a near-tie is
              also where a worker could pick the right digit. A round nobody alive can finish is
              abandoned and the next one opened at the next publication: never a round the learner
-             holds no copy of, whose answers it could not check
+             holds no copy of, whose answers it could not check. A round's last leases are backed
+             up by other workers on its version, so one that sits on a lease does not hold it up
     learner  the trainer evaluates between steps on its own thread, every rank together (tiny models;
              multi-turn tasks, whose returns only the learner's environment scores)
 
@@ -216,6 +217,7 @@ class WorkerEvaluation(Evaluation):
         self.parts.log(self._event(result.version, eval_accuracy=result.accuracy, where="workers", prompts=result.prompts,
                                    seconds=round(result.seconds, 3), workers=result.workers, restarts=result.restarts,
                                    checked=checked, forged=forged, redecoded=self.round_redecoded if checked else 0,
+                                   backups=result.backups, barred=len(self.book.barred),
                                    check_s=round(self.check_s, 4) if checked else None))
         self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
                         f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"

@@ -37,7 +37,7 @@ class EvalRoom:
     def reap(self, now: float, alive: list[WorkerInfo]) -> None:
         """Expired eval leases' prompts go back; a round nobody alive can answer restarts at the newest version."""
         if self.book is not None:
-            self.book.expire(now, {w.version for w in alive if w.active}, self.run.published_version)
+            self.book.expire(now, {w.id: w.version for w in alive if w.active}, self.run.published_version)
 
     def routes(self, auth: Auth) -> list[web.RouteDef]:
         async def eval_results(request: web.Request) -> web.Response:

@@ -453,6 +453,34 @@ def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokeni
     run_api(tokenizer, test, tmp_path, evals=EvalBook(prompts, 30.0, 4))
 
 
+def test_once_the_run_has_work_eval_leases_go_only_to_workers_that_delivered_some(tokenizer, tmp_path):
+    """An identity that joined, released every training lease and took eval leases to sit on
+    held every eval round up (an API-only tester, 2026-11-30). Before any group was accepted
+    (the run's first round) anyone on the version may answer; after, only a worker whose own
+    training groups were accepted."""
+    from learner.evals import EvalBook
+
+    prompts = load_task("arith", {}).eval_prompts()[:8]
+
+    async def test(api: Api):
+        state = api.state
+        state.run.blobs.add(1, b"weights-1")
+        worker, cred = await api.join("worker")
+        _, fresh = await api.join("fresh")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2, "version": 0}, token=cred)
+        assert status == 200 and lease["lease_id"] and lease["eval_version"] is None
+        groups = [group(tokenizer, p["id"], ["9", "8", "7", "6"], 0.0) for p in lease["prompts"]]
+        status, body = await api.upload(cred, Submission(worker, lease["lease_id"], groups))
+        assert (status, body["accepted"]) == (200, 2)
+        state.evals.open(1, time.monotonic())
+        status, reply, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1, "wait_s": 0.2}, token=fresh)
+        assert status == 200 and reply["eval_version"] is None, reply  # the fresh identity: none
+        status, reply, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred)
+        assert reply["eval_version"] == 1 and len(reply["prompts"]) == 4
+
+    run_api(tokenizer, test, tmp_path, evals=EvalBook(prompts, 30.0, 4))
+
+
 def test_oversized_and_unknown_fields_are_refused_and_not_stored(tokenizer, tmp_path):
     async def test(api: Api):
         a, cred = await api.join("a")

@@ -18,7 +18,10 @@ def test_a_round_goes_only_to_workers_on_its_version_and_completes_once():
     assert version == 3 and len(got) == 4  # per_lease caps the worker's ask
     lid2, _, got2 = book.lease("w2", worker_version=3, max_prompts=100, now=0.0)
     lid3, _, got3 = book.lease("w3", worker_version=3, max_prompts=100, now=0.0)
-    assert book.lease("w4", 3, 8, 0.0) is None  # everything is out
+    # everything is out: a fourth worker gets a backup of the oldest lease, and no more than one
+    backup, _, again = book.lease("w4", 3, 8, 0.0)
+    assert [p.id for p in again] == [p.id for p in got]
+    assert [p.id for p in book.lease("w5", 3, 8, 0.0)[2]] == [p.id for p in got2]
     with pytest.raises(Rejected, match="not outstanding for this worker"):
         book.submit("w2", lid, 3, {p.id: 1.0 for p in got}, now=1.0)
     with pytest.raises(Rejected, match="one reward for each"):
@@ -28,9 +31,11 @@ def test_a_round_goes_only_to_workers_on_its_version_and_completes_once():
     with pytest.raises(Rejected, match=r"in \[0, 1\]"):
         book.submit("w1", lid, 3, {p.id: 7.0 for p in got}, now=1.0)
     assert book.submit("w1", lid, 3, {p.id: 1.0 for p in got}, now=1.0) is None
+    with pytest.raises(Rejected, match="answered by another worker"):  # its slot was answered
+        book.submit("w4", backup, 3, {p.id: 0.0 for p in again}, now=1.2)
     assert book.submit("w2", lid2, 3, {p.id: 0.0 for p in got2}, now=1.5) is None
     result = book.submit("w3", lid3, 3, {p.id: 1.0 for p in got3}, now=2.0)
-    assert (result.version, result.prompts, result.workers, result.restarts) == (3, 10, 3, 0)
+    assert (result.version, result.prompts, result.workers, result.restarts, result.backups) == (3, 10, 3, 0, 2)
     assert result.accuracy == pytest.approx(6 / 10) and result.seconds == 2.0
     assert book.round is None and not hasattr(book, "results")  # every round's completions were kept, forever
 
@@ -40,8 +45,9 @@ def test_a_dead_workers_eval_lease_expires_and_its_prompts_go_to_another():
     book.open(1, now=0.0)
     lid, _, got = book.lease("dead", 1, 10, now=0.0)
     book.renew("dead", now=4.0)  # heartbeats keep it alive...
-    assert not book.expire(now=8.0, live_versions={1}, newest=1) and book.lease("w", 1, 10, 8.0) is None
-    book.expire(now=9.5, live_versions={1}, newest=1)  # ...until they stop
+    assert not book.expire(now=8.0, live={"dead": 1, "w": 1}, newest=1)
+    book.expire(now=9.5, live={"w": 1}, newest=1)  # ...until they stop
+    assert "dead" not in book.barred  # a lease that lapsed with its heartbeats is no evidence
     lid2, _, again = book.lease("w", 1, 10, now=10.0)
     assert [p.id for p in again] == [p.id for p in got]
     with pytest.raises(Rejected):
@@ -54,9 +60,9 @@ def test_a_round_nobody_can_finish_is_abandoned_for_the_next_one_the_learner_ope
     to check the answers against, and an unchecked accuracy is what a forger would write."""
     book = EvalBook(PROMPTS, ttl=5.0, per_lease=10)
     book.open(4, now=0.0)
-    assert not book.expire(now=1.0, live_versions={2}, newest=4)  # v4 still on its way to the workers
-    assert not book.expire(now=2.0, live_versions={4, 8}, newest=8)  # someone still holds v4
-    assert book.expire(now=3.0, live_versions={8}, newest=8)  # everyone moved on
+    assert not book.expire(now=1.0, live={"a": 2}, newest=4)  # v4 still on its way to the workers
+    assert not book.expire(now=2.0, live={"a": 4, "b": 8}, newest=8)  # someone still holds v4
+    assert book.expire(now=3.0, live={"a": 8, "b": 8}, newest=8)  # everyone moved on
     assert book.round is None and book.abandoned.version == 4
     assert book.lease("w", 8, 10, now=3.0) is None  # nothing to answer until the learner opens a round
     book.open(8, now=3.5)  # the learner, holding v8 aside
@@ -73,8 +79,44 @@ def test_a_worker_holds_one_eval_lease_at_a_time_and_not_past_its_lifetime():
     assert book.lease("honest", 1, 2, now=0.0) is not None
     for t in range(0, 20, 2):
         book.renew("sitter", now=float(t))  # heartbeats, never an answer
-    book.expire(now=12.5, live_versions={1}, newest=1)
+    book.expire(now=12.5, live={"sitter": 1, "honest": 1}, newest=1)
     assert lid not in book.round.leased and {p.id for p in got} <= set(book.round.pending)
+    assert book.barred == {"sitter"} and book.lease("sitter", 1, 2, now=13.0) is None  # kept alive, never answered
+
+
+def test_a_round_an_identity_sits_on_is_finished_by_a_backup_from_an_honest_worker():
+    """One identity took an eval lease and sat on it, heartbeating: every round was held up for
+    ~60 s and the rounds due meanwhile never opened (an API-only tester, 2026-11-30). Once
+    nothing is pending, a worker on the round's version gets a backup of the outstanding lease;
+    the first answer counts."""
+    book = EvalBook(PROMPTS[:4], ttl=5.0, per_lease=2, lifetime=60.0)
+    book.open(1, now=0.0)
+    sat, _, held = book.lease("sitter", 1, 2, now=0.0)
+    lid, _, got = book.lease("honest", 1, 2, now=0.0)
+    assert book.submit("honest", lid, 1, {p.id: 1.0 for p in got}, now=1.0) is None
+    backup, _, same = book.lease("honest", 1, 2, now=1.0)  # nothing pending: the sitter's prompts again
+    assert [p.id for p in same] == [p.id for p in held]
+    assert book.lease("other", 1, 2, now=1.0) is None  # one backup per lease: at most twice the work
+    result = book.submit("honest", backup, 1, {p.id: 0.0 for p in same}, now=2.0)
+    assert result is not None and result.prompts == 4 and result.seconds == 2.0 and result.backups == 1
+    assert result.answered_by == {"honest"}
+
+
+def test_sitters_are_barred_and_a_round_only_they_could_answer_is_abandoned():
+    """Two identities hold both copies of a lease to its lifetime: each is barred from eval
+    leases for the run, their prompts go back, and with no live worker that may answer left on
+    the round's version it is abandoned for the next the learner opens: they cost one round."""
+    book = EvalBook(PROMPTS[:2], ttl=5.0, per_lease=2, lifetime=12.0)
+    book.open(1, now=0.0)
+    assert book.lease("s1", 1, 2, now=0.0) and book.lease("s2", 1, 2, now=0.0)  # the lease and its backup
+    for t in range(0, 14, 2):
+        book.renew("s1", now=float(t))
+        book.renew("s2", now=float(t))
+    assert not book.expire(now=11.0, live={"s1": 1, "s2": 1}, newest=3)
+    assert book.expire(now=13.0, live={"s1": 1, "s2": 1}, newest=3)  # both barred: nobody left to answer v1
+    assert book.barred == {"s1", "s2"} and book.abandoned.version == 1
+    book.open(3, now=14.0)
+    assert book.lease("s1", 3, 2, now=14.0) is None and book.lease("honest", 3, 2, now=14.0) is not None
 
 
 def test_forged_answers_are_asked_again_and_the_result_covers_every_prompt():
@@ -90,3 +132,30 @@ def test_forged_answers_are_asked_again_and_the_result_covers_every_prompt():
     # the whole round's workers and time (it said "on 1 worker" in 1 s), its restarts kept
     assert result.answered_by == {"a", "b", "honest"} and result.workers == 3
     assert result.seconds == 4.0 and result.restarts == 1
+
+
+def test_only_a_worker_that_delivered_accepted_work_gets_eval_leases():
+    """A fresh identity that never generated anything could take a round's lease and sit on it;
+    one must first deliver training work the learner accepted (`groups_accepted > 0`)."""
+    book = EvalBook(PROMPTS, ttl=5.0, per_lease=4)
+    book.open(1, now=0.0)
+    assert book.lease("fresh", 1, 4, now=0.0, proven=False) is None
+    assert book.lease("worker", 1, 4, now=0.0, proven=True) is not None
+
+
+def test_a_lease_lives_a_few_of_the_runs_answer_times_and_a_stalled_learner_bars_nobody():
+    book = EvalBook(PROMPTS, ttl=5.0, per_lease=2, lifetime=60.0)
+    book.open(1, now=0.0)
+    for i, worker in enumerate(("a", "b", "c")):
+        lid, _, got = book.lease(worker, 1, 2, now=0.0)
+        book.submit(worker, lid, 1, {p.id: 1.0 for p in got}, now=1.0 + i)  # answered in 1-3 s
+    lid, _, _ = book.lease("sitter", 1, 2, now=10.0)
+    assert book.round.leased[lid].latest == 10.0 + max(5.0, 4 * 2.0)  # not 60 s
+    for t in (12.0, 16.0, 18.0):
+        book.renew("sitter", now=t)
+    book.expire(now=18.5, live={"sitter": 1, "a": 1}, newest=1)
+    assert "sitter" in book.barred
+    # A learner whose loop stalled renewed nobody's lease: it lapses, and its holder is not barred.
+    lid, _, _ = book.lease("a", 1, 2, now=20.0)
+    book.expire(now=40.0, live={"a": 1}, newest=1)
+    assert lid not in book.round.leased and "a" not in book.barred
