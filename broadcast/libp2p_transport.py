@@ -838,7 +838,7 @@ class Libp2pTransport(Transport):
             return await _reply(stream, {"error": f"{e.status} {e.text}"})
         wire = self.node.manifest_wire(str(request.get("key")))
         await _reply(stream, {"manifest": wire} if wire is not None
-                     else {"error": f"404 {self.node.id} does not hold {request.get('key')}"})
+                     else {"error": f"404 {self.node.id} does not hold {str(request.get('key'))[:64]!r}"})
 
 
 async def _probe(url: str, timeout_s: float) -> bool:
