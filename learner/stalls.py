@@ -51,7 +51,19 @@ class NoInstalls:
             self.check(registry.alive(time.monotonic()), run.published_version, time.monotonic())
 
 
-class NoSignal:
+class BufferNote:
+    """A note read off the buffer's counters (`BufferStats`) every few seconds."""
+
+    def check(self, stats) -> bool:
+        raise NotImplementedError
+
+    async def watch(self, buffer, every_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            self.check(buffer.stats)
+
+
+class NoSignal(BufferNote):
     """Note once per stall when the last `after` groups all had equal rewards and so were skipped
     (`[buffer] dynamic_sampling`) while no batch was taken."""
 
@@ -79,13 +91,8 @@ class NoSignal:
                   "[buffer] dynamic_sampling = false to take steps without a gradient")
         return True
 
-    async def watch(self, buffer, every_s: float = 5.0) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            self.check(buffer.stats)
 
-
-class ThinSignal:
+class ThinSignal(BufferNote):
     """Note once per run when, of `window` groups accepted in a row, fewer than `below` of them
     had rewards that differ (`[buffer] dynamic_sampling` skipped the rest). None at all is
     `NoSignal`'s to say."""
@@ -116,8 +123,3 @@ class ThinSignal:
                   "[trainer] lr, or set [buffer] dynamic_sampling = false with [trainer] kl_coef > 0 "
                   "(the poker demo collapsed by step 60 with it: docs/poker.md)")
         return True
-
-    async def watch(self, buffer, every_s: float = 5.0) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            self.check(buffer.stats)
