@@ -133,8 +133,8 @@ class EvalBook:
             return None  # one at a time
         if r.pending:
             ids, slot = [r.pending.popleft() for _ in range(min(max_prompts, self.per_lease, len(r.pending)))], ""
-        elif (slot := self._backup_slot(now)) is not None:
-            ids = list(r.leased[slot].prompt_ids)
+        elif (backup := self._backup_slot(now)) is not None:
+            slot, ids = backup
             r.backups += 1
         else:
             return None
@@ -152,16 +152,20 @@ class EvalBook:
             return self.lifetime
         return min(self.lifetime, max(self.ttl, 4 * self._median_answer_s()))
 
-    def _backup_slot(self, now: float) -> str | None:
+    def _backup_slot(self, now: float) -> tuple[str, list[str]] | None:
         """An outstanding slot late by the run's median answer time, with the fewest holders (below
-        `HOLDERS`), the oldest first: a straggler's, not one as young as the asker's own was."""
+        `HOLDERS`), the oldest first: a straggler's, not one as young as the asker's own was; its
+        id and prompts (its first lease may have expired while a backup holds it)."""
         holders: dict[str, list[_Lease]] = {}
         for lease in self.round.leased.values():
             holders.setdefault(lease.slot, []).append(lease)
         late = now - self._median_answer_s()
         open_slots = [(len(held), issued, slot) for slot, held in holders.items()
                       if len(held) < self.HOLDERS and (issued := min(h.issued for h in held)) <= late]
-        return min(open_slots)[2] if open_slots else None
+        if not open_slots:
+            return None
+        slot = min(open_slots)[2]
+        return slot, list(holders[slot][0].prompt_ids)
 
     def check(self, worker_id: str, lease_id: str, version: int, prompt_ids) -> _Lease:
         """The outstanding eval lease `lease_id` of `worker_id`, answered for exactly its prompts

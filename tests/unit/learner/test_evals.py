@@ -159,3 +159,18 @@ def test_a_lease_lives_a_few_of_the_runs_answer_times_and_a_stalled_learner_bars
     lid, _, _ = book.lease("a", 1, 2, now=20.0)
     book.expire(now=40.0, live={"a": 1}, newest=1)
     assert lid not in book.round.leased and "a" not in book.barred
+
+
+def test_a_backup_outliving_the_lease_it_backed_up_can_itself_be_backed_up():
+    """The slot's first lease expired while its backup held on: a third worker asking must get
+    the slot's prompts (it looked them up by the first lease's id, gone by then)."""
+    book = EvalBook(PROMPTS[:2], ttl=5.0, per_lease=2, lifetime=60.0)
+    book.open(1, now=0.0)
+    book.lease("gone", 1, 2, now=0.0)
+    backup, _, got = book.lease("slow", 1, 2, now=0.0)
+    book.renew("slow", now=4.0)
+    book.expire(now=6.0, live={"slow": 1, "third": 1}, newest=1)  # "gone" stopped heartbeating
+    third, _, again = book.lease("third", 1, 2, now=6.0)
+    assert [p.id for p in again] == [p.id for p in got]
+    result = book.submit("third", third, 1, {p.id: 1.0 for p in again}, now=7.0)
+    assert result is not None and not book.round
