@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from echo.tasks import Prompt
 from echo.wire import Rejected
+from learner.addresses import remember
 
 
 @dataclass
@@ -92,7 +93,8 @@ class EvalBook:
         self.lifetime = lifetime if lifetime is not None else 3 * ttl
         self.round: _Round | None = None
         self.abandoned: _Round | None = None  # the last round nobody alive could finish, until the next opens
-        self.barred: set[str] = set()  # workers that sat on an eval lease to its lifetime: no more eval leases
+        self.barred: dict[str, None] = {}  # workers that sat on an eval lease to its lifetime: no more eval
+        #   leases (the latest `TRACKED`: a week of identities churned through must not grow it)
         self._answer_s: deque[float] = deque(maxlen=64)  # issue -> answer of the run's latest eval leases
         self._ids = itertools.count()
 
@@ -223,7 +225,7 @@ class EvalBook:
             if lease.deadline < now:
                 del r.leased[lease_id]
                 if lease.deadline >= lease.latest and lease.renewed >= lease.latest - self.ttl / 2:
-                    self.barred.add(lease.worker_id)  # alive, heartbeating to the end, and never answered
+                    remember(self.barred, lease.worker_id, None)  # alive, heartbeating to the end, never answered
                 if not any(held.slot == lease.slot for held in r.leased.values()):
                     r.pending.extendleft(reversed(lease.prompt_ids))
         holders = [w for w, version in live.items() if version == r.version and w not in self.barred]
