@@ -77,6 +77,7 @@ class _Round:
     workers: set[str] = field(default_factory=set)
     restarts: int = 0
     backups: int = 0  # backup leases issued (`EvalBook.HOLDERS`)
+    superseded: dict[str, str] = field(default_factory=dict)  # lease -> its worker, whose slot another answered first
 
 
 class EvalBook:
@@ -174,9 +175,11 @@ class EvalBook:
         at its version; else `Rejected`. Asked before anything is scored: scoring costs the learner."""
         r = self.round
         lease = r.leased.get(lease_id) if r else None
+        if r is not None and r.superseded.get(lease_id) == worker_id:  # a backup's (or its original's) late answer
+            raise Rejected(409, "answered", f"eval lease {lease_id!r}: another worker answered its prompts first")
         if r is None or lease is None or lease.worker_id != worker_id:
             raise Rejected(409, "unknown-lease", f"eval lease {lease_id[:128]!r} is not outstanding for this worker "
-                                                    "(expired, answered by another worker, or its round was restarted)")
+                                                    "(expired, or its round was restarted)")
         if version != r.version:
             raise Rejected(409, "wrong-version", f"eval lease {lease_id!r} evaluates v{r.version}, not v{version}")
         if set(prompt_ids) != set(lease.prompt_ids):
@@ -195,7 +198,9 @@ class EvalBook:
         slot = r.leased[lease_id].slot
         self._answer_s.append(now - r.leased[lease_id].issued)
         for other in [k for k, held in r.leased.items() if held.slot == slot]:  # the slot is answered
-            del r.leased[other]
+            held = r.leased.pop(other)
+            if other != lease_id:
+                r.superseded[other] = held.worker_id
         r.rewards.update({k: float(v) for k, v in rewards.items()})
         r.answers.update({k: (worker_id, list(ids)) for k, ids in (completions or {}).items()})
         r.workers.add(worker_id)

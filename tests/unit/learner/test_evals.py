@@ -31,8 +31,10 @@ def test_a_round_goes_only_to_workers_on_its_version_and_completes_once():
     with pytest.raises(Rejected, match=r"in \[0, 1\]"):
         book.submit("w1", lid, 3, {p.id: 7.0 for p in got}, now=1.0)
     assert book.submit("w1", lid, 3, {p.id: 1.0 for p in got}, now=1.0) is None
-    with pytest.raises(Rejected, match="answered by another worker"):  # its slot was answered
+    # the backup's late answer: its slot was answered, which is no fault ("answered", not "unknown-lease")
+    with pytest.raises(Rejected, match="another worker answered its prompts first") as refused:
         book.submit("w4", backup, 3, {p.id: 0.0 for p in again}, now=1.2)
+    assert refused.value.reason == "answered"
     assert book.submit("w2", lid2, 3, {p.id: 0.0 for p in got2}, now=1.5) is None
     result = book.submit("w3", lid3, 3, {p.id: 1.0 for p in got3}, now=2.0)
     assert (result.version, result.prompts, result.workers, result.restarts, result.backups) == (3, 10, 3, 0, 2)
