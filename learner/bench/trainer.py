@@ -280,14 +280,15 @@ def _run_child(kind: str, spec: dict, ranks: int = 0, timeout: float = 1800) -> 
     return rows
 
 
-def _predicted(model: Path, tokens: int, ranks: int = 1, checkpointing: bool = False, top_p: float = 1.0,
+def _predicted(model, tokens: int, ranks: int = 1, checkpointing: bool = False, top_p: float = 1.0,
                dtype: str = "float32", plan: bool = False, gpu: bool = False, lora_rank: int = 0):
-    """`learner.train.memory`'s prediction for this step, as the preflight makes it."""
+    """`learner.train.memory`'s prediction for this step, as the preflight makes it; `model`: its
+    directory, or its `ModelShape` (tests/unit/learner/test_memory_model.py holds the shapes)."""
     from echo.hf import chunk_tokens_for
     from learner.config import LoraSection
     from learner.train.memory import ModelShape, predict
 
-    shape = ModelShape.of(model)
+    shape = model if isinstance(model, ModelShape) else ModelShape.of(model)
     mixed = dtype == "bfloat16"
     adapter = shape.adapter_params(lora_rank, LoraSection().target_modules) if lora_rank else 0
     out = predict(shape, ranks=ranks, micro_batch_tokens=tokens, compute_bytes=2 if mixed else 4,

@@ -11,8 +11,9 @@ a second.
 
 import pytest
 
+from learner.bench.trainer import _predicted as bench_prediction
 from learner.bench.trainer import model_config
-from learner.train.memory import ModelShape, predict
+from learner.train.memory import ModelShape
 
 # (hidden, layers, vocab), micro-batch tokens, checkpointing, top-p, compute dtype, highest measured peak bytes
 MEASURED = [
@@ -34,11 +35,26 @@ MEASURED = [
 POINTS = [p.values[0] if hasattr(p, "values") else p for p in MEASURED]
 BAND = (1.00, 1.05)  # never below the highest measured peak, at most 5% above it (one point below: xfail)
 
+# On a GPU: `echo-rl bench learner --only memory --device cuda` on an NVIDIA H200 (torch 2.11 +
+# CUDA 13, 2026-11-30), one run each, with the learner's allocator setting (expandable segments).
+# The peak is the allocator's reservation plus what lives outside it (context, kernels, NCCL).
+# (hidden, layers, vocab), tokens, checkpointing, top-p, dtype, LoRA rank, measured peak bytes
+MEASURED_GPU = [
+    ((1024, 16, 151936), 4096, False, 1.0, "float32", 0, 17_361_076_224),
+    ((1024, 16, 151936), 16384, True, 1.0, "float32", 0, 12_392_923_136),
+    ((1024, 16, 151936), 16384, True, 1.0, "bfloat16", 0, 14_427_160_576),
+    ((1024, 16, 151936), 16384, True, 0.9, "bfloat16", 0, 14_324_400_128),
+    ((1024, 16, 151936), 8192, False, 1.0, "bfloat16", 0, 18_390_777_856),
+    ((2048, 28, 151936), 16384, True, 1.0, "bfloat16", 0, 42_235_396_096),  # 48.1 GB with the default allocator
+    ((2048, 28, 151936), 16384, True, 1.0, "bfloat16", 16, 10_757_144_576),
+]
+BAND_GPU = (1.00, 1.15)
+
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     out = {}
-    for (hidden, layers, vocab), *_ in POINTS:
+    for (hidden, layers, vocab), *_ in POINTS + MEASURED_GPU:
         if (hidden, layers, vocab) not in out:
             path = tmp_path_factory.mktemp(f"h{hidden}-l{layers}-v{vocab}")
             model_config(hidden, layers, vocab).save_pretrained(path)
@@ -46,13 +62,10 @@ def shapes(tmp_path_factory):
     return out
 
 
-def _predicted(shape, tokens, checkpointing, top_p, dtype):
-    from echo.hf import chunk_tokens_for
-
-    mixed = dtype == "bfloat16"
-    return predict(shape, ranks=1, micro_batch_tokens=tokens, compute_bytes=2 if mixed else 4,
-                   checkpointing=checkpointing, reference=False, chunk_tokens=min(tokens, chunk_tokens_for(shape.vocab)),
-                   top_p=top_p, mixed=mixed).total
+def _predicted(shape, tokens, checkpointing, top_p, dtype, gpu=False, lora_rank=0):
+    """The bench's prediction (what table 8 prints), one rank."""
+    return bench_prediction(shape, tokens, checkpointing=checkpointing, top_p=top_p, dtype=dtype, gpu=gpu,
+                            lora_rank=lora_rank)
 
 
 @pytest.mark.parametrize("point", MEASURED, ids=[f"h{p[0][0]}-l{p[0][1]}-v{p[0][2]}-t{p[1]}"
@@ -80,30 +93,10 @@ def test_each_knob_moves_the_prediction_as_it_moved_the_peak(shapes):
         assert predicted == pytest.approx(measured, rel=0.25), (a, b, predicted / measured)
 
 
-# On a GPU: `echo-rl bench learner --only memory --device cuda` on an NVIDIA H200 (torch 2.11 +
-# CUDA 13, 2026-11-30), one run each, with the learner's allocator setting (expandable segments).
-# The peak is the allocator's reservation plus what lives outside it (context, kernels, NCCL).
-# (hidden, layers, vocab), tokens, checkpointing, top-p, dtype, LoRA rank, measured peak bytes
-MEASURED_GPU = [
-    ((1024, 16, 151936), 4096, False, 1.0, "float32", 0, 17_361_076_224),
-    ((1024, 16, 151936), 16384, True, 1.0, "float32", 0, 12_392_923_136),
-    ((1024, 16, 151936), 16384, True, 1.0, "bfloat16", 0, 14_427_160_576),
-    ((1024, 16, 151936), 16384, True, 0.9, "bfloat16", 0, 14_324_400_128),
-    ((1024, 16, 151936), 8192, False, 1.0, "bfloat16", 0, 18_390_777_856),
-    ((2048, 28, 151936), 16384, True, 1.0, "bfloat16", 0, 42_235_396_096),  # 48.1 GB with the default allocator
-    ((2048, 28, 151936), 16384, True, 1.0, "bfloat16", 16, 10_757_144_576),
-]
-BAND_GPU = (1.00, 1.15)
-
-
 @pytest.mark.parametrize("point", MEASURED_GPU, ids=[f"h{p[0][0]}-l{p[0][1]}-t{p[1]}{'-ckpt' if p[2] else ''}"
                                                     f"{'-topp' if p[3] < 1 else ''}-{p[4]}{f'-lora{p[5]}' if p[5] else ''}"
                                                     for p in MEASURED_GPU])
-def test_prediction_covers_the_peak_measured_on_a_gpu_within_the_band(tmp_path, point):
-    from learner.bench.trainer import _predicted as bench_prediction
-
-    (hidden, layers, vocab), tokens, checkpointing, top_p, dtype, lora_rank, measured = point
-    model_config(hidden, layers, vocab).save_pretrained(tmp_path)
-    ratio = bench_prediction(tmp_path, tokens, checkpointing=checkpointing, top_p=top_p, dtype=dtype, gpu=True,
-                             lora_rank=lora_rank) / measured
+def test_prediction_covers_the_peak_measured_on_a_gpu_within_the_band(shapes, point):
+    model, tokens, checkpointing, top_p, dtype, lora_rank, measured = point
+    ratio = _predicted(shapes[model], tokens, checkpointing, top_p, dtype, gpu=True, lora_rank=lora_rank) / measured
     assert BAND_GPU[0] <= ratio <= BAND_GPU[1], f"predicted / measured = {ratio:.3f}"
