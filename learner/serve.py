@@ -31,7 +31,7 @@ from learner.publishing import Publishing
 from learner.record import RunRecord
 from learner.rundir import RunDir
 from learner.scheduling import make_fleet, make_provider, schedule
-from learner.stalls import NoInstalls, NoSignal, ThinSignal
+from learner.stalls import NoInstalls, NoSignal, ThinSignal, watch_buffer
 from learner.status import StatusDisplay, banner
 from learner.train.dist import World
 from learner.verify import Rescorer
@@ -125,8 +125,8 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         background = [api.reaping, asyncio.create_task(workers.watch()),
                       asyncio.create_task(stalls.watch(api.registry, run))]
         if cfg.dynamic_sampling:  # every group skipped for equal rewards: say why no batch fills; most: what it does
-            background += [asyncio.create_task(NoSignal(8 * G, display.note).watch(buffer.buffer)),
-                           asyncio.create_task(ThinSignal(16 * G, display.note).watch(buffer.buffer))]
+            background.append(asyncio.create_task(watch_buffer(
+                buffer.buffer, [NoSignal(8 * G, display.note), ThinSignal(16 * G, display.note)])))
         if fleet is not None:
             background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
                                                            display.note)))

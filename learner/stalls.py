@@ -51,19 +51,16 @@ class NoInstalls:
             self.check(registry.alive(time.monotonic()), run.published_version, time.monotonic())
 
 
-class BufferNote:
-    """A note read off the buffer's counters (`BufferStats`) every few seconds."""
-
-    def check(self, stats) -> bool:
-        raise NotImplementedError
-
-    async def watch(self, buffer, every_s: float = 5.0) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            self.check(buffer.stats)
+async def watch_buffer(buffer, notes: list, every_s: float = 5.0) -> None:
+    """Read the buffer's counters (`BufferStats`) every few seconds, for each of `notes` (each a
+    `check(stats)`)."""
+    while True:
+        await asyncio.sleep(every_s)
+        for note in notes:
+            note.check(buffer.stats)
 
 
-class NoSignal(BufferNote):
+class NoSignal:
     """Note once per stall when the last `after` groups all had equal rewards and so were skipped
     (`[buffer] dynamic_sampling`) while no batch was taken."""
 
@@ -92,7 +89,7 @@ class NoSignal(BufferNote):
         return True
 
 
-class ThinSignal(BufferNote):
+class ThinSignal:
     """Note once per run when, of `window` groups accepted in a row, fewer than `below` of them
     had rewards that differ (`[buffer] dynamic_sampling` skipped the rest). None at all is
     `NoSignal`'s to say."""
