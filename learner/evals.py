@@ -128,7 +128,8 @@ class EvalBook:
     def lease(self, worker_id: str, worker_version: int, max_prompts: int, now: float,
               proven: bool = True) -> tuple[str, int, list[Prompt]] | None:
         """An eval lease of the open round for a worker on its version (`proven`: it delivered
-        accepted training work), or a backup of an outstanding one once nothing is pending."""
+        accepted training work), or a backup of an outstanding one once nothing is pending; never
+        more than `max_prompts`, what the worker said it can take."""
         r = self.round
         if r is None or worker_version != r.version or worker_id in self.barred or not proven:
             return None
@@ -136,7 +137,7 @@ class EvalBook:
             return None  # one at a time
         if r.pending:
             ids, slot = [r.pending.popleft() for _ in range(min(max_prompts, self.per_lease, len(r.pending)))], ""
-        elif (backup := self._backup_slot(now)) is not None:
+        elif (backup := self._backup_slot(now, max_prompts)) is not None:
             slot, ids = backup
             r.backups += 1
         else:
@@ -155,16 +156,17 @@ class EvalBook:
             return self.lifetime
         return min(self.lifetime, max(self.ttl, 4 * self._median_answer_s()))
 
-    def _backup_slot(self, now: float) -> tuple[str, list[str]] | None:
-        """An outstanding slot late by the run's median answer time, with the fewest holders (below
-        `HOLDERS`), the oldest first: a straggler's, not one as young as the asker's own was; its
+    def _backup_slot(self, now: float, max_prompts: int) -> tuple[str, list[str]] | None:
+        """An outstanding slot of at most `max_prompts` prompts, late by the run's median answer
+        time, with the fewest holders (below `HOLDERS`), the oldest first: a straggler's, not one as young as the asker's own was; its
         id and prompts (its first lease may have expired while a backup holds it)."""
         holders: dict[str, list[_Lease]] = {}
         for lease in self.round.leased.values():
             holders.setdefault(lease.slot, []).append(lease)
         late = now - self._median_answer_s()
         open_slots = [(len(held), issued, slot) for slot, held in holders.items()
-                      if len(held) < self.HOLDERS and (issued := min(h.issued for h in held)) <= late]
+                      if len(held) < self.HOLDERS and len(held[0].prompt_ids) <= max_prompts
+                      and (issued := min(h.issued for h in held)) <= late]
         if not open_slots:
             return None
         slot = min(open_slots)[2]

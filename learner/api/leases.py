@@ -197,7 +197,7 @@ class LeaseRoom:
                 # Only to a worker with accepted training work (any, before the run's first group was
                 # accepted): a fresh identity took a round's lease and sat on it (an API-only tester)
                 proven = worker.groups_accepted > 0 or buf.stats.accepted == 0
-                got_eval = self.evals.lease(worker.id, worker.version, self.evals.per_lease, now, proven=proven)
+                got_eval = self.evals.lease(worker.id, worker.version, req.max_prompts, now, proven=proven)
                 if got_eval is not None:
                     lease_id, version, eval_prompts = got_eval
                     await self._encoded(eval_prompts, self._eval_ids)

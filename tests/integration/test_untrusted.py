@@ -397,8 +397,8 @@ def test_a_parked_worker_is_told_to_install_the_version_an_eval_round_wants(toke
         state.waiters.wake_all()  # what opening a round does (serve.py hands the evaluation this, not the room)
         status, reply, _ = await parked
         assert status == 200 and reply["empty"] == "install" and reply["waited_s"] < 2.0, reply
-        status, reply, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 1}, token=cred)
-        assert reply["eval_version"] == 1  # installed: its eval lease
+        status, reply, _ = await api.call("/v1/lease", {"max_prompts": 1, "version": 1}, token=cred)
+        assert reply["eval_version"] == 1 and len(reply["prompts"]) == 1  # installed: its eval lease, of its size
 
     run_api(tokenizer, test, tmp_path, evals=EvalBook(prompts, 30.0, 4), **{"server.long_poll_s": 20.0})
 

@@ -104,6 +104,20 @@ def test_a_round_an_identity_sits_on_is_finished_by_a_backup_from_an_honest_work
     assert result.answered_by == {"honest"}
 
 
+def test_an_eval_lease_is_never_larger_than_the_worker_asked_for():
+    """A worker asking one prompt at a time was handed a round's per_lease (the route passed
+    per_lease for its ask), and a backup of a larger slot whatever it asked."""
+    book = EvalBook(PROMPTS[:6], ttl=5.0, per_lease=4)
+    book.open(1, now=0.0)
+    _, _, big = book.lease("a", 1, 4, now=0.0)
+    _, _, small = book.lease("b", 1, 1, now=0.0)
+    assert (len(big), len(small)) == (4, 1)
+    lid, _, rest = book.lease("c", 1, 4, now=0.0)
+    book.submit("c", lid, 1, {p.id: 1.0 for p in rest}, now=1.0)  # nothing pending now: backups only
+    assert book.lease("d", 1, 2, now=5.0)[2] == small  # a's slot of 4 is too big for an ask of 2
+    assert len(book.lease("e", 1, 4, now=5.0)[2]) == 4
+
+
 def test_sitters_are_barred_and_a_round_only_they_could_answer_is_abandoned():
     """Two identities hold both copies of a lease to its lifetime: each is barred from eval
     leases for the run, their prompts go back, and with no live worker that may answer left on
