@@ -266,6 +266,25 @@ def test_scheduler_activates_the_cheapest_sufficient_worker_and_idles_the_other(
     assert summary["cost"]["dollars"] > 0 and records[-1]["dollars_total"] == round(summary["cost"]["dollars"], 6)
 
 
+def test_a_worker_activated_after_a_version_was_published_pulls_it_at_once(learner_factory, tmp_path):
+    """A self-joined worker joins idle where a pool is scheduled, and so pulls nothing then;
+    activated, it waited `fallback_s` for a push of v0, planned before it joined and never
+    coming: 10 of the first 18 s of a one-worker demo. Here fallback_s is 10 minutes: waiting
+    for it fails the test."""
+    pool = tmp_path / "pool.toml"  # a machine that never comes: the self-joined worker is activated in its place
+    pool.write_text('[[workers]]\nname = "absent"\nprice_per_hour = 0.1\nrollouts_per_s = 1000\n')
+    # Heartbeats 3 s apart: the worker hears of its activation after its engine loaded (as in the
+    # demo), not before, when the join's own pull would still be to come.
+    lp = learner_factory(run={"steps": 3}, scheduler={"pool": str(pool), "provider": "static"},
+                         broadcast={"mode": "chain", "fallback_s": 600.0},
+                         server={"heartbeat_interval": 3.0, "lease_ttl": 10.0})
+    lp.worker("late")
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    log = (lp.run_root.parent / "late.log").read_text()
+    assert log.index("idled by the learner's scheduler") < log.index("activated by the learner's scheduler")
+    assert "pulling v0 from the learner" in log
+
+
 def test_an_interrupted_learner_takes_the_machines_it_started_with_it(learner_factory, tmp_path):
     """SIGTERM (or Ctrl-C) mid-run: the local provider's workers went on retrying the dead learner
     forever (`make demo` interrupted left four); a market's rented machines would have billed on.
