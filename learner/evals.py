@@ -158,8 +158,9 @@ class EvalBook:
 
     def _backup_slot(self, now: float, max_prompts: int) -> tuple[str, list[str]] | None:
         """An outstanding slot of at most `max_prompts` prompts, late by the run's median answer
-        time, with the fewest holders (below `HOLDERS`), the oldest first: a straggler's, not one as young as the asker's own was; its
-        id and prompts (its first lease may have expired while a backup holds it)."""
+        time, with the fewest holders (below `HOLDERS`), the oldest first: a straggler's, not one
+        as young as the asker's own was; its id and prompts (its first lease may have expired
+        while a backup holds it)."""
         holders: dict[str, list[_Lease]] = {}
         for lease in self.round.leased.values():
             holders.setdefault(lease.slot, []).append(lease)

@@ -479,9 +479,9 @@ class Worker:
             return  # still starting; the snapshot announced at join is fetched then
         newest_known = max(self._held_version(), self.downloading if self.downloading is not None else -1)
         if snapshot is not None and snapshot.version > newest_known:
-            # A version published before this identity joined is pushed to nobody it knows: pulled
-            # at once. (A worker idled at join pulled nothing then; activated, it waited out
-            # fallback_s for a push that was never planned: 10 of the demo's first 18 s.)
+            # A version published before this identity joined was planned without it: no push of
+            # it will come, so it is pulled at once. (A worker idled at join pulled nothing then;
+            # activated, it waited out fallback_s: 10 of a one-worker demo's first 18 s.)
             at_join = self.joined.snapshot.version if self.joined and self.joined.snapshot else -1
             self._download_task = asyncio.create_task(
                 self._fetch(client, snapshot, wait_for_push=snapshot.version > at_join))
