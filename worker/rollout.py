@@ -191,7 +191,7 @@ class Worker:
                                                temperature=r.temperature, top_p=r.top_p,
                                                stop_ids=self.episodes.stop_ids, pad_id=pad)
                 if joined.snapshot is not None:  # a late joiner pulls the newest version whole
-                    await self._fetch(client, joined.snapshot, wait_for_push=False)
+                    await self._fetch(client, joined.snapshot)
                 gc.freeze()  # the engine's objects stay out of the cyclic collector's full passes
                 loopwatch.watch(f"echo-worker {self.name}")
                 await self._loop(client)
@@ -352,9 +352,12 @@ class Worker:
             self.received_at[m.version] = time.monotonic()
             self.arrived.set()
 
-    async def _fetch(self, client: LearnerClient, snapshot: P.Snapshot, wait_for_push: bool = True) -> None:
+    async def _fetch(self, client: LearnerClient, snapshot: P.Snapshot) -> None:
         """Get an announced version: by star download, or in chain mode from the push — and if the
-        push does not arrive within `fallback_s`, by pulling the full version from the source."""
+        push does not arrive within `fallback_s`, by pulling the full version from the source. A
+        version published before this identity joined was planned without it: no push of it will
+        come, so it is pulled at once. (A worker idled at join pulled nothing then; activated, it
+        waited out fallback_s: 10 of a one-worker demo's first 18 s.)"""
         if self.relay is None or not isinstance(snapshot, P.PushAnnouncement):  # nothing pushes it
             return await self._download(client, BlobInfo(snapshot.version, snapshot.size, snapshot.sha256))
         from broadcast.relay import BroadcastError
@@ -364,7 +367,8 @@ class Worker:
         self.downloading = version
         try:
             keys = [k for k in (snapshot.delta_key, snapshot.key) if k]
-            if wait_for_push:
+            at_join = self.joined.snapshot.version if self.joined and self.joined.snapshot else -1
+            if version > at_join:
                 waits = [asyncio.create_task(self.relay.wait(k)) for k in keys]
                 done, waiting = await asyncio.wait(waits, timeout=self.broadcast.fallback_s,
                                                    return_when=asyncio.FIRST_COMPLETED)
@@ -479,12 +483,7 @@ class Worker:
             return  # still starting; the snapshot announced at join is fetched then
         newest_known = max(self._held_version(), self.downloading if self.downloading is not None else -1)
         if snapshot is not None and snapshot.version > newest_known:
-            # A version published before this identity joined was planned without it: no push of
-            # it will come, so it is pulled at once. (A worker idled at join pulled nothing then;
-            # activated, it waited out fallback_s: 10 of a one-worker demo's first 18 s.)
-            at_join = self.joined.snapshot.version if self.joined and self.joined.snapshot else -1
-            self._download_task = asyncio.create_task(
-                self._fetch(client, snapshot, wait_for_push=snapshot.version > at_join))
+            self._download_task = asyncio.create_task(self._fetch(client, snapshot))
 
     async def _install_pending(self) -> None:
         if self.pending is None:

@@ -22,12 +22,15 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _pulls(installed: int, announced: int, active: bool, caplog) -> list[str]:
+def _pulls(installed: int, announced: int, active: bool, caplog, joined_at: int | None = None,
+           fallback_s: float = 0.2) -> list[str]:
     async def run() -> None:
         key = SigningKey.generate()
         worker = Worker(load_worker_config(None, []), "http://127.0.0.1:1", "token")
-        worker.broadcast = P.BroadcastInfo(mode="chain", public_key=key.public_key().to_text(), fallback_s=0.2)
+        worker.broadcast = P.BroadcastInfo(mode="chain", public_key=key.public_key().to_text(), fallback_s=fallback_s)
         worker.engine = SimpleNamespace(version=installed)  # all `_fetch` asks of an engine
+        if joined_at is not None:  # the version the learner announced when this identity joined
+            worker.joined = SimpleNamespace(snapshot=SimpleNamespace(version=joined_at))
         worker.relay = Relay("w", key.public_key(), host="127.0.0.1", port=0)
         await worker.relay.start()
         if not active:
@@ -47,6 +50,19 @@ def _pulls(installed: int, announced: int, active: bool, caplog) -> list[str]:
 def test_an_active_worker_pulls_a_newer_version_the_push_missed(caplog):
     said = _pulls(installed=3, announced=5, active=True, caplog=caplog)
     assert any("pulling v5" in m for m in said) and any("v5 did not arrive" in m for m in said)
+
+
+def test_a_version_published_before_the_worker_joined_is_pulled_without_waiting_for_a_push(caplog):
+    """Its push was planned before this identity existed: waiting `fallback_s` (here 60 s) for
+    it is waiting for nothing. A version published after the join still waits for its push."""
+    import time
+
+    start = time.monotonic()
+    said = _pulls(installed=-1, announced=5, active=True, caplog=caplog, joined_at=5, fallback_s=60.0)
+    assert any("pulling v5" in m for m in said) and time.monotonic() - start < 10
+    start = time.monotonic()
+    said = _pulls(installed=5, announced=6, active=True, caplog=caplog, joined_at=5, fallback_s=0.5)
+    assert any("pulling v6" in m for m in said) and time.monotonic() - start >= 0.5
 
 
 def test_an_idled_worker_or_one_already_past_the_version_pulls_nothing(caplog):
