@@ -115,9 +115,14 @@ class Process:
 
     def output(self) -> str:
         """What it has printed so far (stdout and stderr interleaved)."""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        # pread, not seek + read: the child writes through the same open file, so moving its
+        # offset would make the child's next write land over what it wrote first.
+        fd = self._log.fileno()
+        chunks, offset = [], 0
+        while chunk := os.pread(fd, 1 << 20, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks).decode(errors="replace")
 
     def wait(self, timeout_s: float, check: bool = False) -> Result:
         """Wait for exit; on timeout stop it and raise `CommandError` with its output.

@@ -44,8 +44,9 @@ Latency = Literal["auto", "netem", "relay"]
 
 _HUB = 254  # the hub's host number in the /24; hosts take .1, .2, ...
 _SEQ = itertools.count()  # topology number within this process, so names never collide
-# A reply comes in milliseconds; the wait ends the moment it does. A fresh clone's CI run once
-# found none within 10 s though the server had printed one by the time the error was raised.
+# A reply comes in milliseconds; the wait ends the moment it does. (A CI run once counted none
+# in 10 s though the server had printed one: reading its log moved the offset the server wrote
+# at, so the reply landed over an earlier one. `Process.output` reads with pread now.)
 _RELAY_REPLY_TIMEOUT_S = 30.0
 _MIN_QUEUE_BYTES = 256 * 1024  # a few 64 KiB GSO frames, or a tiny queue stalls fast links
 

@@ -331,3 +331,16 @@ def test_placeholder_lookup_chains_keys() -> None:
     lookup = _Lookup(lambda a, b, c: f"{a}-{b}-{c}", 3)
     # str.format on purpose: placeholders in scenario commands are filled the same way
     assert "{x[w1][learner][9000]}".format(x=lookup) == "w1-learner-9000"  # noqa: UP032
+
+
+def test_reading_a_process_output_while_it_writes_loses_nothing() -> None:
+    # The child's stdout shares the parent's open log file (one file offset): a reader that
+    # seeks to 0 while the child writes made the child's next line overwrite the log's start,
+    # so a relay server's reply could replace an earlier one and never be counted.
+    lines = 100_000
+    child = f"import sys\nfor i in range({lines}):\n    sys.stdout.write(f'line {{i}}\\n'); sys.stdout.flush()\n"
+    with ProcessGroup() as group:
+        writer = group.start("writer", [sys.executable, "-c", child])
+        while writer.poll() is None:
+            writer.output()
+        assert writer.wait(30).output.splitlines() == [f"line {i}" for i in range(lines)]
