@@ -46,6 +46,7 @@ skipped_uniform + queued, where
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 from collections import Counter, deque
@@ -58,6 +59,7 @@ from echo.tasks import Prompt
 Policy = Literal["queue-drop", "queue-max"]
 USEFUL_WINDOW = 256  # recent accepted groups the share of useful ones is measured over
 MIN_USEFUL_SHARE = 0.2  # what a step may need at most: 5 G groups generated
+log = logging.getLogger("echo.learner.buffer")
 
 
 @dataclass
@@ -109,6 +111,7 @@ class BufferStats:
     trained_length_sum: float = 0.0  # over every trained group (what the trainer saw)
     replayed: int = 0  # uses after the first (replay)
     retired_uses: Counter = field(default_factory=Counter)  # uses -> groups that left the replay pool with that many
+    aged_out: int = 0  # groups with signal, trained once, that left the replay pool too stale to be trained again
 
 
 @dataclass
@@ -168,6 +171,7 @@ class StalenessBuffer:
         self.on_drop = on_drop or (lambda group, reason: None)
         self._queue: deque[Group] = deque()
         self.stats = BufferStats()
+        self._warned_replay = False
         self.reuse = reuse
         self.fresh_per_step = math.ceil(batch_groups / reuse)  # R: fresh groups a step needs at least
         self.replay_size = replay_size or self.capacity  # N
@@ -346,7 +350,21 @@ class StalenessBuffer:
                 kept.append(g)
             else:
                 self.stats.retired_uses[g.uses] += 1
+                self.stats.aged_out += id(g) in keep and g.uses == 1
         self._replay = kept
+        self._warn_if_replay_starves()
+
+    def _warn_if_replay_starves(self) -> None:
+        """Say once why `reuse` does little when groups arrive nearly as stale as S allows: a group
+        first trained at staleness S is past S at the next version, so it can never be replayed."""
+        s = self.stats
+        if self._warned_replay or s.aged_out < 4 * self.batch_groups or s.replayed * 4 > s.aged_out:
+            return
+        self._warned_replay = True
+        log.warning("[buffer] reuse = %d is doing little: %d trained groups left the replay pool without a replay, "
+                    "too stale to be trained again (max_staleness = %d), against %d replays. The fleet's groups "
+                    "arrive nearly that many versions behind the learner; raise [buffer] max_staleness for replay "
+                    "to have room, or set reuse = 1", self.reuse, s.aged_out, self.max_staleness, s.replayed)
 
     def metrics(self) -> dict[str, Any]:
         s = self.stats
@@ -363,6 +381,7 @@ class StalenessBuffer:
             "trained_mean_length": s.trained_length_sum / s.trained if s.trained else 0.0,
             "replayed": s.replayed,
             "replay_pool": len(self._replay),
+            "replay_aged_out": s.aged_out,
             # groups by how often they were trained (those still in the pool counted as they are now)
             "reuse_counts": dict(sorted((s.retired_uses + Counter(g.uses for g in self._replay)).items())),
         }

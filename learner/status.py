@@ -93,7 +93,7 @@ class StatusDisplay:
             ("learner idle", f"{100 * s['learner_idle_ratio']:.1f}%"),
             # A replayed group is trained again: counted once in groups_trained, its replays beside it.
             ("groups trained / recycled / overflow", f"{s['groups_trained']}"
-             + (f" (+{s['groups_replayed']} replays)" if s.get("groups_replayed") else "")
+             + _replays(s)
              + f" / {s['recycled']} / {s['dropped_overflow']}"
              + (f"; {s['skipped_uniform']} of equal rewards skipped" if s.get("skipped_uniform") else "")),
             ("uploads rejected", ", ".join(f"{k}={v}" for k, v in s["rejected"].items()) or "none"),
@@ -110,6 +110,14 @@ class StatusDisplay:
         for k, v in rows:
             table.add_row(Text(k), Text(v))  # plain: worker names and reasons are not markup
         self.console.print(table)
+
+
+def _replays(s: dict) -> str:
+    """Replays beside the groups trained, and those replay could not use: trained too close to S
+    to be trained again (the log said why, once)."""
+    said = [f"+{s['groups_replayed']} replays"] if s.get("groups_replayed") else []
+    said += [f"{s['replay_aged_out']} too stale to replay"] if s.get("replay_aged_out") else []
+    return f" ({', '.join(said)})" if said else ""
 
 
 def _acc(value: float | None) -> str:

@@ -339,3 +339,27 @@ def test_the_status_line_shows_the_share_of_groups_with_signal():
     assert "workers 1/4 joined | " in status_line({**record, "workers_joined": 4})
     assert buf.take(0) is None and (buf.put(scored(0, "c")), buf.put(scored(0, "d")))
     assert buf.take(0).skipped == 0  # counted since the previous batch
+
+
+def test_replay_that_cannot_work_because_groups_arrive_s_behind_is_counted_and_said_once(caplog):
+    # The fleet one version behind at S = 1 (a user's demo): every group is trained at staleness
+    # S, is past S at the next version and can never be replayed. Nothing said so before.
+    buf = replay_buffer(reuse=2, max_staleness=1, batch_groups=4, queue_factor=4)
+    with caplog.at_level("WARNING", logger="echo.learner.buffer"):
+        for version in range(1, 12):
+            for i in range(4):
+                buf.put(scored(version - 1, f"g{version}-{i}"))
+            assert buf.take(version).replayed == 0
+    assert buf.stats.replayed == 0 and buf.metrics()["replay_aged_out"] == 44
+    said = [r.getMessage() for r in caplog.records if "reuse = 2 is doing little" in r.getMessage()]
+    assert len(said) == 1 and "raise [buffer] max_staleness" in said[0]
+
+
+def test_replay_that_works_is_not_warned_about(caplog):
+    buf = replay_buffer(reuse=2, max_staleness=3, batch_groups=4, queue_factor=4)
+    with caplog.at_level("WARNING", logger="echo.learner.buffer"):
+        for version in range(1, 40):  # one version behind, S = 3: two more versions of room
+            for i in range(4 if version == 1 else 2):  # then what a step needs fresh (ceil(G / reuse)): no backlog
+                buf.put(scored(version - 1, f"g{version}-{i}"))
+            assert buf.take(version) is not None
+    assert buf.stats.replayed >= 30 * 2 and not caplog.records
