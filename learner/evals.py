@@ -94,6 +94,7 @@ class EvalBook:
         self.lifetime = lifetime if lifetime is not None else 3 * ttl
         self.round: _Round | None = None
         self.abandoned: _Round | None = None  # the last round nobody alive could finish, until the next opens
+        self.finished: _Round | None = None  # the last round completed: its outpaced holders' answers still come
         self.barred: dict[str, None] = {}  # workers that sat on an eval lease to its lifetime: no more eval
         #   leases (the latest `TRACKED`: a week of identities churned through must not grow it)
         self._answer_s: deque[float] = deque(maxlen=64)  # issue -> answer of the run's latest eval leases
@@ -178,7 +179,8 @@ class EvalBook:
         at its version; else `Rejected`. Asked before anything is scored: scoring costs the learner."""
         r = self.round
         lease = r.leased.get(lease_id) if r else None
-        if r is not None and r.superseded.get(lease_id) == worker_id:  # a backup's (or its original's) late answer
+        # A backup's (or its original's) late answer, in the round or after the other's completed it.
+        if any(done is not None and done.superseded.get(lease_id) == worker_id for done in (r, self.finished)):
             raise Rejected(409, "answered", f"eval lease {lease_id!r}: another worker answered its prompts first")
         if r is None or lease is None or lease.worker_id != worker_id:
             raise Rejected(409, "unknown-lease", f"eval lease {lease_id[:128]!r} is not outstanding for this worker "
@@ -212,7 +214,8 @@ class EvalBook:
         result = EvalResult(r.version, sum(r.rewards.values()) / len(r.rewards), len(r.rewards), now - r.opened,
                             len(r.workers), r.restarts, dict(r.answers), dict(r.rewards), frozenset(r.workers), r.opened,
                             r.backups)
-        self.round = None
+        self.round, self.finished = None, r
+        r.answers, r.rewards = {}, {}  # kept for `superseded` alone; the result holds these
         return result
 
     def renew(self, worker_id: str, now: float) -> None:

@@ -617,7 +617,10 @@ class Worker:
             await self._calling(client, lambda: client.submit_eval(lease.lease_id, version, rewards, completions),
                                 f"the answers of eval lease {lease.lease_id}", self._patience(lease))
         except LearnerError as e:  # the round moved on (restarted, or its lease expired): nothing to keep
-            log.warning("%s: eval of v%d refused: %s", self.name, version, e)
+            if e.reason == "answered":  # a backup (ours or another's) answered first: as designed
+                log.info("%s: eval of v%d not needed: %s", self.name, version, e)
+            else:
+                log.warning("%s: eval of v%d refused: %s", self.name, version, e)
 
 
 @functools.cache  # asked at every heartbeat; the answer never changes

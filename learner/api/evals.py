@@ -53,7 +53,8 @@ class EvalRoom:
                 result = self.book.submit(worker.id, req.lease_id, req.version, rewards, time.monotonic(),
                                           req.completions)
             except Rejected as e:
-                self.metrics.rejected.labels(f"eval-{e.reason}").inc()
+                if e.reason != "answered":  # a backup's or its original's late answer: by design, no fault
+                    self.metrics.rejected.labels(f"eval-{e.reason}").inc()
                 return json_error(e.status, e.reason, e.message)
             if result is not None:  # checked and recorded (the accuracy gauge too) by learner.evaluation
                 self.on_result(result)

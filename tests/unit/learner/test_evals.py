@@ -190,3 +190,19 @@ def test_a_backup_outliving_the_lease_it_backed_up_can_itself_be_backed_up():
     assert [p.id for p in again] == [p.id for p in got]
     result = book.submit("third", third, 1, {p.id: 1.0 for p in again}, now=7.0)
     assert result is not None and not book.round
+
+
+def test_an_outpaced_holders_answer_after_the_round_completed_is_answered_not_unknown():
+    # The CPU demo's first eval: a backup completed the round, then the late first holder's answer
+    # came and was refused as an unknown lease, counted among the run's rejected uploads.
+    book = EvalBook(PROMPTS[:2], ttl=5.0, per_lease=2)
+    book.open(0, now=0.0)
+    late, _, got = book.lease("slow", 0, 8, now=0.0)
+    backup, _, again = book.lease("quick", 0, 8, now=0.0)
+    assert book.submit("quick", backup, 0, {p.id: 1.0 for p in again}, now=1.0) is not None  # the round is done
+    with pytest.raises(Rejected, match="another worker answered its prompts first") as refused:
+        book.check("slow", late, 0, [p.id for p in got])
+    assert refused.value.reason == "answered"
+    with pytest.raises(Rejected) as stranger:  # only its holder is told so
+        book.check("quick", late, 0, [p.id for p in got])
+    assert stranger.value.reason == "unknown-lease"
