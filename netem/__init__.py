@@ -11,7 +11,7 @@
 
 from .capability import Capabilities, probe, require_namespaces
 from .delay import DelayRelay
-from .errors import CapabilityError, CommandError, NetemError, RemoteCallError, TopologyError
+from .errors import CapabilityError, CommandError, CommandTimeout, NetemError, RemoteCallError, TopologyError
 from .iproute import cleanup
 from .run import CallHandle, Process, ProcessGroup, Result, run_in
 from .shaper import TokenBucket, read_shaped, write_shaped
@@ -22,6 +22,7 @@ __all__ = [
     "Capabilities",
     "CapabilityError",
     "CommandError",
+    "CommandTimeout",
     "DelayRelay",
     "Host",
     "HostSpec",

@@ -24,5 +24,9 @@ class CommandError(NetemError):
         self.output = output
 
 
+class CommandTimeout(CommandError):
+    """A command outlived its time and was stopped."""
+
+
 class RemoteCallError(NetemError):
     """A Python callable run inside a namespace raised; the message holds its traceback."""

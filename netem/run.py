@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import CommandError, RemoteCallError
+from .errors import CommandError, CommandTimeout, RemoteCallError
 
 _GRACE_S = 3.0  # how long a process gets to exit after SIGTERM before SIGKILL
 
@@ -125,7 +125,7 @@ class Process:
         return b"".join(chunks).decode(errors="replace")
 
     def wait(self, timeout_s: float, check: bool = False) -> Result:
-        """Wait for exit; on timeout stop it and raise `CommandError` with its output.
+        """Wait for exit; on timeout stop it and raise `CommandTimeout` (a `CommandError`) with its output.
 
         With `check`, a non-zero exit also raises `CommandError` (with the output's tail).
         """
@@ -133,7 +133,7 @@ class Process:
             code = self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.stop()
-            raise CommandError(
+            raise CommandTimeout(
                 f"{self.name}: `{' '.join(self.argv)}` still running after {timeout_s:g} s; "
                 "it was killed (raise timeout_s if it needs longer)",
                 None,

@@ -48,7 +48,7 @@ from echo.config import ConfigError, Section, load_config
 
 from . import iproute
 from .capability import probe
-from .errors import NetemError
+from .errors import CommandTimeout, NetemError
 from .run import Process, Result
 from .topology import HostSpec, Topology
 
@@ -153,7 +153,8 @@ def run_scenario(
     With `command`, the run lasts until it exits (the `[[processes]]`, typically servers, are
     then stopped); without, until every process exits. `command` runs in `host`'s namespace,
     or in the root namespace when `host` is None (it can then enter hosts itself with the
-    namespace names in `NETEM_TOPOLOGY`). Raises `CommandError` after `timeout_s`.
+    namespace names in `NETEM_TOPOLOGY`). Raises `CommandTimeout` after `timeout_s`, every process
+    stopped and its output in the error's.
     """
     with scenario.topology() as topo, tempfile.TemporaryDirectory(prefix="echo-netem-") as tmp:
         described = topo.describe()
@@ -166,7 +167,13 @@ def run_scenario(
             main = _start(topo, host, [expand(a, topo) for a in command], env)
             waited = [main]
             procs.append(main)
-        topo.processes.wait_all(waited, timeout_s)
+        try:
+            topo.processes.wait_all(waited, timeout_s)
+        except CommandTimeout as e:  # out of time: what each process printed is what says why
+            for proc in procs:
+                proc.stop()
+            raise CommandTimeout(f"{e}; every process was stopped", None,
+                                 _format_results([proc.wait(0) for proc in procs])) from None
         for proc in procs:
             proc.stop()
         return described, [proc.wait(0) for proc in procs]
@@ -178,11 +185,13 @@ def _start(topo: Topology, host: str | None, argv: list[str], env: dict[str, str
     return topo.processes.start(f"{host or 'root'}:{Path(argv[0]).name}", argv, ns, env)
 
 
-def _print_results(results: list[Result]) -> None:
+def _format_results(results: list[Result]) -> str:
+    lines = []
     for r in results:
-        print(f"--- {r.name}: exit {r.returncode} after {r.elapsed_s:.2f} s: {' '.join(r.argv)}")
+        lines.append(f"--- {r.name}: exit {r.returncode} after {r.elapsed_s:.2f} s: {' '.join(r.argv)}")
         if r.output:
-            print(r.output.rstrip())
+            lines.append(r.output.rstrip())
+    return "\n".join(lines)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -232,10 +241,12 @@ def cli(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--host {args.host!r} is not a host of {args.scenario}")
         described, results = run_scenario(scenario, command or None, args.host, args.timeout)
     except (NetemError, ConfigError) as e:
+        if isinstance(e, CommandTimeout):  # what each process printed says why it ran so long
+            print(e.output)
         print(f"netem: {e}", file=sys.stderr)
-        return 2
+        return 124 if isinstance(e, CommandTimeout) else 2
     if args.json:
         print(json.dumps({"topology": described, "processes": [dataclasses.asdict(r) for r in results]}))
     else:
-        _print_results(results)
+        print(_format_results(results))
     return next((r.returncode for r in results if not r.ok), 0) if not command else results[-1].returncode

@@ -117,6 +117,23 @@ def test_cli_runs_a_scenario(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["run", smoke, "--", sys.executable, "-c", "raise SystemExit(4)"]) == 4
 
 
+def test_a_scenario_out_of_time_shows_what_each_process_printed(tmp_path: Path, capsys) -> None:
+    # A learner and its workers in a scenario, killed at --timeout: only the timeout was printed,
+    # not the workers' own lines saying why (every heartbeat refused), which were what mattered.
+    scenario = tmp_path / "two.toml"
+    scenario.write_text((ROOT / "configs/wan/smoke-2-hosts.toml").read_text() + f"""
+[[processes]]
+host = "b"
+cmd = ["{{python}}", "-c", "import time; print('b says why', flush=True); time.sleep(60)"]
+""")
+    code = cli(["run", str(scenario), "--host", "a", "--timeout", "2", "--", sys.executable, "-c",
+                "import time; print('a says why', flush=True); time.sleep(60)"])
+    captured = capsys.readouterr()
+    assert code == 124, captured
+    assert "b says why" in captured.out and "a says why" in captured.out
+    assert "still running after 2 s" in captured.err
+
+
 @pytest.mark.slow
 def test_reference_scenario_workers_get_their_caps() -> None:
     """learner-1g-workers-200m: each worker pulls at ~190 Mbit/s, learner out ~950 Mbit/s."""
