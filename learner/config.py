@@ -289,7 +289,7 @@ class ServerSection(Section):
     ban_s: float = Field(3600.0, gt=0.0, description="[server] ban_s: how long a quarantined worker's address may not join (doubled for each repeat); an address is the ISP's, and its next holder is someone else")
     hold_s: float = Field(60.0, ge=0.0, description="[server] hold_s: a worker quarantined on statistical evidence (its tokens' ranks or repeats; an honest one can draw that by bad luck) bans no address, but no new worker joins from its address for this long (doubled for each repeat within ban_s, at most ban_s; 0: none): a worker caught choosing its samples joined again at once")
     trusted_proxies: list[str] = Field(default_factory=list, description="[server] trusted_proxies: CIDR blocks of reverse proxies whose X-Forwarded-For names the worker's address (empty: the connection's address is the worker's)")
-    relay_any_public: bool = Field(False, description="[server] relay_any_public: accept a relay URL on any public IP address (else only the address the worker connects from)")
+    relay_any_public: bool = Field(False, description="[server] relay_any_public: connect to a worker's relay on any public IP address (else only at the address the worker connects from; a relay elsewhere makes its worker a leaf that pulls, as behind NAT)")
     metrics_from: list[str] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"], description="[server] metrics_from: CIDR blocks /metrics answers (default: this machine only; the run token also opens it)")
     forget_after_s: float = Field(120.0, gt=0.0, description="[server] forget_after_s: a worker silent this long is forgotten; its credential stops working and it must join again")
 

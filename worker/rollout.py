@@ -450,6 +450,11 @@ class Worker:
                     if self.relay is not None:
                         self.relay.read_token = reply.read_token
                 if reply.reachable is False and self.relay is not None and self.broadcast.source:
+                    if self.relay.source_url is None:  # said once: why this relay forwards nothing
+                        log.info("%s: the learner does not connect to this relay at %s (behind NAT, or not the "
+                                 "address this worker connects from): it pulls each version from its parents. To "
+                                 "forward versions too, bind --worker.relay_host where others reach it, or give "
+                                 "--worker.advertise_url", self.name, self.relay.url)
                     self.relay.follow(self.broadcast.source)  # behind NAT: pull what the routes assign
                 self._notice(client, reply.snapshot)
                 failing_since = None

@@ -92,28 +92,23 @@ class WorkerInfo:
 PROBE_EVERY_S = 30.0  # a relay is probed at most this often, however often its URL changes
 
 
-def check_relay_host(url: str, address: str, any_public: bool) -> None:
-    """A relay URL must name the address its worker connects from (or, with `[server]
-    relay_any_public`, a public one): otherwise the learner would connect, and push snapshots,
-    wherever a worker pointed it, inside its own network too."""
-    if not url:
-        return
+def relay_addressed(url: str, address: str, any_public: bool) -> bool:
+    """Does a relay URL name the address its worker connects from (or, with `[server]
+    relay_any_public`, a public one)? Only such a relay is probed, and pushed to once reachable:
+    the learner must not connect, and push snapshots, wherever a worker pointed it, inside its own
+    network too. Any other (a name, a NAT'd worker's own private address, its loopback) makes
+    the worker a leaf that pulls over its own outbound connections, as if behind NAT: refused
+    outright, a NAT'd worker with the default relay was refused every heartbeat, and never served."""
     host = urlsplit(url).hostname if "://" in url else url.split("/")[2]  # p2p:/ip4/<host>/tcp/...
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        raise web.HTTPUnprocessableEntity(text=f"relay_url {url!r}: give the relay's IP address, not a name "
-                                               "(the learner does not resolve names a worker chose)") from None
+        return False  # a name: the learner does not resolve names a worker chose
     try:
         own = ipaddress.ip_address(address)
     except ValueError:
         own = None
-    if ip == own or (any_public and ip.is_global):
-        return
-    raise web.HTTPUnprocessableEntity(text=f"relay_url {url!r} is not the address this worker connects from "
-                                           f"({address}){' nor a public one' if any_public else ''}: advertise "
-                                           "the address others reach it at (--worker.advertise_url), or set "
-                                           "[server] relay_any_public on the learner")
+    return ip == own or (any_public and ip.is_global)
 
 
 class WorkerRegistry:
@@ -220,10 +215,8 @@ class WorkerRegistry:
     def update(self, w: WorkerInfo, r: P.Report) -> None:
         """Take a join's or heartbeat's report. Rates are claims: the capacity the scheduler sees is
         capped by what the learner measured (learner.verify); link samples are checked by the table.
-        A report refused (its relay URL, a malformed link sample) is refused before anything of it
-        is taken: a refused join leaves no record of a worker that never joined."""
-        if r.relay_url != w.relay_url:
-            check_relay_host(r.relay_url, w.address, self.server.relay_any_public)
+        A report refused (a malformed link sample) is refused before anything of it is taken: a
+        refused join leaves no record of a worker that never joined."""
         try:
             samples = [LinkSample.from_dict(d) for d in r.links]
         except ValueError as e:
@@ -240,9 +233,10 @@ class WorkerRegistry:
         w.capacity_per_s = self.verifier.believed_capacity(w.id, r.capacity_per_s)
         if self.verifier.evidence[w.id].claims_clamped > clamped:
             self.metrics.claims_clamped.labels("capacity").inc()
-        if r.relay_url != w.relay_url:
-            w.relay_url, w.reachable = r.relay_url, None
-            if w.relay_url and w.last_seen - w.probed_at >= PROBE_EVERY_S:
+        if r.relay_url != w.relay_url:  # one not at the worker's own address is never connected to: a leaf
+            addressed = not r.relay_url or relay_addressed(r.relay_url, w.address, self.server.relay_any_public)
+            w.relay_url, w.reachable = r.relay_url, None if addressed else False
+            if addressed and w.relay_url and w.last_seen - w.probed_at >= PROBE_EVERY_S:
                 w.probed_at = w.last_seen
                 self.probe(w)
         known = w.installs[-1][0] if w.installs else -1

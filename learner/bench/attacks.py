@@ -11,7 +11,8 @@ one attack every 1-2 s, it cycles through what the learner defends against
     long-lease-id     a 1 MiB or 200 KiB lease_id to /v1/release, 64 KiB in an upload       4xx, a short reply
     deep-json         a 100,000-deep JSON array as its heartbeat                            4xx
     relay-url         a heartbeat or a join whose relay_url is someone else's: 10.0.0.1,
-                      the cloud metadata address, the learner's own port, a LAN router      4xx, no probe
+                      the cloud metadata address, the learner's own port, a LAN router      no probe (a
+                      leaf that pulls, as behind NAT: never connected to, so no oracle)
     bad-credentials   a burst of 25 wrong run tokens and guessed credentials, from a
                       fresh address each burst (127.2.x.y)                                  401/429
     weights           the star store's snapshots and the broadcast source's manifest,
@@ -52,8 +53,9 @@ ATTACK_EVERY_S = (1.0, 2.0)  # one attack per hostile worker this often: a nuisa
 GUESS_BURST = 25  # wrong credentials per bad-credentials attack (the learner lets an address try 20)
 CYCLE = ("zstd-declared", "zstd-undeclared", "msgpack-bomb", "long-lease-id", "deep-json", "relay-url",
          "bad-credentials", "weights")
-# Every reply to these must be a refusal (4xx); hoarding and forging are served until the learner's cap or verdict.
-REFUSED = (*CYCLE, "rejoin")
+# Every reply to these must be a refusal (4xx); hoarding and forging are served until the learner's cap or
+# verdict; a relay URL elsewhere is taken as a pulling leaf's (a NAT'd worker's), and must never be probed.
+REFUSED = (*(c for c in CYCLE if c != "relay-url"), "rejoin")
 CLASSES = (*CYCLE, "hoard", "forged-rewards", "rejoin")
 
 

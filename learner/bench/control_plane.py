@@ -882,7 +882,8 @@ def compared_table(out: dict) -> str:
         return f"benign {x['benign']:{spec}}, hostile {x['hostile']:{spec}} (ratio {fmt(x['ratio'], '.2f')})"
 
     attack_rows = [[c, str(v["sent"]), " ".join(f"{o}x{k}" for o, k in v["outcomes"].items()) or "-",
-                    str(v["longest_reply"]), "4xx" if c in REFUSED else "served until capped/caught"]
+                    str(v["longest_reply"]), "4xx" if c in REFUSED else "a pulling leaf, never probed" if c == "relay-url"
+                    else "served until capped/caught"]
                    for c, v in a["classes"].items()]
     forgers = a["forgers"]
     caught = sorted(f["seconds"] for f in forgers if f["caught"] and f["seconds"] is not None)

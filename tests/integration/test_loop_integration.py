@@ -285,6 +285,19 @@ def test_a_worker_activated_after_a_version_was_published_pulls_it_at_once(learn
     assert "pulling v0 from the learner" in log
 
 
+def test_a_worker_whose_relay_is_not_at_its_own_address_trains_as_a_pulling_leaf(learner_factory):
+    """A worker behind NAT advertises a relay at an address the learner does not see it connect
+    from (its private one; by default its loopback). The learner refused every heartbeat of it
+    (422), so it never counted as alive and never trained: found running a learner and workers in
+    network namespaces, each with the default relay. Now it is a leaf that pulls, never probed."""
+    lp = learner_factory(run={"steps": 4}, broadcast={"mode": "chain", "fallback_s": 600.0})
+    lp.worker("natted", "--worker.advertise_url", "http://127.0.0.2:9")  # it connects from 127.0.0.1
+    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    log = (lp.run_root.parent / "natted.log").read_text()
+    assert "heartbeat failed" not in log and "the learner does not connect to this relay at http://127.0.0.2:9" in log
+    assert "run finished" in log, log[-2000:]
+
+
 def test_an_interrupted_learner_takes_the_machines_it_started_with_it(learner_factory, tmp_path):
     """SIGTERM (or Ctrl-C) mid-run: the local provider's workers went on retrying the dead learner
     forever (`make demo` interrupted left four); a market's rented machines would have billed on.

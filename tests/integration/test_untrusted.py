@@ -36,6 +36,7 @@ from learner.config import LearnerConfig
 from learner.admission import Waiters
 from learner.leases import LeaseBook, WorkerCap
 from learner.api import ControlApi, Run
+from learner.api.workers import PROBE_TIMEOUT_S
 from learner.verify import Rescorer, Verdict
 from scheduler.providers import machine_token
 
@@ -894,14 +895,24 @@ def test_a_wrong_credential_is_answered_late_and_holds_up_nobody_else(tokenizer,
 
 def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):
     async def test(api: Api):
-        _, cred = await api.join("w")
+        wid, cred = await api.join("w")
         status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://169.254.169.254/latest/meta-data"},
                                          token=cred)
         assert status == 400 and "relay_url" in body["message"]
-        status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://10.1.2.3:8700"}, token=cred)
-        assert status == 422 and "not the address this worker connects from" in body["message"]
+        probed = api.state.metrics.relays_probed
+        # Not its own address (a NAT'd worker's private one, or one aimed inside the learner's
+        # network): never connected to, so no oracle; the worker is a leaf that pulls, as behind
+        # NAT. Refused instead (until 2026-12-07), a NAT'd worker was refused every heartbeat.
+        for elsewhere in ("http://10.1.2.3:8700", "http://learner.internal:8700", "http://[::1]:8700"):
+            status, body, _ = await api.call("/v1/heartbeat", {"relay_url": elsewhere}, token=cred)
+            assert status == 200 and body["reachable"] is False, body
+            assert api.state.workers[wid].relay_url == elsewhere and api.state.workers[wid].reachable is False
+        await asyncio.sleep(0.2)
+        assert not any(s.value for m in probed.collect() for s in m.samples if s.name.endswith("_total"))
         status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://127.0.0.1:9"}, token=cred)
-        assert status == 200  # its own address: fine
+        assert status == 200  # its own address: probed (nothing listens at port 9: unreachable)
+        await asyncio.sleep(PROBE_TIMEOUT_S + 0.5)
+        assert probed.labels("unreachable")._value.get() == 1
 
     run_api(tokenizer, test, tmp_path)
 
@@ -968,7 +979,7 @@ def test_a_refused_report_leaves_nothing_behind(tokenizer, tmp_path):
     async def test(api: Api):
         wid, cred = await api.join("w")
         claims = {"gpu": "H100", "price_per_hour": 0.01, "download_mbit": 900.0}
-        for wrong, status in (({"relay_url": "http://10.1.2.3:8700"}, 422), ({"links": [{"key": 1}]}, 400)):
+        for wrong, status in (({"relay_url": "http://10.1.2.3:8700/x"}, 400), ({"links": [{"key": 1}]}, 400)):
             got, body, _ = await api.call("/v1/heartbeat", {**claims, **wrong}, token=cred)
             assert got == status
             assert (api.state.workers[wid].gpu, api.state.workers[wid].price_per_hour) == ("", 0.0)  # none of it taken
