@@ -23,7 +23,7 @@ class WorkerSection(Section):
     download_mbit: float = Field(0.0, ge=0.0, description="[worker] download_mbit: declared download bandwidth (Mbit/s, 0: unknown)")
     upload_mbit: float = Field(0.0, ge=0.0, description="[worker] upload_mbit: declared upload bandwidth (Mbit/s, 0: unknown)")
     cache_dir: Path = Field(Path(".echo-cache"), description="[worker] cache_dir: where the model directory from the learner is kept")
-    relay_host: str = Field("127.0.0.1", description="[worker] relay_host: address this worker's broadcast relay binds to (chain mode)")
+    relay_host: str = Field("auto", description="[worker] relay_host: address this worker's broadcast relay binds to (chain mode); 'auto': this machine's address on its route to the learner (loopback for a learner on this machine), so the learner sees the relay where the worker connects from, unless a NAT lies between (the worker is then a leaf that pulls)")
     relay_port: int = Field(0, ge=0, le=65535, description="[worker] relay_port: relay port (0 = any free port)")
     advertise_url: str = Field("", description="[worker] advertise_url: URL other workers reach the relay at, when not http://relay_host:port (NAT, port forwarding)")
     relay_transport: Literal["aiohttp", "libp2p"] = Field(

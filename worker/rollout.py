@@ -25,6 +25,7 @@ import socket
 import time
 from collections import deque
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -323,10 +324,14 @@ class Worker:
         from broadcast.relay import Relay
         from broadcast.signing import VerifyKey
         from broadcast.tickets import proof_key
+        from broadcast.transport import local_address_toward
 
         w = self.cfg.worker
         key = receipt_key(credential.partition(".")[2])  # `<worker id>.<secret>`: what the learner keeps of it
-        relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=w.relay_host,
+        host = w.relay_host
+        if host == "auto":  # where the learner sees this worker connect from, unless a NAT lies between
+            host = await asyncio.to_thread(local_address_toward, urlsplit(self.url).hostname or "127.0.0.1")
+        relay = Relay(worker_id, VerifyKey.from_text(self.broadcast.public_key), host=host,
                       port=w.relay_port, public_url=w.advertise_url or None, on_complete=self._received,
                       transport=w.relay_transport, read_token=self.broadcast.read_token or None,
                       receipt_key=key, proof_key=proof_key(key))

@@ -119,3 +119,25 @@ def test_a_bearer_token_is_read_whatever_the_schemes_case():
     assert read("Bearer abc.def") == read("bearer abc.def") == read("BEARER  abc.def") == "abc.def"
     assert read(None) is None and read("Basic abc") is None and read("Bearerabc") is None
     assert read("Bearer caf\u00e9") == NOT_A_TOKEN
+
+
+def test_a_relay_binds_where_the_learner_sees_its_worker_connect_from():
+    """A worker's relay (`relay_host = "auto"`) binds its address on the route to the learner: the
+    learner connects only to a relay there (by default it bound loopback, and a remote learner
+    took every worker for a leaf). A learner on this machine: loopback."""
+    from broadcast.transport import _outbound_address, local_address_toward
+
+    assert local_address_toward("127.0.0.1") == "127.0.0.1"
+    assert local_address_toward("localhost") in ("127.0.0.1", "::1")
+    assert local_address_toward("no-such-host.invalid") == "127.0.0.1"  # no route: loopback, never an error
+    here = _outbound_address(4)
+    if here == "127.0.0.1":
+        pytest.skip("no interface but loopback here")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as learner:  # a learner on this machine's other address
+        learner.bind((here, 0))
+        learner.listen()
+        assert local_address_toward(here) == here
+        with socket.create_connection(learner.getsockname(), timeout=5) as worker:
+            connected_from = learner.accept()[0]
+            with connected_from:
+                assert connected_from.getpeername()[0] == local_address_toward(here) == worker.getsockname()[0]
