@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from echo.chat import Chat
 from echo.tasks.base import Prompt, Task, Unscored
+from echo.wire import turn_budget
 
 if TYPE_CHECKING:  # the learner's checks replay episodes without torch
     from echo.hf import Sample
@@ -70,7 +71,7 @@ def play(task: Task, chat: Chat, prompts: Sequence[tuple[Prompt, list[int]]], ge
         envs.append([task.environment(prompt) if scored else Unscored() for _ in range(n)])
         for env in envs[-1]:
             env.reset(prompt.seed)
-    first = generate([ids for _, ids in prompts], n, min(max_new_tokens, max_tokens))
+    first = generate([ids for _, ids in prompts], n, turn_budget(0, max_new_tokens, max_tokens))
     live = [(i, j, s) for i, group in enumerate(first) for j, s in enumerate(group)]
     while live:
         following = []
@@ -91,11 +92,18 @@ def play(task: Task, chat: Chat, prompts: Sequence[tuple[Prompt, list[int]]], ge
             following.append((i, j))
         if not following:
             break
-        budget = min(max_new_tokens, min(max_tokens - len(episodes[i][j].tokens) for i, j in following))
-        contexts = [prompts[i][1] + episodes[i][j].tokens for i, j in following]
-        samples = generate(contexts, 1, budget)
-        live = [(i, j, s[0]) for (i, j), s in zip(following, samples)]
+        # Each episode's turn gets its own budget (`turn_budget`, as the learner checks): one for the
+        # batch (the least room of any) cut the other episodes' turns short wherever one neared
+        # max_tokens, and a turn cut short of its budget on no stop id is what a forger sends.
+        by_budget: dict[int, list[tuple[int, int]]] = {}
+        for i, j in following:
+            by_budget.setdefault(turn_budget(len(episodes[i][j].tokens), max_new_tokens, max_tokens), []).append((i, j))
+        live = []
+        for budget, members in by_budget.items():
+            samples = generate([prompts[i][1] + episodes[i][j].tokens for i, j in members], 1, budget)
+            live += [(i, j, s[0]) for (i, j), s in zip(members, samples)]
     return episodes
+
 
 
 def _finite(x: float) -> float:

@@ -93,10 +93,11 @@ LOGPROB_FLOOR = -1000.0
 
 
 def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_size: int,
-                      max_groups: int = MAX_GROUPS, stop_ids: Sequence[int] = ()) -> Submission:
+                      max_groups: int = MAX_GROUPS, stop_ids: Sequence[int] = (), turn_tokens: int | None = None) -> Submission:
     """Decode and validate an upload of at most `max_groups` groups (the prompts its sender
     holds); every problem raises `Rejected`. `stop_ids` end a policy turn: none may be followed
-    by more of the policy's tokens in the same turn (an engine stops at the first).
+    by more of the policy's tokens in the same turn (an engine stops at the first), and with
+    `turn_tokens` (the run's max_new_tokens) a turn that ends on none must end at its budget.
 
     Nothing the body declares is believed: the decompressed size is capped while reading at what
     `max_groups` full groups can be (a frame that declares more is refused before anything is
@@ -126,7 +127,7 @@ def decode_submission(body: bytes, *, vocab_size: int, max_tokens: int, group_si
         need(isinstance(samples, list), f"groups[{gi}].samples must be a list")
         if len(samples) != group_size:
             raise Rejected(422, "wrong-group-size", f"groups[{gi}] has {len(samples)} samples; this run's group_size is {group_size}")
-        parsed = [_sample(s, f"groups[{gi}].samples[{si}]", vocab_size, max_tokens, stops)
+        parsed = [_sample(s, f"groups[{gi}].samples[{si}]", vocab_size, max_tokens, stops, turn_tokens)
                   for si, s in enumerate(samples)]
         out.append(GroupMsg(g["prompt_id"], g["version"], parsed))
     return Submission(obj["worker_id"], obj["lease_id"], out)
@@ -225,7 +226,15 @@ def _known(obj: dict, keys: frozenset, where: str) -> None:
         raise Rejected(400, "malformed", f"{where}: unknown keys {names} (known: {sorted(keys)})")
 
 
-def _sample(s: object, where: str, vocab_size: int, max_tokens: int, stops: np.ndarray) -> SampleMsg:
+def turn_budget(start: int, max_new_tokens: int, max_tokens: int) -> int:
+    """The tokens a policy turn starting `start` tokens into its episode may write: an engine cuts
+    a turn there unless a stop id ends it first. `echo.episodes.play` gives each turn this;
+    `decode_submission` holds every uploaded turn to it."""
+    return min(max_new_tokens, max_tokens - start)
+
+
+def _sample(s: object, where: str, vocab_size: int, max_tokens: int, stops: np.ndarray,
+            turn_tokens: int | None = None) -> SampleMsg:
     if not (isinstance(s, dict) and isinstance(s.get("tokens"), bytes) and isinstance(s.get("logprobs"), bytes)):
         raise Rejected(400, "malformed", f"malformed trajectory upload: {where} needs bytes 'tokens' and 'logprobs'")
     _known(s, SAMPLE_KEYS, where)
@@ -265,6 +274,15 @@ def _sample(s: object, where: str, vocab_size: int, max_tokens: int, stops: np.n
             i = int(np.argmax(goes_on))
             raise Rejected(422, "after-stop", f"{where}: token {i} is a stop id, which ends the policy's turn, yet the "
                                               f"turn goes on at token {i + 1}; an engine stops at the first stop id")
+        if turn_tokens:  # and a turn ends only at a stop id or at its budget: a stop id dropped is a forgery
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], policy.view(np.int8), [0]))))
+            starts, ends = edges[0::2], edges[1::2]
+            for k in np.flatnonzero(~np.isin(tokens[ends - 1], stops)):  # turns cut, not stopped
+                start, length = int(starts[k]), int(ends[k] - starts[k])
+                if length != (budget := turn_budget(start, turn_tokens, max_tokens)):
+                    raise Rejected(422, "cut-short", f"{where}: the policy's turn at token {start} ends after {length} "
+                                                     f"tokens on no stop id, short of its budget of {budget}; an engine "
+                                                     "ends a turn only at a stop id or at the budget")
     truncated = s.get("truncated", False)
     if not isinstance(truncated, bool):
         raise Rejected(400, "malformed", f"{where}: truncated must be true or false")

@@ -120,7 +120,8 @@ class ControlApi:
         shared = dict(run=run, registry=self.registry, metrics=self.metrics, vocab_size=vocab_size,
                       offload=self.offload, rescore=rescore)
         self.uploads = UploadRoom(cfg, buffer=buffer, leases=self.leases, max_tokens=self.rollout.max_tokens,
-                                  stop_ids=tuple(self.rollout.stop_ids), claimed_rewards=not self.rollout.scored_by_learner,
+                                  stop_ids=tuple(self.rollout.stop_ids), turn_tokens=self.rollout.max_new_tokens,
+                                  claimed_rewards=not self.rollout.scored_by_learner,
                                   **shared)
         self.evals = EvalRoom(cfg, evals, run=run, metrics=self.metrics, vocab_size=vocab_size, offload=self.offload,
                               rescore=rescore, on_result=on_eval)

@@ -58,13 +58,15 @@ class UploadRoom:
 
     def __init__(self, cfg: LearnerConfig, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom,
                  registry: WorkerRegistry, metrics: LearnerMetrics, vocab_size: int, offload: Executor,
-                 max_tokens: int, stop_ids: tuple[int, ...] = (), rescore=None, claimed_rewards: bool = True):
+                 max_tokens: int, stop_ids: tuple[int, ...] = (), turn_tokens: int | None = None, rescore=None,
+                 claimed_rewards: bool = True):
         self.max_body_mb, self.rollout, self.max_staleness = cfg.server.max_body_mb, cfg.rollout, cfg.buffer.max_staleness
         self.run, self.buffer, self.leases, self.registry, self.metrics = run, buffer, leases, registry, metrics
         self.vocab_size, self.offload, self.rescore = vocab_size, offload, rescore
         self.claimed_rewards = claimed_rewards
         self.max_tokens = max_tokens  # an episode's tokens after its prompt
         self.stop_ids = stop_ids  # the ids that end a policy turn (`P.RolloutParams.stop_ids`)
+        self.turn_tokens = turn_tokens  # a turn's budget (`P.RolloutParams.max_new_tokens`): where one cut ends
         self.inflight_cap = int(cfg.server.max_inflight_upload_mb * (1 << 20))
         self.inflight = 0  # bytes of the uploads being read now (declared lengths, or the cap per chunked body)
         # ... and by whom: one worker (one address) may hold only its share of them, else a worker
@@ -141,7 +143,7 @@ class UploadRoom:
         loop = asyncio.get_running_loop()
         sub = await loop.run_in_executor(self.offload, lambda: decode_submission(
             raw, vocab_size=self.vocab_size, max_tokens=self.max_tokens, group_size=self.rollout.group_size,
-            max_groups=held, stop_ids=self.stop_ids))
+            max_groups=held, stop_ids=self.stop_ids, turn_tokens=self.turn_tokens))
         if sub.worker_id != worker.id:
             raise Rejected(403, "impersonation", f"the upload names worker {sub.worker_id[:64]!r} but the credential is "
                                                  f"{worker.id!r}'s; a worker submits only its own work")

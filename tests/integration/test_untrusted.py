@@ -709,6 +709,31 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
     assert {p: p.stat().st_mtime_ns for p in latest.rglob("*")} == saved
 
 
+def test_a_turn_whose_end_of_turn_id_was_deleted_is_refused(learner_factory, tiny_model):
+    """An API-only tester deleted the eos from its right answers only (2026-12-07): every upload
+    was accepted, no check saw a token that was not there, and within 44 versions the policy no
+    longer ended its answers. A turn ends at a stop id or at its budget (max_new_tokens), never
+    short of it on no stop id."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    lp = learner_factory(run={"steps": 100000}, rollout={"max_new_tokens": 4}, eval={"where": "learner"})  # no eval leases
+    joined = lp.join_reply("cheat")
+    wid, cred = joined["worker_id"], joined["credential"]
+    lp.wait_until(lambda: lp.status()["published_version"] >= 0, 60, "the first version")
+    answer = tok("7", add_special_tokens=False)["input_ids"]
+    for ids, expect in ((answer, 422), (answer + [tok.eos_token_id], 200)):  # eos deleted; then as sampled
+        assert lp.request("POST", "/v1/heartbeat", {"name": "cheat", "version": 0}, token=cred)[0] == 200  # alive
+        status, lease = lp.request("POST", "/v1/lease", {"max_prompts": 1, "version": 0}, token=cred)
+        assert status == 200 and lease["lease_id"], lease  # a refused upload's prompts went back: lease again
+        groups = [GroupMsg(p["id"], 0, [SampleMsg(ids, [-0.5] * len(ids), 0.0) for _ in range(4)]) for p in lease["prompts"]]
+        status, body = lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
+                                  content_type=CONTENT_TYPE, token=cred)
+        assert status == expect, body
+        if expect == 422:
+            assert body["error"] == "cut-short" and "short of its budget of 4" in body["message"], body
+
+
 def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_factory, tiny_model):
     """A worker whose behaviour log-probs are made up (claimed near-certain for random tokens)
     while its rewards are right: the trainer's π on its fresh groups gives it away."""
@@ -743,7 +768,8 @@ def test_a_worker_sending_fabricated_logprobs_is_quarantined_end_to_end(learner_
         if not lease.get("lease_id"):
             continue
         version = lease["snapshot"]["version"]
-        ids = tok("++", add_special_tokens=False)["input_ids"]  # never a right answer: reward 0, as claimed
+        # never a right answer: reward 0, as claimed; ended on eos (a turn cut short of its budget is refused)
+        ids = tok("++", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         groups = [GroupMsg(p["id"], version, [SampleMsg(ids, [-0.01] * len(ids), 0.0) for _ in range(4)])
                   for p in lease["prompts"]]
         status, body = lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
@@ -945,7 +971,7 @@ def test_a_group_is_admitted_by_the_version_it_will_be_trained_at(tokenizer, tmp
             assert status == 200 and lease["lease_id"], lease
             sub = Submission(wid, lease["lease_id"], [group(tokenizer, lease["prompts"][0]["id"], ["9"] * 4, 0.0)])
             status, body = await api.upload(cred, sub)
-            assert status == expect, body
+            assert status == expect, (expect, body, lease)
             if expect == 409:
                 assert body["error"] == "stale-version" and len(api.state.buffer.buffer) == 0
 

@@ -190,3 +190,25 @@ def test_a_policy_turn_ends_at_its_first_stop_id():
             decode_submission(encode_submission(submission(samples=bad)), **stop)
         assert (e.value.reason, e.value.status) == ("after-stop", 422) and "token 1 is a stop id" in e.value.message
         decode_submission(encode_submission(submission(samples=bad)), **LIMITS)  # no stop ids: nothing to check
+
+
+def test_a_policy_turn_ends_only_at_a_stop_id_or_at_its_budget():
+    """A worker deleted end-of-turn ids from its uploads (poker's <|im_end|>, arithmetic's eos on
+    the right answers only): accepted and trained, no statistical check sees a token that is not
+    there, and the arithmetic policy stopped ending its answers within 44 versions (an API-only
+    tester, 2026-12-07). An engine ends a turn at a stop id or at the turn's budget, nowhere else."""
+    rules = dict(vocab_size=20, max_tokens=12, group_size=2, stop_ids=[2], turn_tokens=3)
+    stopped, full = SampleMsg([4, 5, 2], [-0.5] * 3, 1.0), SampleMsg([7, 8, 9], [-2.0] * 3, 0.0)
+    assert decode_submission(encode_submission(submission(samples=[stopped, full])), **rules)
+    # Multi-turn: each turn ends on a stop id or at its budget; the last one too when the
+    # episode's budget (max_tokens 12) leaves it fewer tokens (here 2, after 10).
+    turns = SampleMsg([4, 2, 9, 9, 5, 6, 7, 9, 9, 9, 5, 6], [-0.5, -0.5, 0, 0, -0.5, -0.5, -0.5, 0, 0, 0, -0.5, -0.5], 1.0,
+                      mask=[1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1])
+    assert decode_submission(encode_submission(submission(samples=[turns, full])), **rules)
+    for bad, at in ((SampleMsg([4, 5], [-0.5] * 2, 1.0), "turn at token 0 ends after 2 tokens"),  # its eos deleted
+                    (SampleMsg([4, 9, 9, 5, 2], [-0.5, 0, 0, -0.5, -0.5], 1.0, mask=[1, 0, 0, 1, 1]),
+                     "turn at token 0 ends after 1 tokens")):  # poker: <|im_end|> deleted, the turn cut short
+        with pytest.raises(Rejected) as e:
+            decode_submission(encode_submission(submission(samples=[bad, full])), **rules)
+        assert (e.value.reason, e.value.status) == ("cut-short", 422) and at in e.value.message, e.value.message
+        assert decode_submission(encode_submission(submission(samples=[bad, full])), **{**rules, "turn_tokens": None})

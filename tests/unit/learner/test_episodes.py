@@ -171,3 +171,24 @@ def test_a_group_mixing_one_turn_and_multi_turn_episodes_trains(chat_model):
                                                                           g.rewards, g.masks)])
     g.rewards = [1.0, 0.0, 0.0, 1.0]
     assert math.isfinite(trainer.step(BatchInfo([g, _play(trainer, prompts=1, seed=1)[0]], 0, [0, 0]))["loss"])
+
+
+def test_every_honest_episode_passes_the_learners_turn_rules_where_episodes_near_their_budget(chat_model):
+    """The learner refuses a turn that ends on no stop id short of its budget (a forger's deleted
+    end-of-turn id). Honest play gave such turns: one budget per batch, the least room of any
+    episode, cut every other episode's turn short wherever one neared max_episode_tokens. Each
+    turn gets its own budget now; played tight, every episode passes."""
+    from echo.wire import GroupMsg, SampleMsg, Submission, decode_submission, encode_submission
+
+    trainer = _trainer(chat_model, "--rollout.max_episode_tokens", "40", "--rollout.group_size", "8")  # 7 of 96 cut short before
+    r = trainer.rollout_params()
+    rules = dict(vocab_size=trainer.tokenizer.vocab_size + 64, max_tokens=r.max_tokens, group_size=r.group_size,
+                 stop_ids=r.stop_ids, turn_tokens=r.max_new_tokens)
+    cut_short_of_a_turn = 0
+    for seed in range(3):
+        groups = _play(trainer, prompts=4, seed=seed)
+        cut_short_of_a_turn += sum(t for g in groups for t in g.truncated)
+        for g in groups:
+            samples = [SampleMsg(c, lp, 0.0, mask=m) for c, lp, m in zip(g.completions, g.behaviour_logprobs, g.masks)]
+            decode_submission(encode_submission(Submission("w", "L", [GroupMsg(g.prompt_id, 0, samples)])), **rules)
+    assert cut_short_of_a_turn, "no episode reached its budget: the test shows nothing"

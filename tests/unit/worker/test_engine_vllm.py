@@ -135,6 +135,7 @@ def test_a_vllm_worker_trains_a_run_on_policy(learner_factory):
     assert all(abs(r["mismatch_kl"]) < 1e-6 and r["outside_nucleus_fraction"] == 0 for r in records), \
         [r["mismatch_kl"] for r in records]
     assert summary["eval_version_end"] == steps
+    assert not summary["rejected"]  # every turn ended on a stop id or at its budget, as the learner checks
 
 
 def test_a_vllm_worker_plays_multi_turn_episodes_on_policy(learner_factory, chat_model):
@@ -157,7 +158,7 @@ def test_a_vllm_worker_plays_multi_turn_episodes_on_policy(learner_factory, chat
     print("multi-turn mismatch_kl per step:", [f"{r['mismatch_kl']:.1e}" for r in records])
     assert all(r["turns_mean"] > 1 and r["env_token_share"] > 0 for r in records)
     assert all(abs(r["mismatch_kl"]) < 1e-6 for r in records), [r["mismatch_kl"] for r in records]
-    assert summary["rewards_mismatched"] == 0 and not summary["quarantined"]
+    assert summary["rewards_mismatched"] == 0 and not summary["quarantined"] and not summary["rejected"]
 
 
 # --- LoRA: one LoRARequest per version, the keep newest loaded, proved live by the learner's probe --
