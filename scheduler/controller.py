@@ -9,7 +9,9 @@ It keeps `R_eff = Σ_{i active} a_i·r̂_i` at or above the target `α·R_req`:
   counts at its declared prior rate and its reports are not folded in;
 - below target for `window_s` → activate the cheapest available workers (unit cost
   `c_i/r̂_i`) until the target is covered; losing an active worker, or having none, acts at
-  once (that deficit is a fact, not noise);
+  once (that deficit is a fact, not noise), and so does a worker joining while the last
+  activation fell short (self-joined workers arriving seconds apart: the first was activated,
+  the rest idled a whole window, 60 s by default, while the fleet ran short);
 - never more than `max_price_per_hour` (the budget, for the workers) active: activation skips
   a machine that would pass it, and prices that rose past it release the dearest first;
 - above `(1 + release_margin)·target` for `window_s` → release the active worker with the
@@ -115,6 +117,8 @@ class Controller:
             old.alive, old.last_beat, old.price = True, now, price
             return
         self._workers[worker_id] = _Worker(worker_id, price, expected_rate, now)
+        if self._shortfall > 0:  # it meets a deficit already acted on (not noise): at the next tick
+            self._urgent = True
 
     def observe(self, now: float, worker_id: str, alive: bool, rollouts_per_s: float | None = None,
                 price: float | None = None) -> None:

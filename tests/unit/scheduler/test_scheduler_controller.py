@@ -156,3 +156,21 @@ def test_an_infeasible_rule_activates_every_worker_and_says_so() -> None:
     decisions = joined().tick(0.0, r_req=INFEASIBLE)
     assert sorted(d.worker_id for d in decisions) == sorted(POOL)
     assert all(d.reason == "no capacity meets the rule: every worker" for d in decisions)
+
+
+def test_a_worker_joining_a_fleet_already_short_is_activated_at_the_next_tick() -> None:
+    """Self-joined workers arrive seconds apart: the first was activated at once (none active),
+    the others idled a whole window (60 s) while the fleet ran short, which a netem fleet of four
+    found (2026-12-07). A deficit the last activation could not cover is a fact, not noise."""
+    ctl = Controller(ControllerParams(alpha=1.2, window_s=60, release_margin=0.3, heartbeat_timeout_s=10, ewma=0.2,
+                                      warmup_s=0))
+    ctl.join(0.0, "a", 0.30, 3.0)
+    assert [d.worker_id for d in ctl.tick(0.0, r_req=5.0)] == ["a"]  # target 6: short by 3
+    ctl.observe(1.0, "a", True, 3.0)
+    ctl.join(2.0, "b", 0.22, 2.0)
+    assert [d.worker_id for d in ctl.tick(3.0, r_req=5.0)] == ["b"]  # not at 60 s
+    ctl.observe(4.0, "a", True, 3.0)
+    ctl.observe(4.0, "b", True, 2.0)
+    ctl.tick(4.0, r_req=1.0)  # demand fell: covered, no shortfall left
+    ctl.join(5.0, "c", 0.36, 3.0)
+    assert ctl.tick(6.0, r_req=1.0) == []  # nothing to meet: no activation
