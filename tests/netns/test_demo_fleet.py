@@ -20,10 +20,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.skipif(not CAPS.namespaces, reason=
 
 def test_the_demo_fleet_trains_and_its_workers_forward_versions(tmp_path, capsys, monkeypatch):
     scenario = tmp_path / "fleet.toml"  # the shipped fleet, a shorter run, its run directory here
-    # A worker joining a fleet short of capacity is activated after the scheduler's window (10 s
-    # in the demo: no flapping), longer than this short run: 1 s here.
-    shorter = (f'"--run.steps", "12", "--run.eval_every", "0", "--run.dir", "{tmp_path / "runs"}", '
-               '"--scheduler.window_s", "1"')
+    shorter = f'"--run.steps", "12", "--run.eval_every", "0", "--run.dir", "{tmp_path / "runs"}"'
     scenario.write_text((ROOT / "configs/wan/demo-fleet.toml").read_text()
                         .replace('"--run.steps", "60", "--run.eval_every", "30"', shorter)
                         .replace('"--worker.name",', f'"--worker.cache_dir", "{tmp_path / "cache"}", "--worker.name",'))
