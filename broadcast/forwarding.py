@@ -171,10 +171,15 @@ class _Version:
 class Forwarding:
     """The learner's record of which workers forwarded what they were given (module docstring)."""
 
-    def __init__(self, grace_s: float = 0.0, keep_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, grace_s: float = 0.0, keep_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 every: int = 1) -> None:
         """`grace_s`: how long after a pull it is judged (a relay's report of its pushes may take
         that long); `keep_s`: how long a version's routes are kept at least (its children pull
-        up to `fallback_s` after its push began, and are judged `grace_s` after that)."""
+        up to `fallback_s` after its push began, and are judged `grace_s` after that); `every`:
+        the updates between published versions (`[publish] every`). Version numbers count
+        updates, and demotions and forgiveness count published versions: at `every` = 4 a first
+        demotion for "2 versions" kept a worker out of one plan, not two (an API-only tester)."""
+        self.every = every
         self.records: dict[str, Record] = {}
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self.grace_s, self.keep_s, self.clock = grace_s, keep_s, clock
@@ -256,10 +261,11 @@ class Forwarding:
         """Blame what the remembered routes' pulls say, as of planning `version`; returns the
         newly demoted workers, each with the version it is a leaf until. Records whose blames
         are forgotten are dropped (one per worker ever blamed, kept for good, was a week's growth)."""
+        forgive = FORGIVE_VERSIONS * self.every  # in updates, as version numbers count
         self.records = {w: r for w, r in self.records.items()
-                        if r.leaf_until > version or version - r.blamed_at <= FORGIVE_VERSIONS}
+                        if r.leaf_until > version or version - r.blamed_at <= forgive}
         self.disputes = {w: kept for w, seen in self.disputes.items()
-                         if (kept := {o: v for o, v in seen.items() if version - v <= FORGIVE_VERSIONS})}
+                         if (kept := {o: v for o, v in seen.items() if version - v <= forgive})}
         demoted, unheard, judged_before = [], set(self.records), self.clock() - self.grace_s
         for known in self._versions.values():
             guilty: set[str] = set()
@@ -275,10 +281,10 @@ class Forwarding:
             for worker in sorted(guilty - known.blamed):
                 known.blamed.add(worker)
                 r = self.records.setdefault(worker, Record())
-                if version - r.blamed_at > FORGIVE_VERSIONS:
+                if version - r.blamed_at > forgive:
                     r.blames = 0
                 r.blames, r.blamed_at = r.blames + 1, version
-                r.leaf_until = version + min(MAX_LEAF_VERSIONS, FIRST_LEAF_VERSIONS << (r.blames - 1))
+                r.leaf_until = version + self.every * min(MAX_LEAF_VERSIONS, FIRST_LEAF_VERSIONS << (r.blames - 1))
                 demoted.append((worker, r.leaf_until))
         return demoted
 

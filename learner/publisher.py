@@ -55,18 +55,20 @@ HEADROOM = 0.95
 
 
 def make_publisher(section: ChainBroadcast | StarBroadcast, blobs: BlobStore, links: LinkTable, *,
-                   key_file: Path, host: str, connection_limits=None, reports_s: float = 0.0) -> "StarPublisher":
+                   key_file: Path, host: str, connection_limits=None, reports_s: float = 0.0,
+                   publish_every: int = 1) -> "StarPublisher":
     """The publisher of the `[broadcast]` design (`learner.config.BroadcastSection`): `key_file`
     is the signing key used when the section names none, `host` where the learner's relay binds,
     `connection_limits` what one address may hold open there (`broadcast.node.ConnectionCap`),
     `reports_s` how long a relay's report of its pushes may take to arrive (a few heartbeats):
-    a pull from the source is judged only after it (`broadcast.forwarding`)."""
+    a pull from the source is judged only after it (`broadcast.forwarding`), `publish_every` the
+    updates between versions (demotions count published versions)."""
     if section.mode == "star":
         return StarPublisher(blobs)
     return ChainPublisher(blobs, chunk_bytes=int(section.chunk_mib * (1 << 20)), deltas=section.deltas,
                           links=links, key_file=section.key_file or key_file, host=host,
                           fallback_s=section.fallback_s, ticket_s=section.ticket_s,
-                          connection_limits=connection_limits, reports_s=reports_s)
+                          connection_limits=connection_limits, reports_s=reports_s, publish_every=publish_every)
 
 
 class StarPublisher:
@@ -102,7 +104,7 @@ class ChainPublisher(StarPublisher):
 
     def __init__(self, blobs: BlobStore, *, chunk_bytes: int, deltas: bool, links: LinkTable, key_file: Path,
                  host: str, fallback_s: float = 10.0, ticket_s: float = TICKET_S, connection_limits=None,
-                 reports_s: float = 0.0):
+                 reports_s: float = 0.0, publish_every: int = 1):
         super().__init__(blobs)
         self.connection_limits = connection_limits
         self.chunk_bytes, self.deltas, self.links = chunk_bytes, deltas, links
@@ -111,7 +113,7 @@ class ChainPublisher(StarPublisher):
         self.public_key = ""
         self._previous: tuple[int, bytes, Manifest] | None = None
         self.pushes: set[asyncio.Task] = set()
-        self.forwarding = Forwarding(grace_s=reports_s, keep_s=2 * fallback_s + 2 * reports_s)
+        self.forwarding = Forwarding(grace_s=reports_s, keep_s=2 * fallback_s + 2 * reports_s, every=publish_every)
         self._planned: dict = {}  # the workers of the latest plans, by id (the registry's live records)
 
     async def start(self) -> str | None:

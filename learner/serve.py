@@ -69,7 +69,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
 
     publisher = make_publisher(b, run.blobs, links, key_file=run_dir / "learner.key", host=cfg.server.host,
                                connection_limits=worker_connections(cfg.server),  # 21,000 on one address filled its fds
-                               reports_s=3 * cfg.server.heartbeat_interval)
+                               reports_s=3 * cfg.server.heartbeat_interval, publish_every=cfg.publish_every)
     await publisher.start()
     eval_prompts = task.eval_prompts()[: cfg.eval.limit or None]
     evaluation = make_evaluation(cfg.eval, EvalParts(

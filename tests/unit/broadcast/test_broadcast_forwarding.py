@@ -373,3 +373,17 @@ def test_versions_published_faster_than_the_grace_are_kept_until_their_pulls_are
             f.pulled(f"v{v - 7}", f"c{v - 7}", 0, 8)  # its child gave up on it and pulled
         now[0] += 1.5
     assert blamed_at and blamed_at[0] <= 7 + 6 / 1.5 + 1, blamed_at
+
+
+def test_demotions_and_forgiveness_count_published_versions_not_updates():
+    """Version numbers count updates; with `[publish] every` = 4 a first demotion "for 2
+    versions" ended 2 updates on, before the next plan: the black hole forwarded again at once
+    (an API-only tester read the learner's log: v583 → v586, v587 → v592, ...)."""
+    f = Forwarding(every=4)
+    f.planned(route_of([["a", "hole", "c"]], key="v8"))
+    f.pulled("v8", "c", 0, 8)
+    assert f.settle(8) == [("hole", 8 + 4 * FIRST_LEAF_VERSIONS)]  # out of the plans of v12 and v16
+    assert not f.may_forward("hole", 12) and not f.may_forward("hole", 15) and f.may_forward("hole", 16)
+    f.planned(route_of([["a", "hole", "c"]], key=f"v{8 + 4 * FORGIVE_VERSIONS}"))
+    f.pulled(f"v{8 + 4 * FORGIVE_VERSIONS}", "c", 0, 8)
+    assert f.settle(8 + 4 * FORGIVE_VERSIONS) == [("hole", 8 + 4 * FORGIVE_VERSIONS + 4 * 2 * FIRST_LEAF_VERSIONS)]  # not yet forgotten
