@@ -73,6 +73,7 @@ class WorkerInfo:
     fleet_key: str = ""  # what the scheduler knows it by: its pool machine (machine token) or its id
     machine: str = ""  # the machine its machine token proved (one live identity per machine), or ""
     probed_at: float = -1e9  # the last reachability probe of its relay
+    probe_due: bool = False  # its relay URL changed too soon after a probe: a leaf until probed
     ticket_at: float = -1e9  # when its read ticket was last issued (monotonic)
     # Its requests per second ([server] worker_requests_per_s), checked by `Auth.worker`; kept on
     # the record, so it goes when the worker is forgotten. None: not limited.
@@ -236,9 +237,14 @@ class WorkerRegistry:
         if r.relay_url != w.relay_url:  # one not at the worker's own address is never connected to: a leaf
             addressed = not r.relay_url or relay_addressed(r.relay_url, w.address, self.server.relay_any_public)
             w.relay_url, w.reachable = r.relay_url, None if addressed else False
-            if addressed and w.relay_url and w.last_seen - w.probed_at >= PROBE_EVERY_S:
-                w.probed_at = w.last_seen
-                self.probe(w)
+            # Changed too soon after a probe: a leaf until probed, not planned as reachable unprobed
+            # (a worker passed a probe, then named a port on its address that answers nothing).
+            w.probe_due = bool(addressed and w.relay_url)
+            if w.probe_due and w.last_seen - w.probed_at < PROBE_EVERY_S:
+                w.reachable = False
+        if w.probe_due and w.last_seen - w.probed_at >= PROBE_EVERY_S:
+            w.probe_due, w.probed_at = False, w.last_seen
+            self.probe(w)
         known = w.installs[-1][0] if w.installs else -1
         published = self.run.published_version
         for item in r.installs:  # "seconds ago": clocks differ between machines

@@ -943,6 +943,32 @@ def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_relay_url_changed_soon_after_a_probe_is_a_leaf_until_probed(tokenizer, tmp_path, monkeypatch):
+    """A worker passed the probe, then named another port on its address within the probe's
+    30 s: planned as reachable, never probed, pushed to a port that answered nothing (an
+    API-only tester, 2026-12-07). Until the window allows a probe it is a leaf."""
+    import learner.api.workers as workers
+
+    monkeypatch.setattr(workers, "PROBE_EVERY_S", 1.0)
+
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        probed = api.state.metrics.relays_probed
+        count = lambda: sum(s.value for m in probed.collect() for s in m.samples if s.name.endswith("_total"))  # noqa: E731
+        status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://127.0.0.1:9"}, token=cred)
+        assert status == 200 and body["reachable"] is None  # probed now, the answer to come
+        await asyncio.sleep(0.3)
+        assert count() == 1
+        status, body, _ = await api.call("/v1/heartbeat", {"relay_url": "http://127.0.0.1:10"}, token=cred)
+        assert status == 200 and body["reachable"] is False and count() == 1  # too soon to probe: a leaf
+        await asyncio.sleep(1.2)
+        await api.call("/v1/heartbeat", {"relay_url": "http://127.0.0.1:10"}, token=cred)  # the window passed
+        await asyncio.sleep(0.3)
+        assert count() == 2 and api.state.workers[wid].reachable is False  # probed: nothing listens there
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_deeply_nested_body_is_a_400_and_metrics_stay_local(tokenizer, tmp_path):
     async def test(api: Api):
         _, cred = await api.join("w")
