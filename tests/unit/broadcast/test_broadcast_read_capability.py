@@ -601,3 +601,25 @@ def test_a_versions_full_and_delta_streams_share_one_pull_share():
         return out
 
     assert asyncio.run(run()) == [200, 200, 429, 200]  # v2 twice whole, then its delta is past the share; v1 is its own
+
+
+def test_the_proof_recipe_in_the_api_docs_is_the_one_nodes_check():
+    """docs/api.md ("Proving a pull or a push") tells another client how to make an `Echo-Proof`
+    from its credential alone: an API-only tester could not pull anything without it."""
+    import base64
+    import hashlib
+    import json
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from broadcast.receipts import receipt_key
+    from broadcast.tickets import proof_key, prove
+
+    credential = "w3.s3cr3t-part"
+    secret_hash = hashlib.sha256(credential.split(".", 1)[1].encode()).digest()
+    key = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"echo-proof-v1\0" + secret_hash).digest())
+    message = json.dumps(["w7", "1733580000000", "GET", "/bcast/v1/chunks/v12-d8"]).encode()
+    signature = base64.urlsafe_b64encode(key.sign(b"echo-proof-v1\0" + message)).rstrip(b"=").decode()
+    assert secret_hash == receipt_key(credential.partition(".")[2])  # what the worker derives it from
+    assert f"1733580000000.{signature}" == prove(proof_key(secret_hash), "w7", "GET", "/bcast/v1/chunks/v12-d8",
+                                                 now=1733580000.0)
