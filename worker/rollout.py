@@ -386,10 +386,15 @@ class Worker:
             # that before pulling the whole version: a whole pull by a member pushed a tree would
             # tell the learner it swallowed that tree (`broadcast.forwarding`), an honest co-owner
             # of a stripe another owner swallowed was demoted so.
+            # As long as the relay may need for it: a stalled parent is given up on within twice
+            # its stall timeout (a trickle's window), and only then are its spans pulled from the
+            # source. A leaf whose stripe owner stalled pulled whole at 2 x fallback_s, before its
+            # repair could, and the learner blamed every honest owner too (an API-only tester).
             begun = [k for k in keys if k in self.relay.stores]
             if begun:
+                repair_s = max(self.broadcast.fallback_s, 2 * self.relay.stall_timeout)
                 with contextlib.suppress(asyncio.TimeoutError, BroadcastError):
-                    await asyncio.wait_for(self.relay.wait(begun[0]), self.broadcast.fallback_s)
+                    await asyncio.wait_for(self.relay.wait(begun[0]), repair_s)
                     return
             # Pull only what would be installed: not while idled (the newest comes at activation;
             # an idled fleet pulled every version whole from the learner's uplink) and not a
