@@ -273,8 +273,13 @@ class Relay(Node):
             await self._open_version(signed, route, places)
 
     # -- receiving ----------------------------------------------------------------------------
-    async def _new_store(self, signed: SignedManifest) -> VersionStore:
-        store = await self._add_store(VersionStore(signed))
+    async def _new_store(self, signed: SignedManifest, route: SignedRoute | None = None,
+                         places: list[Place] | None = None) -> VersionStore:
+        store = VersionStore(signed)
+        if route is not None:  # before it is registered: a pull waiting for it checks its route
+            store.set_spans([p.span for p in places or []])
+            store.route, store.route_wire, store.places = route, route.to_wire(), places or []
+        store = await self._add_store(store)
         fut = self._arrivals.pop(store.key, None)
         if fut is not None and not fut.done():
             fut.set_result(store)
@@ -287,9 +292,10 @@ class Relay(Node):
         """Hold a version received along `route`: one span per tree this relay is in; start
         forwarding each to its children; pull the spans no push will bring."""
         r = route.route
-        store = await self._new_store(signed)
-        store.set_spans([p.span for p in places])
-        store.route, store.route_wire, store.places = route, route.to_wire(), places
+        # Its route set before it is registered: a child's pull waiting for the version woke in
+        # between and was refused for "a version that came without a route" (an honest stripe
+        # owner, then blamed for its leaf's repair from the source; an API-only tester's run).
+        store = await self._new_store(signed, route, places)
         rates = [r.rates[p.tree] for p in places]
         store.stats.offered_rate = None if None in rates else sum(rates)
         pulling = self.id in r.pull

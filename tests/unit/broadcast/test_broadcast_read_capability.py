@@ -623,3 +623,35 @@ def test_the_proof_recipe_in_the_api_docs_is_the_one_nodes_check():
     assert secret_hash == receipt_key(credential.partition(".")[2])  # what the worker derives it from
     assert f"1733580000000.{signature}" == prove(proof_key(secret_hash), "w7", "GET", "/bcast/v1/chunks/v12-d8",
                                                  now=1733580000.0)
+
+
+def test_a_version_opened_along_a_route_is_registered_with_its_route():
+    """A child's pull waiting for a version (`_store_soon`) wakes when the store is registered;
+    the route was set only after, so across a yield in between (evicting the oldest version) the
+    pull was refused as for "a version that came to this relay without a route", and the honest
+    relay was blamed for its leaf's repair from the source (an API-only tester's run, 2026-12-07)."""
+    blob = os.urandom(1 << 18)
+    seen: list[object] = []
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"))
+        await src.start()
+        await src.publish(blob, 1, chunk_size=64 << 10)
+        a = Relay("a", KEY.public_key(), **worker_pass(KEY, "a"), stall_timeout=3)
+        registered = a._add_store
+
+        async def add_store(store):  # what a waiting pull would see the moment it wakes
+            seen.append(store.route)
+            return await registered(store)
+
+        a._add_store = add_store
+        await a.start()
+        try:
+            assert await src.push("v1", [[a.hop]]) == [True]
+            await a.wait("v1")
+        finally:
+            await a.stop()
+            await src.stop()
+
+    asyncio.run(run())
+    assert seen and all(route is not None for route in seen), seen
