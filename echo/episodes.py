@@ -105,7 +105,6 @@ def play(task: Task, chat: Chat, prompts: Sequence[tuple[Prompt, list[int]]], ge
     return episodes
 
 
-
 def _finite(x: float) -> float:
     x = float(x)
     if not math.isfinite(x):
