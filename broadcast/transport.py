@@ -358,27 +358,20 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{ip}]:{port}" if ip.version == 6 else f"http://{ip}:{port}"
 
 
-def local_address_toward(host: str) -> str:
+def local_address_toward(host: str, loopback: str = "127.0.0.1") -> str:
     """The address of this machine's interface on its route to `host` (a name or an IP): the one
     `host` sees it connect from, unless a NAT lies between (a UDP connect sends nothing);
-    loopback where there is no route or the name does not resolve."""
+    `loopback` where there is no route or the name does not resolve."""
     try:
         family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(target)
             return s.getsockname()[0]
     except OSError:
-        return "127.0.0.1"
+        return loopback
 
 
 def _outbound_address(version: int) -> str:
-    """The source address of this machine's route to the internet (a UDP connect sends
-    nothing); loopback where there is no route."""
-    family, probe, loopback = ((socket.AF_INET6, "2001:db8::1", "::1") if version == 6 else
-                               (socket.AF_INET, "192.0.2.1", "127.0.0.1"))
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((probe, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return loopback
+    """The source address of this machine's route to the internet (documentation addresses:
+    nothing is sent); loopback where there is no route."""
+    return local_address_toward("2001:db8::1", "::1") if version == 6 else local_address_toward("192.0.2.1")

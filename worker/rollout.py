@@ -383,13 +383,10 @@ class Worker:
                     return  # on_complete staged it
             # A push of some trees began: the relay pulls the spans that did not come from the
             # route's ancestors, then the source (its own repair), under the pushed key. Wait for
-            # that before pulling the whole version: a whole pull by a member pushed a tree would
-            # tell the learner it swallowed that tree (`broadcast.forwarding`), an honest co-owner
-            # of a stripe another owner swallowed was demoted so.
-            # As long as the relay may need for it: a stalled parent is given up on within twice
-            # its stall timeout (a trickle's window), and only then are its spans pulled from the
-            # source. A leaf whose stripe owner stalled pulled whole at 2 x fallback_s, before its
-            # repair could, and the learner blamed every honest owner too (an API-only tester).
+            # that before pulling the whole version, as long as the repair may take (a stalled
+            # parent is given up on within twice its stall timeout): a whole pull by a member
+            # pushed a tree, or by a leaf, would tell the learner every parent swallowed its tree
+            # (`broadcast.forwarding`), and honest stripe owners were demoted with the one that did.
             begun = [k for k in keys if k in self.relay.stores]
             if begun:
                 repair_s = max(self.broadcast.fallback_s, 2 * self.relay.stall_timeout)
