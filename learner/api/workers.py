@@ -234,14 +234,14 @@ class WorkerRegistry:
         w.capacity_per_s = self.verifier.believed_capacity(w.id, r.capacity_per_s)
         if self.verifier.evidence[w.id].claims_clamped > clamped:
             self.metrics.claims_clamped.labels("capacity").inc()
-        if r.relay_url != w.relay_url:  # one not at the worker's own address is never connected to: a leaf
-            addressed = not r.relay_url or relay_addressed(r.relay_url, w.address, self.server.relay_any_public)
-            w.relay_url, w.reachable = r.relay_url, None if addressed else False
-            # Changed too soon after a probe: a leaf until probed, not planned as reachable unprobed
-            # (a worker passed a probe, then named a port on its address that answers nothing).
-            w.probe_due = bool(addressed and w.relay_url)
-            if w.probe_due and w.last_seen - w.probed_at < PROBE_EVERY_S:
-                w.reachable = False
+        if r.relay_url != w.relay_url:
+            w.relay_url = r.relay_url
+            w.probe_due = bool(w.relay_url) and relay_addressed(w.relay_url, w.address, self.server.relay_any_public)
+            # A leaf: one not at the worker's own address (never connected to), and one changed too
+            # soon after a probe until it is probed (a worker passed a probe, then named a port on
+            # its address that answers nothing, and was planned as reachable unprobed).
+            probed_now = w.probe_due and w.last_seen - w.probed_at >= PROBE_EVERY_S
+            w.reachable = None if not w.relay_url or probed_now else False
         if w.probe_due and w.last_seen - w.probed_at >= PROBE_EVERY_S:
             w.probe_due, w.probed_at = False, w.last_seen
             self.probe(w)
