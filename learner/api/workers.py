@@ -74,6 +74,7 @@ class WorkerInfo:
     machine: str = ""  # the machine its machine token proved (one live identity per machine), or ""
     probed_at: float = -1e9  # the last reachability probe of its relay
     probe_due: bool = False  # its relay URL changed too soon after a probe: a leaf until probed
+    probes_failed: int = 0  # unreachable probes in a row: each doubles the wait before the next
     ticket_at: float = -1e9  # when its read ticket was last issued (monotonic)
     # Its requests per second ([server] worker_requests_per_s), checked by `Auth.worker`; kept on
     # the record, so it goes when the worker is forgotten. None: not limited.
@@ -91,6 +92,12 @@ class WorkerInfo:
 
 
 PROBE_EVERY_S = 30.0  # a relay is probed at most this often, however often its URL changes
+PROBE_AGAIN_MAX_S = 600.0  # an unreachable relay is probed again, backing off to this (a port opened late)
+
+
+def probe_wait(w: WorkerInfo) -> float:
+    """Seconds after its last probe before a relay may be probed again."""
+    return min(PROBE_EVERY_S * 2 ** min(w.probes_failed, 16), max(PROBE_AGAIN_MAX_S, PROBE_EVERY_S))
 
 
 def relay_addressed(url: str, address: str, any_public: bool) -> bool:
@@ -235,14 +242,14 @@ class WorkerRegistry:
         if self.verifier.evidence[w.id].claims_clamped > clamped:
             self.metrics.claims_clamped.labels("capacity").inc()
         if r.relay_url != w.relay_url:
-            w.relay_url = r.relay_url
+            w.relay_url, w.probes_failed = r.relay_url, 0
             w.probe_due = bool(w.relay_url) and relay_addressed(w.relay_url, w.address, self.server.relay_any_public)
             # A leaf: one not at the worker's own address (never connected to), and one changed too
             # soon after a probe until it is probed (a worker passed a probe, then named a port on
             # its address that answers nothing, and was planned as reachable unprobed).
-            probed_now = w.probe_due and w.last_seen - w.probed_at >= PROBE_EVERY_S
+            probed_now = w.probe_due and w.last_seen - w.probed_at >= probe_wait(w)
             w.reachable = None if not w.relay_url or probed_now else False
-        if w.probe_due and w.last_seen - w.probed_at >= PROBE_EVERY_S:
+        if w.probe_due and w.last_seen - w.probed_at >= probe_wait(w):
             w.probe_due, w.probed_at = False, w.last_seen
             self.probe(w)
         known = w.installs[-1][0] if w.installs else -1
@@ -412,6 +419,11 @@ class WorkerRegistry:
             ok = await probe_relay(url, PROBE_TIMEOUT_S)
             if worker.relay_url == url:
                 worker.reachable = ok
+                worker.probes_failed = 0 if ok else worker.probes_failed + 1
+                # Unreachable (a port forwarded or a firewall opened after the worker joined, a
+                # probe timed out under load): probed again after a backoff, or it stays a leaf
+                # for the rest of the run.
+                worker.probe_due = not ok
                 self.metrics.relays_probed.labels("reachable" if ok else "unreachable").inc()
 
         task = asyncio.get_running_loop().create_task(run())

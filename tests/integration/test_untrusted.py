@@ -969,6 +969,53 @@ def test_a_relay_url_changed_soon_after_a_probe_is_a_leaf_until_probed(tokenizer
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_relay_unreachable_at_its_first_probe_is_probed_again_with_backoff(tokenizer, tmp_path, monkeypatch):
+    """A relay whose port opened after the worker joined (a port forward set up late, a probe
+    that timed out under load) failed its one probe and was a leaf for the rest of the run.
+    It is probed again, each failure doubling the wait, and planned reachable once it answers."""
+    import socket
+
+    from nacl.signing import SigningKey
+
+    import learner.api.workers as workers
+    from broadcast.relay import Relay
+
+    monkeypatch.setattr(workers, "PROBE_EVERY_S", 1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    async def test(api: Api):
+        wid, cred = await api.join("w")
+        w = api.state.workers[wid]
+        probed = api.state.metrics.relays_probed
+        heartbeat = lambda: api.call("/v1/heartbeat", {"relay_url": url}, token=cred)  # noqa: E731
+        await heartbeat()
+        await asyncio.sleep(0.3)
+        assert (w.reachable, w.probes_failed, probed.labels("unreachable")._value.get()) == (False, 1, 1)
+        await asyncio.sleep(0.9)  # 1 s after the probe, but one failure doubled the wait to 2 s
+        await heartbeat()
+        await asyncio.sleep(0.1)
+        assert probed.labels("unreachable")._value.get() == 1
+        relay = Relay("w", SigningKey.generate().verify_key, port=port)
+        await relay.start()  # the port opens late
+        try:
+            await asyncio.sleep(1.0)
+            status, body, _ = await heartbeat()
+            assert status == 200 and body["reachable"] is False  # a leaf while the probe runs
+            await asyncio.sleep(0.3)
+            assert (w.reachable, w.probes_failed, probed.labels("reachable")._value.get()) == (True, 0, 1)
+            for _ in range(3):  # reachable: not probed again while its URL stands
+                await heartbeat()
+                await asyncio.sleep(0.5)
+            assert probed.labels("reachable")._value.get() == 1
+        finally:
+            await relay.stop()
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_deeply_nested_body_is_a_400_and_metrics_stay_local(tokenizer, tmp_path):
     async def test(api: Api):
         _, cred = await api.join("w")
