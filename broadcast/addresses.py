@@ -8,8 +8,11 @@ IPv6 /48 (one site; a tunnel broker gives one away) holds 65,536 /64s, so it is 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import ipaddress
+from collections.abc import AsyncIterator
 
 UNKNOWN = "unknown"  # a request whose address cannot be parsed counts under one shared key
 
@@ -59,3 +62,40 @@ def connection_limits(limit: int, trusted: list, per_48: int = 8):
         wide = prefix48(host)
         return ((address_key(host), limit),) if wide is None else ((address_key(host), limit), (wide, limit * per_48))
     return limits
+
+
+class NoTurn(Exception):
+    """An address's streams were all busy for as long as a request may wait (`StreamGate.hold`)."""
+
+
+class StreamGate:
+    """At most `per_address` weight streams at once from one address (`address_key`); the rest
+    wait their turn, at most `wait_s`. Sixteen identities at one address, each allowed a few
+    copies of a version, took 64 of the uplink's fair shares at once from every other worker;
+    honest workers behind one NAT share that address's downlink anyway, so taking turns costs
+    them little."""
+
+    def __init__(self, per_address: int, wait_s: float):
+        self.per_address, self.wait_s = per_address, wait_s
+        self._gates: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # key -> (its slots, [holders + waiters])
+
+    @contextlib.asynccontextmanager
+    async def hold(self, address: str) -> AsyncIterator[None]:
+        """A turn for `address`'s stream; `NoTurn` after `wait_s` without one."""
+        key = address_key(address)
+        slots, users = self._gates.setdefault(key, (asyncio.Semaphore(self.per_address), [0]))
+        users[0] += 1
+        try:
+            try:
+                async with asyncio.timeout(self.wait_s):
+                    await slots.acquire()
+            except TimeoutError:
+                raise NoTurn(f"{self.per_address} streams to this address were busy for {self.wait_s:g} s") from None
+            try:
+                yield
+            finally:
+                slots.release()
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._gates[key]  # nothing kept for an address with no stream

@@ -7,9 +7,11 @@ its size and sha256 match what the source announced. Knows nothing of what the b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import aiohttp
@@ -81,9 +83,14 @@ def parse_version(text: str) -> int:
     return int(text)
 
 
+WRITE_PIECE = 1 << 20  # a blob is written a piece at a time, each after the last drained
+
+
 def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
-                    authorize: Callable[[web.Request], None] = lambda r: None) -> None:
-    """GET {prefix}/latest -> info JSON; GET {prefix}/{version} -> the bytes (X-Sha256 header)."""
+                    authorize: Callable[[web.Request], None] = lambda r: None,
+                    gate: Callable[[web.Request], AbstractAsyncContextManager] | None = None) -> None:
+    """GET {prefix}/latest -> info JSON; GET {prefix}/{version} -> the bytes (X-Sha256 header),
+    sent within `gate(request)` (a turn among its address's streams) when given."""
 
     async def latest(request: web.Request) -> web.Response:
         authorize(request)
@@ -100,8 +107,19 @@ def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
             newest = store.latest.version if store.latest else None
             raise web.HTTPNotFound(text=f"version {version} is not held (newest: {newest}); fetch {prefix}/latest")
         info, data = found
-        return web.Response(body=data, content_type="application/octet-stream",
-                            headers={"X-Sha256": info.sha256, "X-Version": str(version)})
+        async with gate(request) if gate else contextlib.nullcontext():
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                               "X-Sha256": info.sha256, "X-Version": str(version)})
+            resp.content_length = info.size
+            await resp.prepare(request)
+            view = memoryview(data)
+            try:
+                for at in range(0, info.size, WRITE_PIECE):
+                    await resp.write(view[at : at + WRITE_PIECE])
+                await resp.write_eof()
+            except ConnectionResetError:  # the reader went away: its turn ends
+                pass
+            return resp
 
     app.router.add_get(f"{prefix}/latest", latest, allow_head=False)  # no HEAD: no client sends one
     app.router.add_get(f"{prefix}/{{version}}", blob, allow_head=False)

@@ -13,15 +13,17 @@ Reading is free of side effects; files are read on the `offload` threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from pathlib import Path
 
 from aiohttp import web
 
-from broadcast.addresses import address_key, in_networks
+from broadcast.addresses import NoTurn, StreamGate, address_key, in_networks
 from broadcast.links import LinkTable
 from broadcast.star import add_star_routes, parse_version
 from echo import dirfiles
@@ -41,6 +43,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 MAX_SNAPSHOT_DOWNLOADS = 4
 STATUS_EVERY_S = 1.0  # /v1/status is rebuilt at most this often
 VIEWS_PER_S, VIEW_BURST = 1.0, 10  # /v1/status and /metrics from outside metrics_from, per address (`_paced`)
+WEIGHT_STREAMS_PER_ADDRESS = 4  # weights (snapshots, a LoRA base, task dirs) sent to one address at once (`StreamGate`)
+TURN_WAIT_S = 60.0  # ...the rest wait this long for a turn, then 429 `busy` uncounted (under echo-worker's 120 s read timeout)
+COUNTED = web.RequestKey("counted download", str)  # the download a request was counted as (`_count_download`)
 MAX_SERVED_WEIGHTS = 2 << 30  # LoRA mode: the largest base /v1/model?weights=1 sends (a worker sets base_dir beyond)
 
 
@@ -56,6 +61,7 @@ class StatusRoom:
         self._views: dict[bool, tuple[float, bytes]] = {}  # full view? -> (built at, JSON)
         self.downloads: dict[str, int] = {}  # "reader version" -> snapshot downloads (most recent kept)
         self.views: dict[str, TokenBucket] = {}  # address -> its /v1/status and /metrics calls (`_paced`)
+        self.streams = StreamGate(WEIGHT_STREAMS_PER_ADDRESS, TURN_WAIT_S)
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -112,13 +118,26 @@ class StatusRoom:
             paths += base
         return dirfiles.Packed(paths)
 
-    def _count_download(self, key: str, what: str, advice: str) -> None:
+    def _count_download(self, request: web.Request, key: str, what: str, advice: str) -> None:
         """One more download of `key`: past MAX_SNAPSHOT_DOWNLOADS, refused (429 `downloads`)."""
         count = self.downloads.get(key, 0) + 1
         if count > MAX_SNAPSHOT_DOWNLOADS:
             raise Refusal(429, "downloads", f"{what} was already downloaded {MAX_SNAPSHOT_DOWNLOADS} times by this "
                                             f"worker; {advice}")
         remember(self.downloads, key, count)
+        request[COUNTED] = key  # given back if it gets no turn (`weights_turn`)
+
+    @contextlib.asynccontextmanager
+    async def weights_turn(self, request: web.Request, address: str) -> AsyncIterator[None]:
+        """Weights are sent in a turn among the address's streams (`StreamGate`); one that gets
+        none in `TURN_WAIT_S` is refused 429 `busy`, its download not counted."""
+        try:
+            async with self.streams.hold(address):
+                yield
+        except NoTurn as e:
+            if (key := request.get(COUNTED)) in self.downloads:
+                self.downloads[key] -= 1
+            raise Refusal(429, "busy", f"{e}: retry after the given seconds", {"Retry-After": "5"}) from None
 
     def task_dir_files(self, option: str) -> dirfiles.Packed:
         """A task's model directory, weights and all, up to `MAX_SERVED_WEIGHTS` (a larger one:
@@ -129,9 +148,14 @@ class StatusRoom:
                                             f"copy it to the worker and set task.{option} there (its digest is checked)")
         return packed
 
-    async def send(self, request: web.Request, packed: dirfiles.Packed) -> web.StreamResponse:
+    async def send(self, request: web.Request, packed: dirfiles.Packed, weights_to: str | None) -> web.StreamResponse:
         """`packed` read on the offload threads a chunk at a time, each written before the next is
-        read: what a reader that stops reading holds is one chunk, not the directory."""
+        read: what a reader that stops reading holds is one chunk, not the directory. Weights are
+        sent in a turn among `weights_to`'s (an address's) streams."""
+        async with self.weights_turn(request, weights_to) if weights_to else contextlib.nullcontext():
+            return await self._send(request, packed)
+
+    async def _send(self, request: web.Request, packed: dirfiles.Packed) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         resp = web.StreamResponse(headers={"Content-Type": "application/msgpack"})
         resp.content_length = packed.size
@@ -181,10 +205,10 @@ class StatusRoom:
             weights = request.query.get("weights") == "1" and self.serve_weights
             reader = auth.weights_reader(request) if weights else auth.anyone(request)
             if weights:  # a base of up to 2 GiB: a few times per reader, as a snapshot
-                self._count_download(f"{reader} base", "the base model", "use the copy you have, or set "
+                self._count_download(request, f"{reader} base", "the base model", "use the copy you have, or set "
                                                                          "[engine] base_dir")
             packed = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files, weights)
-            return await self.send(request, packed)
+            return await self.send(request, packed, auth.address(request) if weights else None)
 
         async def task_dir(request: web.Request) -> web.Response:
             """A joined worker's copy of a task directory, each at most MAX_SNAPSHOT_DOWNLOADS times."""
@@ -194,9 +218,9 @@ class StatusRoom:
             if option not in self.task_dirs:
                 raise Refusal(404, "no-task-dir", f"this run's task serves no directory {option[:64]!r} "
                                                   f"(it serves: {', '.join(self.task_dirs) or 'none'})")
-            self._count_download(f"{worker.id} task {option}", f"task.{option}", "use the copy you have")
+            self._count_download(request, f"{worker.id} task {option}", f"task.{option}", "use the copy you have")
             packed = await asyncio.get_running_loop().run_in_executor(self.offload, self.task_dir_files, option)
-            return await self.send(request, packed)
+            return await self.send(request, packed, auth.address(request))
 
         async def health(request: web.Request) -> web.Response:
             """That the learner answers, for `echo-worker doctor`'s round trip and clock: nothing else."""
@@ -222,6 +246,7 @@ class StatusRoom:
             number = parse_version(version)
             if self.run.blobs.get(number) is None:
                 return  # the snapshot route answers it (404)
-            self._count_download(f"{reader} {number}", f"version {number}", "install the copy you have, or the next version")
+            self._count_download(request, f"{reader} {number}", f"version {number}", "install the copy you have, or the next version")
 
-        add_star_routes(app, self.run.blobs, "/v1/snapshots", snapshot_reader)
+        add_star_routes(app, self.run.blobs, "/v1/snapshots", snapshot_reader,
+                        gate=lambda request: self.weights_turn(request, auth.address(request)))

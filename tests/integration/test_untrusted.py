@@ -1513,6 +1513,74 @@ def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path
     run_api(tokenizer, test, tmp_path)
 
 
+def test_one_address_takes_its_turn_at_the_weights(tokenizer, tmp_path):
+    """Sixteen identities at one address, each allowed a few copies of a version, opened 64
+    downloads at once: 64 of the learner uplink's fair shares, from every other worker. An
+    address is sent `WEIGHT_STREAMS_PER_ADDRESS` at once; the rest wait their turn, and another
+    address does not wait behind them."""
+    from learner.api.status import WEIGHT_STREAMS_PER_ADDRESS as PER
+
+    blob = os.urandom(32 << 20)  # far more than loopback's socket buffers: an unread stream holds its turn
+
+    async def test(api: Api):
+        api.state.run.blobs.add(1, blob)
+        creds = [(await api.join(f"sybil{i}"))[1] for i in range(PER + 2)]
+        other = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
+        try:
+            status, joined, _ = await api.call("/v1/join", {"name": "elsewhere"})  # read from 127.0.0.2
+            assert status == 200, joined
+            opened = [await api.session.get(api.url + "/v1/snapshots/1", headers={"Authorization": f"Bearer {c}"})
+                      for c in creds[:PER]]  # each holds its turn, reading nothing
+            waiting = [asyncio.create_task(api.session.get(api.url + "/v1/snapshots/1",
+                                                           headers={"Authorization": f"Bearer {c}"}))
+                       for c in creds[PER:]]
+            await asyncio.sleep(1.0)
+            assert all(r.status == 200 for r in opened) and not any(t.done() for t in waiting)
+            async with other.get(api.url + "/v1/snapshots/1",
+                                 headers={"Authorization": f"Bearer {joined['credential']}"}) as resp:
+                assert resp.status == 200 and await resp.read() == blob  # another address: served at once
+            assert await opened[0].read() == blob  # one turn ends...
+            first = (await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED))[0].pop().result()
+            assert first.status == 200 and await first.read() == blob  # ...and the next begins
+            for resp in opened[1:]:
+                resp.close()
+            for task in waiting:
+                resp = await task
+                assert resp.status == 200 and await resp.read() == blob
+        finally:
+            await other.close()
+        assert not api.state.status_room.streams._gates  # nothing kept once the streams are done
+
+    run_api(tokenizer, test, tmp_path)
+
+
+def test_a_download_given_no_turn_is_refused_busy_and_not_counted(tokenizer, tmp_path, monkeypatch):
+    """Waiting for a turn longer than echo-worker's read timeout would fail the download and
+    spend one of the worker's few copies: past `TURN_WAIT_S` it is a 429 `busy`, uncounted."""
+    import learner.api.status as status_module
+
+    monkeypatch.setattr(status_module, "TURN_WAIT_S", 0.5)
+    blob = os.urandom(32 << 20)
+
+    async def test(api: Api):
+        api.state.run.blobs.add(1, blob)
+        creds = [(await api.join(f"w{i}"))[1] for i in range(status_module.WEIGHT_STREAMS_PER_ADDRESS + 1)]
+        get = lambda c: api.session.get(api.url + "/v1/snapshots/1", headers={"Authorization": f"Bearer {c}"})  # noqa: E731
+        opened = [await get(c) for c in creds[:-1]]
+        late = creds[-1]
+        for _ in range(status_module.MAX_SNAPSHOT_DOWNLOADS + 1):  # more tries than it has copies
+            async with get(late) as resp:
+                assert resp.status == 429 and resp.headers["Retry-After"] == "5"
+                assert (await resp.json())["error"] == "busy"
+        for resp in opened:
+            resp.close()
+        for _ in range(status_module.MAX_SNAPSHOT_DOWNLOADS):  # every copy still its own
+            async with get(late) as resp:
+                assert resp.status == 200 and await resp.read() == blob
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_quarantined_worker_downloads_nothing(tokenizer, tmp_path):
     """Its heartbeats and leases were refused, but its credential still downloaded every new
     snapshot (and the model files) until it was forgotten (the API-only tester, 2026-11-28)."""
@@ -2161,15 +2229,17 @@ def test_readers_that_stop_reading_a_model_directory_hold_a_chunk_of_the_learner
     (model / "model.safetensors").write_bytes(os.urandom(1 << 20))
 
     async def test(api: Api):
-        readers = [LearnerClient(api.session, api.url, TOKEN) for _ in range(2)]
+        # Two addresses: one is sent four weight streams at once (`test_one_address_takes_its_turn_at_the_weights`)
+        sessions = [api.session, aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))]
+        readers = [LearnerClient(session, api.url, TOKEN) for session in sessions]
         for n, client in enumerate(readers):
             await client.join(P.Report(name=f"r{n}"))
         before = _rss_mb()
         stalled = []
-        for client in readers:
+        for session, client in zip(sessions, readers):
             for _ in range(4):  # MAX_SNAPSHOT_DOWNLOADS each
-                resp = await api.session.get(api.url + "/v1/task-dirs/opponent_model",
-                                             headers={"Authorization": f"Bearer {client.credential}"})
+                resp = await session.get(api.url + "/v1/task-dirs/opponent_model",
+                                         headers={"Authorization": f"Bearer {client.credential}"})
                 assert resp.status == 200 and resp.content_length == dirfiles.Packed(dirfiles.listed(opponent)).size
                 await resp.content.readexactly(1 << 16)  # then no more
                 stalled.append(resp)
@@ -2182,6 +2252,7 @@ def test_readers_that_stop_reading_a_model_directory_hold_a_chunk_of_the_learner
                 assert resp.status == 405, path
         for resp in stalled:
             resp.close()
+        await sessions[1].close()
         # Read to the end, it is the directory, byte for byte.
         fresh = LearnerClient(api.session, api.url, TOKEN)
         await fresh.join(P.Report(name="whole"))
