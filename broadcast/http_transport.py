@@ -23,7 +23,9 @@ from aiohttp import web
 
 from broadcast.manifest import BroadcastError
 from broadcast.tickets import LEARNER, PROOF_HEADER, Proof, prove
-from broadcast.transport import PREFIX, Hop, Refused, Transport, bearer, check_pull_header, http_url, read_header
+from broadcast.transport import (
+    MAX_HEADER_BYTES, PREFIX, Hop, ProtocolError, Refused, Transport, bearer, check_pull_header, http_url, read_header,
+)
 
 if TYPE_CHECKING:
     from broadcast.node import Node
@@ -31,6 +33,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("echo.broadcast")
 #: One long poll of the route feed: the learner answers within `broadcast.source.FEED_WAIT_S`.
 FEED_TIMEOUT = aiohttp.ClientTimeout(total=90, sock_connect=10)
+
+
+async def bounded_read(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A peer's reply body, refused (`ProtocolError`) past `limit` bytes: a relay that answered
+    the learner's push with an endless body had it buffered, 2 GB per push (an API-only tester,
+    2026-12-07)."""
+    if (resp.content_length or 0) > limit:
+        resp.close()
+        raise ProtocolError(f"{resp.url.host}: a reply of {resp.content_length} B, over the {limit} B limit")
+    data = bytearray()
+    while piece := await resp.content.read(limit + 1 - len(data)):
+        data += piece
+        if len(data) > limit:
+            resp.close()  # the rest is never read
+            raise ProtocolError(f"{resp.url.host}: a reply over the {limit} B limit")
+    return bytes(data)
+
+
+async def reply_text(resp: aiohttp.ClientResponse, limit: int) -> str:
+    """The first `limit` bytes of a peer's reply (a refusal's reason, a receipt) as text; the rest
+    is never read."""
+    data = bytearray()
+    while len(data) < limit and (piece := await resp.content.read(limit - len(data))):
+        data += piece
+    if not resp.content.at_eof():
+        resp.close()
+    return data.decode(errors="replace")
 
 
 class HttpTransport(Transport):
@@ -78,7 +107,7 @@ class HttpTransport(Transport):
         read = self._read((audience, "POST", PREFIX + "/push")) if own else {"Authorization": f"Bearer {ticket}"}
         async with self._session.post(f"{url}{PREFIX}/push", data=body,
                                       headers={"Content-Type": "application/octet-stream", **read}) as resp:
-            return resp.status, (await resp.text())[:300]
+            return resp.status, await reply_text(resp, 300)
 
     @contextlib.asynccontextmanager
     async def pull(self, url: str, key: str, start: int, end: int, audience: str | None = None) -> AsyncIterator[Any]:
@@ -87,13 +116,13 @@ class HttpTransport(Transport):
         async with self._session.get(f"{url}{path}", params={"from": start, "to": end},
                                      headers=self._read((audience, "GET", path))) as resp:
             if resp.status != 200:
-                raise Refused(resp.status, (await resp.text())[:200])
+                raise Refused(resp.status, await reply_text(resp, 200))
             check_pull_header(await read_header(resp.content), key, start)
             yield resp.content
 
     async def manifest(self, url: str, key: str) -> bytes | None:
         async with self._session.get(f"{url}{PREFIX}/manifest/{key}", headers=self._read()) as resp:
-            return await resp.read() if resp.status == 200 else None
+            return await bounded_read(resp, MAX_HEADER_BYTES) if resp.status == 200 else None
 
     async def route_feed(self, url: str, after: int, node_id: str) -> dict:
         async with self._session.get(f"{url.rstrip('/')}{PREFIX}/routes", params={"after": after, "id": node_id},

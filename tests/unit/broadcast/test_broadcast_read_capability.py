@@ -655,3 +655,62 @@ def test_a_version_opened_along_a_route_is_registered_with_its_route():
 
     asyncio.run(run())
     assert seen and all(route is not None for route in seen), seen
+
+
+def test_a_peers_endless_reply_is_read_no_further_than_its_bound():
+    """A worker's relay answered the learner's push with an endless body, and the source read it
+    all: 0.5 → 4.4 GB of the learner, about 2 GB a push (an API-only tester, 2026-12-07). A push's
+    reply is read to 300 bytes, a refusal's to 200, a manifest to the header limit; the rest is
+    never read."""
+    from aiohttp import web
+
+    from broadcast.transport import MAX_HEADER_BYTES, ProtocolError
+
+    sent = {"push": 0, "manifest": 0, "chunks": 0}
+
+    def endless(what: str, status: int = 200):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            resp = web.StreamResponse(status=status)
+            await resp.prepare(request)
+            piece = b"x" * (1 << 20)
+            try:
+                while sent[what] < 4 * MAX_HEADER_BYTES:
+                    await resp.write(piece)
+                    sent[what] += len(piece)
+            except ConnectionError:  # the reader closed the connection: what the test wants
+                pass
+            return resp
+        return handler
+
+    async def run():
+        app = web.Application()
+        app.router.add_post(PREFIX + "/push", endless("push"))
+        app.router.add_get(PREFIX + "/manifest/{key}", endless("manifest"))
+        app.router.add_get(PREFIX + "/chunks/{key}", endless("chunks", 409))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        node = Relay("n", KEY.public_key())
+        await node.start()
+        try:
+            transport = await node.transport_for(url)
+            status, text = await asyncio.wait_for(transport.push(url, b"a version"), 10)
+            assert status == 200 and text == "x" * 300
+            with pytest.raises(ProtocolError, match="over the"):
+                await asyncio.wait_for(transport.manifest(url, "v1"), 10)
+            with pytest.raises(Refused) as refused:
+                async with transport.pull(url, "v1", 0, 1):
+                    pass
+            assert refused.value.status == 409 and len(refused.value.text) <= 200
+            await asyncio.sleep(0.3)
+        finally:
+            await node.stop()
+            await runner.cleanup()
+        # What the peer got out: the socket buffers' worth, not what it had to say
+        assert sent["push"] < 32 << 20 and sent["chunks"] < 32 << 20, sent
+        assert sent["manifest"] < MAX_HEADER_BYTES + (32 << 20), sent
+
+    asyncio.run(run())
