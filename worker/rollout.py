@@ -289,8 +289,22 @@ class Worker:
                 await asyncio.sleep(1.0)
         raise RunFinished("stopped")
 
+    async def _in_turn(self, call, what: str):
+        """A download of weights, asked again while the learner says the streams to this
+        address are all busy (429 `busy`: workers behind one address take turns)."""
+        while True:
+            try:
+                return await call()
+            except LearnerError as e:
+                if (e.status, e.reason) != (429, "busy"):
+                    raise
+                wait = retry_wait(e)
+                log.info("%s: the learner is sending weights to others at this address; asking for %s again in "
+                         "%.0f s", self.name, what, wait)
+                await asyncio.sleep(wait)
+
     async def _fetch_model_dir(self, client: LearnerClient, weights: bool = False) -> Path:
-        files = await client.model_files(weights)
+        files = await self._in_turn(lambda: client.model_files(weights), "the model")
         try:
             return await asyncio.to_thread(dirfiles.write, files, self.cfg.worker.cache_dir, "model")
         except ValueError as e:
@@ -307,7 +321,7 @@ class Worker:
             here = bool(named) and Path(named).is_dir()  # (Path("") would be the working directory)
             if here and await asyncio.to_thread(dirfiles.digest, Path(named)) == want:
                 continue
-            files = await client.task_dir(option)
+            files = await self._in_turn(lambda: client.task_dir(option), f"task.{option}")
             if await asyncio.to_thread(dirfiles.files_digest, files) != want:  # up to 2 GiB: not on the loop
                 raise LearnerError(0, "bad-task-dir", f"task.{option} as the learner sent it does not digest to "
                                                       "what its join reply said")

@@ -81,10 +81,12 @@ class RefusingProxy:
 def test_a_batch_refused_for_now_is_sent_again_not_dropped(learner_factory, tmp_path):
     """The learner refuses uploads with 503 `busy` (too many upload bytes in flight) or 429 while
     a worker is past its request rate: `echo-worker` dropped the batch (and exited on a refused
-    lease request). It waits the Retry-After and sends the same upload again, which is accepted."""
+    lease request). It waits the Retry-After and sends the same upload again, which is accepted.
+    A start-up download refused 429 `busy` (its address's turn at the weights) is asked again."""
     lp = learner_factory(run={"steps": 3}, buffer={"max_staleness": 4})  # the waits make no group stale
+    # and the model's files at start-up: 429 `busy` while four others at its address download weights
     proxy = RefusingProxy(lp.url, {"/v1/trajectories": (503, "busy", 2), "/v1/lease": (429, "rate-limited", 1),
-                                   "/v1/heartbeat": (429, "rate-limited", 1)})
+                                   "/v1/heartbeat": (429, "rate-limited", 1), "/v1/model": (429, "busy", 2)})
     url = proxy.start()
     try:
         lp.workers.append(start_worker(url, lp.token, "w", tmp_path / "w.log"))
@@ -94,7 +96,9 @@ def test_a_batch_refused_for_now_is_sent_again_not_dropped(learner_factory, tmp_
         proxy.stop()
     log = (tmp_path / "w.log").read_text()
     refused = [digest for path, digest in proxy.refused if path == "/v1/trajectories"]
-    assert len(refused) == 2 and {p for p, _ in proxy.refused} == {"/v1/trajectories", "/v1/lease", "/v1/heartbeat"}
+    assert len(refused) == 2 and {p for p, _ in proxy.refused} == {"/v1/trajectories", "/v1/lease", "/v1/heartbeat",
+                                                                   "/v1/model"}
+    assert log.count("asking for the model again") == 2
     delivered = {digest: (status, reply) for digest, status, reply in proxy.uploads}
     for digest in refused:  # the very same upload, sent again and taken
         assert digest in delivered, log[-3000:]
