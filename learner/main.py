@@ -71,8 +71,16 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 0
     if not (cfg.model.path / "config.json").exists():
-        print(f"echo-learner: {cfg.model.path} is not a Hugging Face model directory. Build a tiny model there "
-              f"with `echo-rl build-model --config {config_path} --out {cfg.model.path}` or set [model] path.",
+        # Say what to do for the model the config names: a real one is downloaded (its published
+        # config.json, shipped under configs/models/, is all --preflight reads); the demo's is built.
+        shipped = Path("configs/models") / cfg.model.path.name
+        if args.preflight and (shipped / "config.json").exists():
+            fix = f"--preflight reads only config.json: add --model.path {shipped} (its published config)"
+        else:
+            fix = (f"set [model] path (--model.path) to a model's directory, e.g. one downloaded with `huggingface-cli "
+                   f"download ORG/NAME --local-dir {cfg.model.path}`, or build the tiny test model there with "
+                   f"`echo-rl build-model --config {config_path} --out {cfg.model.path}`")
+        print(f"echo-learner: {cfg.model.path} has no config.json, so it is not a Hugging Face model directory; {fix}",
               file=sys.stderr)
         return 2
     try:
