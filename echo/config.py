@@ -115,7 +115,8 @@ def _explain(model: type[BaseModel], error: ValidationError, source: str, flags:
         key = ".".join(path)
         # Where the user wrote it: a key typed on the command line is not "in configs/demo.toml",
         # and one inside a table given whole is named by the flag that gave it.
-        flag = next((f for f in reversed(flags) if path[:len(f)] == f), None) if path else None
+        # (`--foo.bar 1` made the unknown table `foo`: the flag lies under the key, not over it)
+        flag = next((f for f in reversed(flags) if path[:len(f)] == f or f[:len(path)] == path), None) if path else None
         where = f"given as --{'.'.join(flag)} on the command line" if flag else f"in {source}"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":

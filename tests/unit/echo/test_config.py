@@ -83,6 +83,12 @@ def test_an_error_says_where_the_key_was_written_and_what_to_write():
     line = str(e.value).splitlines()[1]
     assert "trainer.minibatch: unknown key (given as --trainer.minibatch on the command line)" in line
     assert "did you mean 'minibatches'?" in line and str(demo) not in line
+    # an unknown table made by a flag (a worker's key given to the learner): the flag, not the file (a new user, 2026-12-07)
+    for flag in ("--foo.bar", "--worker.max_rollouts_per_s"):
+        with pytest.raises(ConfigError) as e:
+            load_learner_config(demo, [flag, "1"])
+        line = str(e.value).splitlines()[1]
+        assert f"unknown key (given as {flag} on the command line)" in line and str(demo) not in line
     with pytest.raises(ConfigError, match=r"trainer.kl_coef = 'high': .*valid number.*given as --trainer.kl_coef"):
         load_learner_config(demo, ["--trainer.kl_coef", "high"])
     with pytest.raises(ConfigError, match=r"did you mean 'alpha'"):
