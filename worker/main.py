@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -16,6 +17,20 @@ from worker.client import LearnerError
 from worker.config import load_worker_config
 
 DEFAULT_CONFIG = "configs/worker.toml"
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a learner URL typed on the command line, or None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as e:
+        return str(e)
+    if parts.scheme not in ("http", "https"):
+        return "no http:// or https:// in front" if "://" not in url else f"scheme {parts.scheme!r}"
+    if not parts.hostname:
+        return "no host"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         print("echo-worker: no run token: pass --token TOKEN (printed by echo-learner) or set $ECHO_TOKEN",
               file=sys.stderr)
         return 2
+    if (wrong := url_problem(args.url)) is not None:
+        print(f"echo-worker: the learner's URL must look like http://HOST:PORT (as echo-learner prints it), "
+              f"not {args.url[:200]!r}: {wrong}", file=sys.stderr)
+        return 2
+    from worker.engines import EngineError, check_engine_here
+
+    try:
+        check_engine_here(cfg.engine.type, cfg.engine.device)
+    except EngineError as e:
+        print(f"echo-worker: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     from worker.rollout import QUARANTINED, Worker
 
@@ -73,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except aiohttp.ClientConnectionError as e:
         print(f"echo-worker: cannot reach the learner at {args.url}: {e}", file=sys.stderr)
         return 1
-    except TaskError as e:  # the run's task needs something this machine lacks
+    except (TaskError, EngineError) as e:  # the run's task or engine needs something this machine lacks
         print(f"echo-worker: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,8 +7,9 @@ from worker.engines.base import (
     GenerationParams,
     InstallVerificationError,
     SnapshotMismatch,
+    check_engine_here,
     make_engine,
 )
 
 __all__ = ["Engine", "EngineBusy", "EngineError", "GenerationParams", "InstallVerificationError",
-           "SnapshotMismatch", "make_engine"]
+           "SnapshotMismatch", "check_engine_here", "make_engine"]

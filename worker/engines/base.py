@@ -289,6 +289,23 @@ def resolve_engine_type(kind: str, device: str) -> str:
     return "vllm" if has_gpu and vllm_ready else "transformers"
 
 
+def check_engine_here(kind: str, device: str) -> None:
+    """`EngineError` if this machine cannot run engine `kind` on `device`: said before the worker
+    joins, not as a traceback after it joined and fetched the model."""
+    kind = resolve_engine_type(kind, device)
+    if kind not in ENGINES:
+        raise EngineError(f"unknown engine {kind!r}; choose one of: auto, {', '.join(ENGINES)}")
+    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise EngineError("engine.type = 'vllm' but vllm is not installed in this Python; create its venv with "
+                          "`make vllm-venv` and run .venv-vllm/bin/echo-worker, or use --engine.type transformers")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EngineError(f"engine.device = {device!r} but this torch ({torch.__version__}) sees no CUDA GPU; "
+                              "use --engine.device auto (or cpu), or install a CUDA build of torch")
+
+
 def make_engine(kind: str, model_dir: Path, device: str, dtype: str, threads: int, seed: int,
                 lora: LoraInfo | None = None) -> Engine:
     kind = resolve_engine_type(kind, device)
