@@ -84,6 +84,7 @@ class Loop:
                 published = trainer.version % self.publish_every == 0 or last
                 if published:
                     await self.publishing.publish()
+                    self.leases.published()  # the workers it made too stale hear of its successor now
                 step = record.step(trainer.updates, trainer.version, run.published_version, batch, stats,
                                    wait=t1 - t0, train=t2 - t1)
                 step.update(self.accounting.step(wait=t1 - t0, train=t2 - t1,

@@ -125,6 +125,12 @@ class LeaseRoom:
             self.waiters.wake_where(lambda w: w.version >= 0 and not buf.leasable(w.version, self.run.version))
         self.waiters.wake(self.room())
 
+    def published(self) -> None:
+        """A version was announced: the waiting workers whose own is too stale to lease with install it now."""
+        buf = self.buffer.buffer
+        if self.server.refuse_stale_leases:
+            self.waiters.wake_where(lambda w: w.version >= 0 and not buf.leasable(w.version, self.run.version))
+
     def freed(self, prompts: int, worker_id: str) -> None:
         """`worker_id` answered or gave back `prompts`: as many waiting requests may be served,
         its own among them (its window has room again)."""
@@ -209,7 +215,14 @@ class LeaseRoom:
             if server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(worker.version, run.version):
                 if self.room():
                     self.waiters.wake(1)  # in case this request was woken for room it cannot use
-                return answer(P.LeaseReply(empty="install", snapshot=run.announcement))
+                # Nothing newer announced yet (the step that made it stale is being published): held
+                # until it is, or a star worker heard of it only at its next heartbeat, and a
+                # synchronous run (S = 0) took a heartbeat interval a step (2 s; a new user, 2026-12-07)
+                announced = getattr(run.announcement, "version", -1)
+                if announced > worker.version or now >= deadline:
+                    return answer(P.LeaseReply(empty="install", snapshot=run.announcement))
+                await self.waiters.wait(deadline - now, worker)
+                continue
             room = self.room()
             got = self.book.lease(worker.id, min(req.max_prompts, room), now) if room else None
             if got is not None:

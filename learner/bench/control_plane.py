@@ -241,6 +241,7 @@ async def _serve(args) -> int:
             api.leases.stepped()  # as echo-learner's loop: the room freed, and who must install
             t1 = time.monotonic()
             await publish(run.version)
+            api.leases.published()
             events["step"].append((round(t1 - t_start, 3), round(1e3 * (time.monotonic() - t1), 1)))
             await asyncio.sleep(max(0.0, 1 / args.step_rate - (time.monotonic() - t0)))
 

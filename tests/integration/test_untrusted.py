@@ -404,6 +404,33 @@ def test_a_parked_worker_is_told_to_install_the_version_an_eval_round_wants(toke
     run_api(tokenizer, test, tmp_path, evals=EvalBook(prompts, 30.0, 4), **{"server.long_poll_s": 20.0})
 
 
+def test_a_worker_made_too_stale_by_a_step_hears_of_its_successor_when_published(tokenizer, tmp_path):
+    """S = 0: a step makes every worker's version too stale to lease with. Its lease request was
+    answered `install` at once with the announcement it already had (the new version was still
+    being published), so a star worker heard of the new version at its next heartbeat: every
+    synchronous step took a heartbeat interval, 2 s (a new user, 2026-12-07). It is held until
+    the successor is announced, and answered with it then."""
+    async def test(api: Api):
+        state = api.state
+        _, cred = await api.join("w")
+        state.run.version = 1  # v0's batch trained: v0 cannot be leased with at S = 0
+        parked = asyncio.create_task(api.call("/v1/lease", {"max_prompts": 4, "version": 0, "wait_s": 30}, token=cred))
+        await asyncio.sleep(0.5)
+        assert not parked.done()  # nothing newer to install yet
+        state.run.blobs.add(1, b"weights-1")
+        state.run.announcement = P.Announcement(version=1, size=9, sha256="0" * 64)
+        t0 = time.monotonic()
+        state.lease_room.published()
+        status, reply, _ = await parked
+        assert status == 200 and reply["empty"] == "install" and reply["snapshot"]["version"] == 1, reply
+        assert time.monotonic() - t0 < 1.0
+        # Already announced: answered at once
+        status, reply, _ = await api.call("/v1/lease", {"max_prompts": 4, "version": 0, "wait_s": 30}, token=cred)
+        assert reply["empty"] == "install" and reply["waited_s"] < 0.5, reply
+
+    run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 0, "server.long_poll_s": 20.0})
+
+
 def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
     """Eval leases carry no answers (a worker holding them could return them as its model's), and
     the rewards a worker sends are not read: the learner scores the completions itself."""
