@@ -57,6 +57,9 @@ class LeaseRoom:
         # A thread of its own: encoding never queues behind uploads on the offload pool, and runs in the order asked.
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._leased = asyncio.Event()
+        # Prompts of uploads admitted and still being checked: no longer outstanding, not yet
+        # queued. Uncounted, S = 0 leased past its batch while an upload's rewards were checked.
+        self.checking = 0
 
     def token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased
@@ -110,7 +113,7 @@ class LeaseRoom:
         if self.run.training_done or (self.backpressure and len(buf) >= buf.capacity):
             return 0
         room = max(0, self.book.max_outstanding - self.book.outstanding)
-        needed = buf.lease_room(self.run.version, self.book.outstanding)  # S = 0: what the batch needs
+        needed = buf.lease_room(self.run.version, self.book.outstanding + self.checking)  # S = 0: what the batch needs
         return room if needed is None else min(room, needed)
 
     def changed(self) -> None:

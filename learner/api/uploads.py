@@ -148,23 +148,31 @@ class UploadRoom:
             raise Rejected(403, "impersonation", f"the upload names worker {sub.worker_id[:64]!r} but the credential is "
                                                  f"{worker.id!r}'s; a worker submits only its own work")
         groups, lease_age = self.admit(sub, worker)
-        self.leases.freed(len(sub.groups), worker.id)  # the lease's room is free again
-        # The leases are closed: a second upload of the same groups is refused from here on.
-        refused = await self.check_rewards(worker, groups)
-        if refused is not None:
-            return refused
-        if worker.quarantined:  # caught now, or while its rewards were being checked
+        self.leases.checking += len(groups)  # until queued: a synchronous batch counts them as coming
+        queued = 0
+        try:
+            self.leases.freed(len(sub.groups), worker.id)  # the lease's room is free again
+            # The leases are closed: a second upload of the same groups is refused from here on.
+            refused = await self.check_rewards(worker, groups)
+            if refused is not None:
+                return refused
+            if worker.quarantined:  # caught now, or while its rewards were being checked
+                for g in groups:
+                    self.leases.book.recycle(g.prompt)
+                return json_error(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
+            n = sum(len(g.completions) for g in groups)
+            if lease_age is not None:
+                self.registry.verifier.lease_returned(worker.id, n, lease_age)
             for g in groups:
-                self.leases.book.recycle(g.prompt)
-            return json_error(403, "quarantined", f"this worker is quarantined: {worker.quarantined}")
-        n = sum(len(g.completions) for g in groups)
-        if lease_age is not None:
-            self.registry.verifier.lease_returned(worker.id, n, lease_age)
-        for g in groups:
-            self.leases.trained(g.prompt_id)
-            await self.buffer.put(g)
-            worker.groups_accepted += 1
-            self.metrics.accepted.inc()
+                self.leases.trained(g.prompt_id)
+                await self.buffer.put(g)
+                queued += 1
+                worker.groups_accepted += 1
+                self.metrics.accepted.inc()
+        finally:
+            self.leases.checking -= len(groups)
+            if queued < len(groups):  # refused after all: what they were counted for is room again
+                self.leases.waiters.wake(len(groups) - queued)
         self.metrics.queue.set(len(self.buffer.buffer))
         return reply(P.UploadReply(accepted=len(groups), given_back=len(sub.groups) - len(groups)))
 

@@ -431,6 +431,43 @@ def test_a_worker_made_too_stale_by_a_step_hears_of_its_successor_when_published
     run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 0, "server.long_poll_s": 20.0})
 
 
+def test_a_synchronous_batch_counts_the_groups_being_checked_as_coming(tokenizer, tmp_path, monkeypatch):
+    """S = 0 leases no more prompts than the batch still needs. An upload's leases closed before
+    its rewards were checked (off the loop), its groups not yet queued: for that while they
+    counted nowhere, other workers were leased the same room, and the run generated groups past
+    its batch that were refused stale or dropped (68-92 of 640 in a 40-step demo at S = 0; found
+    with a new user's report that S = 0 wasted work, 2026-12-07)."""
+    import threading
+
+    checked = threading.Event()
+    rescore = Rescorer.__call__
+
+    def slow_rescore(self, groups):
+        checked.wait(5)  # held until the test has asked for a lease meanwhile
+        return rescore(self, groups)
+
+    monkeypatch.setattr(Rescorer, "__call__", slow_rescore)
+
+    async def test(api: Api):
+        first_id, first = await api.join("first")
+        _, second = await api.join("second")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2, "version": 0}, token=first)
+        assert status == 200 and len(lease["prompts"]) == 2  # the whole batch
+        sub = Submission(first_id, lease["lease_id"], [group(tokenizer, p["id"], ["1", "2", "3", "4"], 0.0)
+                                                       for p in lease["prompts"]])
+        uploading = asyncio.create_task(api.upload(first, sub))
+        await asyncio.sleep(0.3)  # admitted, its rewards being checked
+        status, other, _ = await api.call("/v1/lease", {"max_prompts": 2, "version": 0, "wait_s": 0.5}, token=second)
+        checked.set()
+        assert status == 200 and not other.get("prompts"), other  # the batch is coming: nothing to lease
+        status, body = await uploading
+        assert status == 200 and body["accepted"] == 2, body
+        assert api.state.leases.outstanding == 0
+
+    run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 0, "trainer.batch_prompts": 2,
+                                          "verify.rescore_fraction": 1.0})
+
+
 def test_eval_answers_are_scored_by_the_learner_not_taken_from_the_worker(tokenizer, tmp_path):
     """Eval leases carry no answers (a worker holding them could return them as its model's), and
     the rewards a worker sends are not read: the learner scores the completions itself."""
