@@ -331,7 +331,7 @@ class VerifySection(Section):
 
 
 class WorkersSection(Section):
-    spawn: int = Field(0, ge=0, le=64, description="[workers] spawn: local worker processes to start (the demo uses 3)")
+    spawn: int = Field(0, ge=0, le=64, description="[workers] spawn: local worker processes to start, without a scheduler (the demo starts its workers from a pool instead: [scheduler.provider] type = 'local')")
     config: Path = Field(Path("configs/worker.toml"), description="[workers] config: worker config file for spawned workers")
     overrides: list[str] = Field(default_factory=list, description="[workers] overrides: extra dotted overrides for spawned workers")
     python: str = Field("", description="[workers] python: interpreter for spawned workers, e.g. '.venv-vllm/bin/python' for vLLM workers (default: the learner's)")

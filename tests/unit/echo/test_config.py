@@ -153,3 +153,32 @@ def test_broadcast_design_is_a_tagged_union_on_mode(tmp_path):
     for bad in (["--broadcast.mode", "ring"], ["--broadcast.mode", "star", "--broadcast.chunk_size", "1"]):
         with pytest.raises(ConfigError, match="broadcast"):
             load_learner_config(None, bad)
+
+
+def test_the_configuration_page_lists_every_key_in_its_section():
+    """docs/configuration.md says its tables are every key; five were missing (`[trainer] lora`,
+    `[scheduler] max_dollars_per_hour`, `max_total_dollars`, `snapshot_gb`, `[engine] base_dir`),
+    found by a new user in `--dry-run` (2026-12-07). Each section's table, every variant's keys."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from worker.config import WorkerConfig
+
+    page = (ROOT / "docs/configuration.md").read_text()
+
+    def models(annotation) -> list[type[BaseModel]]:  # a section, or each variant of a tagged union
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return [annotation]
+        return [m for arg in typing.get_args(annotation) for m in models(arg)]
+
+    missing = []
+    for config in (LearnerConfig, WorkerConfig):
+        for section, field in config.model_fields.items():
+            start = page.find(f"**[{section}]**")
+            assert start >= 0, f"no table for [{section}]"
+            table = page[start:page.find("\n\n**[", start + 1)]
+            for model in models(field.annotation):
+                missing += [f"[{section}] {key}" for key in model.model_fields
+                            if key not in ("mode", "type", "where") and f"| `{key}` |" not in table]
+    assert not missing, f"docs/configuration.md lacks: {', '.join(sorted(set(missing)))}"
