@@ -158,6 +158,10 @@ class BufferSection(Section):
         if self.reuse > 1 and self.max_staleness < 1:
             raise ValueError(f"[buffer] reuse = {self.reuse} needs max_staleness >= 1: a group trained at version t is "
                              "already one version stale at t + 1; set reuse = 1 or raise max_staleness")
+        if self.type == "queue-max" and not self.staleness_filter:  # accepted silently, it changed nothing
+            raise ValueError("[buffer] staleness_filter = false does nothing with type = 'queue-max', which has no "
+                             "capacity and always discards groups staler than S; for the unfiltered queue set "
+                             "type = 'queue-drop'")
         return self
 
 

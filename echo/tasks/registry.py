@@ -4,6 +4,7 @@ imports them back."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Any
 
@@ -37,8 +38,17 @@ def load_task(name: str, options: dict[str, Any] | None = None) -> Task:
     try:
         opts = cls.Options(**(options or {}))
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
-        )
+        problems = "; ".join(_problem(err, cls.Options.model_fields) for err in e.errors())
         raise TaskError(f"bad options for task {name!r}: {problems}") from e
     return cls(opts)
+
+
+def _problem(err: dict, options: dict) -> str:
+    """One validation error of a task's options, as the rest of the config says them: an unknown
+    option gets the closest known one and the list."""
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] != "extra_forbidden":
+        return f"{key}: {err['msg']}"
+    close = difflib.get_close_matches(key, options, n=1)
+    return (f"{key}: unknown option" + (f"; did you mean {close[0]!r}?" if close else "")
+            + f"; this task's options: {', '.join(options) or 'none'}")

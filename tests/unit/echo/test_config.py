@@ -116,6 +116,16 @@ def test_task_options_are_validated_by_the_task():
         load_learner_config(None, ["--task.digits", "99"])
     with pytest.raises(ConfigError, match="unknown task 'nope'"):
         load_learner_config(None, ["--task.name", "nope"])
+    # a misspelt option is named with the closest one, as every other key (a new user, 2026-12-07)
+    with pytest.raises(ConfigError, match=r"digitz: unknown option; did you mean 'digits'\?; this task's options: digits"):
+        load_learner_config(None, ["--task.digitz", "3"])
+
+
+def test_a_switch_that_would_change_nothing_is_refused():
+    """queue-max always filters: `staleness_filter = false` with it was accepted silently (a new user)."""
+    with pytest.raises(ConfigError, match="does nothing with type = 'queue-max'.*type = 'queue-drop'"):
+        load_learner_config(None, ["--buffer.type", "queue-max", "--buffer.staleness_filter", "false"])
+    load_learner_config(None, ["--buffer.type", "queue-drop", "--buffer.staleness_filter", "false"])
 
 
 def test_broken_toml_and_missing_file():
