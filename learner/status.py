@@ -102,7 +102,7 @@ class StatusDisplay:
             ("cost", f"${s['cost']['dollars']:.4f} total, ${s['cost']['dollars_per_step']:.6f}/step"
                      + (f", ${s['cost']['dollars_per_improvement']:.4f} per unit of eval improvement"
                         if s['cost'].get('dollars_per_improvement') else "")),
-            ("groups accepted, by worker", ", ".join(f"{w['name']}: {w['groups']}" for w in s["workers"])),
+            ("groups accepted, by worker", ", ".join(f"{worker_label(w, s['workers'])}: {w['groups']}" for w in s["workers"])),
             *([("quarantined", "; ".join(f"{q['name']} ({q['id']}): {q['why']}" for q in s["quarantined"]))]
               if s.get("quarantined") else []),
             ("run directory", s["run_dir"]),
@@ -122,3 +122,8 @@ def _replays(s: dict) -> str:
 
 def _acc(value: float | None) -> str:
     return f"{value:.3f}" if value is not None else "-"
+
+
+def worker_label(w: dict, workers: list[dict]) -> str:
+    """A worker's name, with its id where another (a rejoined identity, a look-alike) has the same name."""
+    return w["name"] if sum(o["name"] == w["name"] for o in workers) == 1 else f"{w['name']} ({w['id']})"

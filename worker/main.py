@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TaskError, EngineError) as e:  # the run's task or engine needs something this machine lacks
         print(f"echo-worker: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # said, as echo-learner says its own
+        print("echo-worker: interrupted; the prompts it held go out again when their leases expire. Join again "
+              "with the same command to carry on", file=sys.stderr)
         return 130
 
 

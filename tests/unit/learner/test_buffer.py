@@ -363,3 +363,12 @@ def test_replay_that_works_is_not_warned_about(caplog):
                 buf.put(scored(version - 1, f"g{version}-{i}"))
             assert buf.take(version) is not None
     assert buf.stats.replayed >= 30 * 2 and not caplog.records
+
+
+def test_the_summary_tells_apart_workers_of_one_name():
+    """A worker that rejoined under its name was listed twice as that name (`intme: 2084, ...,
+    intme: 6532`; a new user, 2026-12-07): a name held by two identities gets their ids."""
+    from learner.status import worker_label
+
+    workers = [{"id": "w1", "name": "intme"}, {"id": "w2", "name": "keep"}, {"id": "w3", "name": "intme"}]
+    assert [worker_label(w, workers) for w in workers] == ["intme (w1)", "keep", "intme (w3)"]
