@@ -49,8 +49,10 @@ class LeaseRoom:
         # `is None`, not `or`: an empty Waiters is falsy (it has a length), and the room made its own,
         # deaf to the wake-ups of the learner's (an eval round opening): final evals waited 10 s
         self.waiters = waiters if waiters is not None else Waiters()
-        # room goes to who can take it
-        self.waiters.eligible = lambda worker: self.book.worker_room(worker.id, time.monotonic()) > 0
+        # room goes to who can take it: a worker with room in its window, on a version it may lease with (one
+        # that must install first is woken by the version, `published`; woken by room, two passed it between them)
+        self.waiters.eligible = lambda worker: (self.book.worker_room(worker.id, time.monotonic()) > 0
+                                                and not self._must_install(worker))
         self._token_ids: dict[str, list[int]] = {}
         self._eval_ids: dict[str, list[int]] = {}  # the eval set's, kept: every round leases them again
         self._encoding: dict[str, asyncio.Future] = {}  # prompt id -> the encoder's job that has it
@@ -60,6 +62,11 @@ class LeaseRoom:
         # Prompts of uploads admitted and still being checked: no longer outstanding, not yet
         # queued. Uncounted, S = 0 leased past its batch while an upload's rewards were checked.
         self.checking = 0
+
+    def _must_install(self, worker) -> bool:
+        """Is `worker`'s version too stale to be leased with (a newer one must be installed first)?"""
+        return (self.server.refuse_stale_leases and worker.version >= 0
+                and not self.buffer.buffer.leasable(worker.version, self.run.version))
 
     def token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased
@@ -123,16 +130,12 @@ class LeaseRoom:
     def stepped(self) -> None:
         """The learner took a batch and moved on a version: serve the room that freed, and tell
         the waiting workers this version made too stale to be trained on to install a newer one."""
-        buf = self.buffer.buffer
-        if self.server.refuse_stale_leases:
-            self.waiters.wake_where(lambda w: w.version >= 0 and not buf.leasable(w.version, self.run.version))
+        self.waiters.wake_where(self._must_install)
         self.waiters.wake(self.room())
 
     def published(self) -> None:
         """A version was announced: the waiting workers whose own is too stale to lease with install it now."""
-        buf = self.buffer.buffer
-        if self.server.refuse_stale_leases:
-            self.waiters.wake_where(lambda w: w.version >= 0 and not buf.leasable(w.version, self.run.version))
+        self.waiters.wake_where(self._must_install)
 
     def freed(self, prompts: int, worker_id: str) -> None:
         """`worker_id` answered or gave back `prompts`: as many waiting requests may be served,
@@ -215,7 +218,7 @@ class LeaseRoom:
                         prompts=[P.PromptMsg(id=p.id, text=p.text, answer="", prompt_ids=self._eval_ids[p.id], seed=p.seed)
                                  for p in eval_prompts], snapshot=run.announcement))
             # A worker on a version already too old to be admitted would only generate refusals.
-            if server.refuse_stale_leases and worker.version >= 0 and not buf.leasable(worker.version, run.version):
+            if self._must_install(worker):
                 if self.room():
                     self.waiters.wake(1)  # in case this request was woken for room it cannot use
                 # Nothing newer announced yet (the step that made it stale is being published): held

@@ -431,6 +431,32 @@ def test_a_worker_made_too_stale_by_a_step_hears_of_its_successor_when_published
     run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 0, "server.long_poll_s": 20.0})
 
 
+def test_workers_waiting_to_install_do_not_pass_room_between_them(tokenizer, tmp_path):
+    """Held until the successor is announced, a worker too stale to lease was woken by every
+    freed room, could not use it, and handed it on: two such requests passed it between them,
+    a busy loop for as long as the publication took. They are woken by a version, not by room."""
+    async def test(api: Api):
+        state = api.state
+        creds = [(await api.join(f"w{i}"))[1] for i in range(2)]
+        state.run.version = 1  # v0's batch trained: v0 cannot be leased with at S = 0; v1 not announced
+        parked = [asyncio.create_task(api.call("/v1/lease", {"max_prompts": 4, "version": 0, "wait_s": 30}, token=c))
+                  for c in creds]
+        await asyncio.sleep(0.3)
+        assert state.lease_room.room() > 0  # the batch of v1 needs prompts
+        cpu = time.process_time()
+        state.waiters.wake(1)
+        await asyncio.sleep(1.0)
+        assert time.process_time() - cpu < 0.3 and not any(t.done() for t in parked)
+        state.run.blobs.add(1, b"weights-1")
+        state.run.announcement = P.Announcement(version=1, size=9, sha256="0" * 64)
+        state.lease_room.published()
+        for task in parked:
+            status, reply, _ = await task
+            assert reply["empty"] == "install" and reply["snapshot"]["version"] == 1, reply
+
+    run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 0, "server.long_poll_s": 20.0})
+
+
 def test_a_synchronous_batch_counts_the_groups_being_checked_as_coming(tokenizer, tmp_path, monkeypatch):
     """S = 0 leases no more prompts than the batch still needs. An upload's leases closed before
     its rewards were checked (off the loop), its groups not yet queued: for that while they
