@@ -7,6 +7,7 @@ its size and sha256 match what the source announced. Knows nothing of what the b
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 from collections import OrderedDict
@@ -84,6 +85,20 @@ def parse_version(text: str) -> int:
 
 
 WRITE_PIECE = 1 << 20  # a blob is written a piece at a time, each after the last drained
+WRITE_STALL_S = 30.0  # a reader that takes none of a piece for this long loses the stream (and its turn)
+
+
+async def write_in_time(request: web.Request, resp: web.StreamResponse, piece) -> bool:
+    """Write `piece`; False, the connection closed, if the reader took none of it for
+    `WRITE_STALL_S`: a reader that stops reading kept its stream, and with it one of the turns
+    its address's workers share at the weights, for as long as it liked."""
+    try:
+        await asyncio.wait_for(resp.write(piece), WRITE_STALL_S)
+        return True
+    except asyncio.TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        return False
 
 
 def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
@@ -115,7 +130,8 @@ def add_star_routes(app: web.Application, store: BlobStore, prefix: str,
             view = memoryview(data)
             try:
                 for at in range(0, info.size, WRITE_PIECE):
-                    await resp.write(view[at : at + WRITE_PIECE])
+                    if not await write_in_time(request, resp, view[at : at + WRITE_PIECE]):
+                        return resp
                 await resp.write_eof()
             except ConnectionResetError:  # the reader went away: its turn ends
                 pass

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from broadcast.addresses import NoTurn, StreamGate, address_key, in_networks
 from broadcast.links import LinkTable
-from broadcast.star import add_star_routes, parse_version
+from broadcast.star import add_star_routes, parse_version, write_in_time
 from echo import dirfiles
 from learner.addresses import remember
 from learner.admission import TokenBucket
@@ -163,7 +163,8 @@ class StatusRoom:
         pieces = packed.chunks()
         try:
             while (piece := await loop.run_in_executor(self.offload, next, pieces, None)) is not None:
-                await resp.write(piece)
+                if not await write_in_time(request, resp, piece):
+                    return resp
             await resp.write_eof()
         except ConnectionResetError:  # the reader went away: nothing more to send, nothing to log
             pass

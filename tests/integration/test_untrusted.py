@@ -1644,6 +1644,33 @@ def test_one_address_takes_its_turn_at_the_weights(tokenizer, tmp_path):
     run_api(tokenizer, test, tmp_path)
 
 
+def test_a_reader_that_stops_reading_loses_its_turn(tokenizer, tmp_path, monkeypatch):
+    """A turn at the weights was held as long as its stream was open: four readers that stopped
+    reading kept their address's workers (a shared NAT, a carrier's) from the weights for good.
+    A stream whose reader takes none of a piece for `WRITE_STALL_S` is closed."""
+    import broadcast.star as star
+    from learner.api.status import WEIGHT_STREAMS_PER_ADDRESS as PER
+
+    monkeypatch.setattr(star, "WRITE_STALL_S", 1.0)
+    blob = os.urandom(32 << 20)
+
+    async def test(api: Api):
+        api.state.run.blobs.add(1, blob)
+        creds = [(await api.join(f"w{i}"))[1] for i in range(PER + 1)]
+        get = lambda c: api.session.get(api.url + "/v1/snapshots/1", headers={"Authorization": f"Bearer {c}"})  # noqa: E731
+        stalled = [await get(c) for c in creds[:PER]]  # then read nothing
+        t0 = time.monotonic()
+        async with get(creds[-1]) as resp:
+            assert resp.status == 200 and await resp.read() == blob
+        assert time.monotonic() - t0 < 10
+        for resp in stalled:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()  # cut short: the reader knows it did not get the version
+            resp.close()
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_download_given_no_turn_is_refused_busy_and_not_counted(tokenizer, tmp_path, monkeypatch):
     """Waiting for a turn longer than echo-worker's read timeout would fail the download and
     spend one of the worker's few copies: past `TURN_WAIT_S` it is a 429 `busy`, uncounted."""
