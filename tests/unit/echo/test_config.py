@@ -142,6 +142,8 @@ def test_dry_run_prints_resolved_config():
     out = subprocess.run([sys.executable, "-m", "learner.main", "--config", "configs/demo.toml", "--dry-run",
                           "--trainer.lr", "0.002"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "lr = 0.002" in out and "[buffer]" in out
+    # what the file leaves to be derived is said too (a new user could not see I or dynamic sampling)
+    assert "# derived: [publish] every = " in out and "[buffer] dynamic_sampling = true" in out
     bad = subprocess.run([sys.executable, "-m", "worker.main", "join", "http://x", "--token", "t",
                           "--config", "configs/worker.toml", "--engine.type", "tpu"], cwd=ROOT,
                          capture_output=True, text=True)
