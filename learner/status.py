@@ -34,7 +34,9 @@ def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_pro
             f"  join: echo-worker join {url} --token {token}\n"
             f"  model {cfg.model.path} ({params / 1e6:.2f}M params{fsdp}), "
             f"task {cfg.task.name}, B = {G}×{cfg.rollout.group_size} = {cfg.batch_rollouts} rollouts/step, "
-            f"S = {S}, I = {cfg.publish_every}, buffer {cfg.buffer.type}, eval on {cfg.eval.where} ({eval_prompts} prompts)\n"
+            f"S = {S}, I = {cfg.publish_every}, buffer {cfg.buffer.type}"
+            + (f" with replay (reuse = {cfg.buffer.reuse})" if cfg.buffer.reuse > 1 else "")
+            + f", eval on {cfg.eval.where} ({eval_prompts} prompts)\n"
             f"  status: v = newest published snapshot, reward = mean reward of the groups the step trained"
             + (" (those whose rewards differ: above what workers sample)" if cfg.dynamic_sampling else "")
             + ", eval = the newest greedy eval @ the version it evaluated"

@@ -105,6 +105,9 @@ def test_the_banner_defines_every_status_column():
         assert ("signal =" in text) == (sampling == "true")
         # a learner-side eval is of weights not yet published: `eval 0.280@v3` beside `v0` (a new user)
         assert ("newer than v" in text) == (where == "learner")
+    # replay on is said beside the buffer (a new user did not see `reuse = 2` anywhere)
+    cfg = load_learner_config(None, ["--buffer.reuse", "2"])
+    assert "buffer queue-drop with replay (reuse = 2)," in banner(cfg, "http://127.0.0.1:1", "runs/x", "t" * 32, 1, 1, 10)
 
 
 def test_a_thin_signal_under_dynamic_sampling_is_noted_once_per_run():
