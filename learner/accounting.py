@@ -151,8 +151,10 @@ class Accounting:
         active = [w for w in self._proven() if w.installs]
         done = {}
         for version, published in list(self.published_at.items()):
-            # Workers that joined after the publication measure their start-up, not the broadcast.
-            present = [w for w in active if w.joined <= published]
+            # Workers that joined after the publication, or whose engine was still starting (no install
+            # before it: a vLLM worker's 12 s start read as the first T_bcast, and the scheduler called
+            # the run infeasible), measure their start-up, not the broadcast.
+            present = [w for w in active if w.joined <= published and w.installs[0][1] <= published]
             arrivals = sorted(r - published for r in (next((r for v, _, r, _ in w.installs if v >= version), None)
                                                       for w in present) if r is not None)
             need = math.ceil(self.done_fraction * len(present) - 1e-9)

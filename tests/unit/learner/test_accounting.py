@@ -4,6 +4,8 @@ a worker declaring $10,000/h, 10^7 rollouts/s and 10^6-second installs moves non
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from learner.accounting import Accounting
 from learner.metrics import LearnerMetrics
 from scheduler.cost import CostMeter
@@ -137,3 +139,20 @@ def test_step_statistics_keep_six_significant_digits_not_six_decimals():
 
     assert logged(5e-7) == 5e-7 and logged(3.81414961939e-05) == 3.81415e-05
     assert logged(0.123456789) == 0.123457 and logged(float("inf")) == float("inf")
+
+
+def test_a_worker_still_starting_its_engine_does_not_measure_the_broadcast():
+    """A worker joined, then loaded vLLM for 12 s while v1 was published: its first install came
+    12 s after v1, read as T_bcast, and the scheduler called the run infeasible at S = 5 (a new
+    user's vLLM demo, 2026-12-07). Only workers with an install before the publication measure it."""
+    now = time.monotonic()
+    running = worker("running", accepted=5, install_s=0.5)
+    running.installs = [(0, now - 10, now - 10, 0.5), (1, now - 0.9, now - 0.9, 0.5)]
+    starting = worker("starting", accepted=5, install_s=0.5)
+    starting.installs = [(1, now + 2.0, now + 2.0, 0.5)]  # its engine came up after v1 was published
+    registry = SimpleNamespace(active=lambda now: [running, starting], workers={"running": running, "starting": starting},
+                               buffer=SimpleNamespace(buffer=SimpleNamespace(stats=SimpleNamespace(accepted=0))))
+    acct = Accounting(CostMeter(3.6), 1.0, registry=registry, publisher=SimpleNamespace(wire_bytes={}),
+                      metrics=LearnerMetrics())
+    acct.published_at[1] = now - 1.0
+    assert acct.broadcast_times() == {1: pytest.approx(0.1)}  # the running worker's 0.1 s, not the starting one's 3 s
