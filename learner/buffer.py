@@ -256,11 +256,16 @@ class StalenessBuffer:
                 self.on_drop(self._queue.popleft(), "overflow")
         self._check()
 
+    @property
+    def synchronous(self) -> bool:
+        """S = 0 with the filter: each step trains exactly the groups of its own version."""
+        return self.max_staleness == 0 and self.filters
+
     def lease_room(self, learner_version: int, in_flight: int) -> int | None:
         """How many more prompts may be leased now (None: no limit here). Only `S = 0` limits:
         a synchronous step trains exactly the `G` groups of its version, so no more than the
         batch still needs go out (queued and in-flight groups count), and none while it trains."""
-        if self.max_staleness > 0 or not self.filters:
+        if not self.synchronous:
             return None
         if self.taken_at == learner_version:
             return 0

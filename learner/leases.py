@@ -38,6 +38,11 @@ from dataclasses import dataclass, field
 
 from echo.tasks import Prompt
 
+# A lease out this many of the fleet's median turnarounds is overdue: a synchronous batch (S = 0)
+# leases its room again rather than wait on it (a fresh identity that leased and never answered
+# held each step for the lease's whole TTL: 26 steps in 30 s became 2; an API-only tester, 2026-12-07).
+OVERDUE_TURNAROUNDS = 3.0
+
 
 class UnknownLease(KeyError):
     """The lease or the prompt in it is not outstanding (expired, finished, or never issued)."""
@@ -123,6 +128,7 @@ class LeaseBook:
         self.per_worker = per_worker  # None: a worker may hold everything (unit tests of the plain book)
         self._delivery: dict[str, _Delivery] = {}
         self._turnarounds: deque[float] = deque(maxlen=256)  # the fleet's recent lease turnarounds (issue to done)
+        self._median: float | None = None  # of `_turnarounds`, kept until the next one comes back
         self.alive = 0  # workers alive (set by the server): an unproven worker's window is at most its share
         self.stats = LeaseStats()
 
@@ -163,13 +169,30 @@ class LeaseBook:
         return sum(len(lease.prompts) for lease in self._leases.values()
                    if not self._delivery.get(lease.worker_id, _NOTHING).done)
 
+    @property
+    def median_turnaround(self) -> float | None:
+        """The fleet's median lease turnaround, issue to last prompt back (None before any came back)."""
+        if self._median is None and self._turnarounds:
+            self._median = sorted(self._turnarounds)[len(self._turnarounds) // 2]
+        return self._median
+
     def _unproven_lifetime(self) -> float:
         """How long an unproven worker's lease may live: a few of the fleet's median turnarounds
         (at least `ttl`), or the usual lifetime before any lease came back."""
-        if not self._turnarounds:
+        median = self.median_turnaround
+        if median is None:
             return self.per_worker.lifetime
-        median = sorted(self._turnarounds)[len(self._turnarounds) // 2]
         return min(self.per_worker.lifetime, max(self.ttl, self.per_worker.unproven_turnarounds * median))
+
+    def overdue(self, now: float) -> int:
+        """Prompts of leases out longer than `OVERDUE_TURNAROUNDS` of the fleet's median turnaround
+        (0 before any came back). A synchronous batch does not wait for them as coming: it leases
+        their room to others (a backup), as stragglers' tasks are run again elsewhere."""
+        median = self.median_turnaround
+        if median is None:
+            return 0
+        bound = now - OVERDUE_TURNAROUNDS * median
+        return sum(len(lease.prompts) for lease in self._leases.values() if lease.issued_at < bound)
 
     def expired_unanswered(self, worker_id: str) -> int:
         record = self._delivery.get(worker_id)
@@ -220,6 +243,7 @@ class LeaseBook:
             if now is not None:
                 self._record(lease.worker_id).turnaround.append(now - lease.issued_at)
                 self._turnarounds.append(now - lease.issued_at)
+                self._median = None
         return prompt
 
     def complete(self, lease_id: str, prompt_id: str, worker_id: str | None = None, now: float | None = None) -> Prompt:

@@ -120,8 +120,12 @@ class LeaseRoom:
         if self.run.training_done or (self.backpressure and len(buf) >= buf.capacity):
             return 0
         room = max(0, self.book.max_outstanding - self.book.outstanding)
-        needed = buf.lease_room(self.run.version, self.book.outstanding + self.checking)  # S = 0: what the batch needs
-        return room if needed is None else min(room, needed)
+        if not buf.synchronous:
+            return room
+        # S = 0: what the batch still needs, counting the groups coming (leased, or being checked)
+        # but not those overdue, whose room goes to others
+        coming = self.book.outstanding + self.checking - self.book.overdue(time.monotonic())
+        return min(room, buf.lease_room(self.run.version, coming))
 
     def changed(self) -> None:
         """Something every waiting lease request must hear at once (training done, run finished, an eval round)."""
@@ -165,6 +169,8 @@ class LeaseRoom:
             for lease in dead:
                 self.waiters.unblock(lease.worker_id)
             self.waiters.wake(sum(len(lease.prompts) for lease in dead))
+        if self.buffer.buffer.synchronous and self.book.overdue(now):  # their room is others' now (`room`)
+            self.waiters.wake(self.room())
 
     def routes(self, auth: Auth) -> list[web.RouteDef]:
         async def lease(request: web.Request) -> web.Response:

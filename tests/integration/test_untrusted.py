@@ -431,6 +431,37 @@ def test_a_worker_made_too_stale_by_a_step_hears_of_its_successor_when_published
     run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 0, "server.long_poll_s": 20.0})
 
 
+def test_a_synchronous_batch_leases_an_overdue_leases_room_again(tokenizer, tmp_path):
+    """S = 0 leases only what the batch needs, so a fresh identity that leased and never answered
+    held every step for its lease's TTL (20 s): 26 steps in 30 s became 2, one identity beside an
+    honest worker (an API-only tester, 2026-12-07). A lease out 3 of the fleet's median turnarounds
+    is overdue: its room is leased to others, as a straggler's task is run again elsewhere."""
+    from learner.leases import OVERDUE_TURNAROUNDS
+
+    async def test(api: Api):
+        state = api.state
+        honest_id, honest = await api.join("honest")
+        _, hoarder = await api.join("hoarder")
+        status, lease, _ = await api.call("/v1/lease", {"max_prompts": 2, "version": 0}, token=honest)
+        sub = Submission(honest_id, lease["lease_id"], [group(tokenizer, p["id"], ["1", "2", "3", "4"], 0.0)
+                                                    for p in lease["prompts"]])
+        status, body = await api.upload(honest, sub)
+        assert status == 200, body  # 2 queued: the batch of 4 needs 2 more
+        median = state.leases.median_turnaround
+        status, held, _ = await api.call("/v1/lease", {"max_prompts": 2, "version": 0}, token=hoarder)
+        assert len(held["prompts"]) == 2  # and never answered
+        asked = asyncio.create_task(api.call("/v1/lease", {"max_prompts": 2, "version": 0, "wait_s": 15}, token=honest))
+        await asyncio.sleep(OVERDUE_TURNAROUNDS * median + 0.3)
+        t0 = time.monotonic()
+        state.lease_room.reap(time.monotonic())  # the reaper's round, once a second
+        status, backup, _ = await asyncio.wait_for(asked, 5)
+        assert status == 200 and len(backup["prompts"]) == len(held["prompts"]), backup
+        assert time.monotonic() - t0 < 1.0 and state.leases.outstanding == 2 * len(held["prompts"])
+
+    run_api(tokenizer, test, tmp_path, **{"buffer.max_staleness": 0, "trainer.batch_prompts": 4,
+                                          "server.long_poll_s": 20.0})
+
+
 def test_workers_waiting_to_install_do_not_pass_room_between_them(tokenizer, tmp_path):
     """Held until the successor is announced, a worker too stale to lease was woken by every
     freed room, could not use it, and handed it on: two such requests passed it between them,
