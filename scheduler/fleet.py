@@ -29,6 +29,8 @@ from scheduler.providers import Machine, Provider
 
 UNPROVEN_RATE = 1.0  # rollouts/s a self-joined worker counts for before it was measured
 UNPRICED = 1.0  # $/h of a self-joined worker when no pool names a price
+SYNCHRONOUS = ("S = 0 is synchronous: each step waits for the rollouts of its own version, which the capacity "
+               "rule (for overlapped, asynchronous runs) does not describe, and more workers make steps shorter")
 
 
 @dataclass
@@ -244,13 +246,16 @@ class Fleet:
             self.controller.observe(now, cand.machine.id,
                                     alive=self.provider.launches_machines and not waiting and not self.stopped)
         infeasible, binding = "", ""
-        try:  # learner-visible broadcast: reception by the workers, then their install
-            req = requirement(self.rule, batch=self.batch / self.useful_share, t_train=self.t_train, t_bcast=self.t_bcast + self.install_s,
-                              publish_every=self.publish_every, max_staleness=self.max_staleness,
-                              install_s=self.install_s)
-            r_req, binding = req.r_req, req.binding
-        except InfeasibleOverlap as e:  # says what to change: I, S and the broadcast time together
-            infeasible, r_req = str(e), math.inf
+        if self.max_staleness == 0:  # no rule to meet (it was told as "infeasible: dropped whatever"; a new user)
+            infeasible, r_req = SYNCHRONOUS, math.inf
+        else:
+            try:  # learner-visible broadcast: reception by the workers, then their install
+                req = requirement(self.rule, batch=self.batch / self.useful_share, t_train=self.t_train,
+                                  t_bcast=self.t_bcast + self.install_s, publish_every=self.publish_every,
+                                  max_staleness=self.max_staleness, install_s=self.install_s)
+                r_req, binding = req.r_req, req.binding
+            except InfeasibleOverlap as e:  # says what to change: I, S and the broadcast time together
+                infeasible, r_req = str(e), math.inf
         # After release_all (the budget) nothing is activated again: the target is zero.
         decisions = self.controller.tick(now, 0.0 if self.stopped else r_req if math.isfinite(r_req) else INFEASIBLE)
         for d in decisions:

@@ -123,3 +123,14 @@ def test_a_forgotten_self_joined_worker_leaves_the_fleet_and_a_pool_machine_stay
     assert "w7" not in f.candidates and "cheap-0" in f.candidates
     assert "w7" not in f.tick(2.0).active
     assert f.joined(3.0, "w9", machine_id="cheap-0") == "cheap-0"
+
+
+def test_a_synchronous_run_is_not_called_infeasible():
+    """S = 0 printed "infeasible at S = 0, I = 1: ... they would be dropped whatever the capacity"
+    (a new user, 2026-12-07): nothing is dropped at S = 0, each step waits for its own rollouts.
+    It says it is synchronous, and every available worker works."""
+    f = Fleet(POOL, RecordingProvider(), ControllerParams(alpha=1.2, window_s=5, warmup_s=0, heartbeat_timeout_s=3),
+              batch=100, publish_every=1, max_staleness=0, t_train_prior=4.0, t_bcast_prior=0.0,
+              launch_timeout_s=20)
+    st = f.tick(0.0)
+    assert st.infeasible.startswith("S = 0 is synchronous") and "dropped" not in st.infeasible
