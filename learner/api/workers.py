@@ -97,7 +97,7 @@ PROBE_AGAIN_MAX_S = 600.0  # an unreachable relay is probed again, backing off t
 
 def probe_wait(w: WorkerInfo) -> float:
     """Seconds after its last probe before a relay may be probed again."""
-    return min(PROBE_EVERY_S * 2 ** min(w.probes_failed, 16), max(PROBE_AGAIN_MAX_S, PROBE_EVERY_S))
+    return min(PROBE_EVERY_S * 2 ** min(w.probes_failed, 16), PROBE_AGAIN_MAX_S)
 
 
 def relay_addressed(url: str, address: str, any_public: bool) -> bool:
@@ -241,15 +241,17 @@ class WorkerRegistry:
         w.capacity_per_s = self.verifier.believed_capacity(w.id, r.capacity_per_s)
         if self.verifier.evidence[w.id].claims_clamped > clamped:
             self.metrics.claims_clamped.labels("capacity").inc()
-        if r.relay_url != w.relay_url:
+        changed = r.relay_url != w.relay_url
+        if changed:
             w.relay_url, w.probes_failed = r.relay_url, 0
             w.probe_due = bool(w.relay_url) and relay_addressed(w.relay_url, w.address, self.server.relay_any_public)
+        probe_now = w.probe_due and w.last_seen - w.probed_at >= probe_wait(w)
+        if changed:
             # A leaf: one not at the worker's own address (never connected to), and one changed too
             # soon after a probe until it is probed (a worker passed a probe, then named a port on
             # its address that answers nothing, and was planned as reachable unprobed).
-            probed_now = w.probe_due and w.last_seen - w.probed_at >= probe_wait(w)
-            w.reachable = None if not w.relay_url or probed_now else False
-        if w.probe_due and w.last_seen - w.probed_at >= probe_wait(w):
+            w.reachable = None if not w.relay_url or probe_now else False
+        if probe_now:
             w.probe_due, w.probed_at = False, w.last_seen
             self.probe(w)
         known = w.installs[-1][0] if w.installs else -1
