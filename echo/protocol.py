@@ -305,6 +305,9 @@ class HeartbeatReply(Message):
     # each version from a parent the route names, following the learner's route feed.
     reachable: bool | None = None
     read_token: Annotated[str, StringConstraints(max_length=512)] = ""  # a renewed read ticket (chain), or ""
+    # Is `snapshot` pushed to this worker (chain)? False: its push was planned without it (idle
+    # then, or joined since), so none will come and it pulls at once. None: nothing is pushed.
+    on_route: bool | None = None
 
 
 class PromptMsg(Message):
@@ -327,6 +330,7 @@ class LeaseReply(Message):
     snapshot: Snapshot | None = None
     empty: Literal["", "wait", "install"] = ""
     waited_s: float = 0.0  # how long the learner held this request for work (the long poll)
+    on_route: bool | None = None  # as in HeartbeatReply
 
 
 class ReleaseReply(Message):

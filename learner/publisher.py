@@ -115,6 +115,7 @@ class ChainPublisher(StarPublisher):
         self.pushes: set[asyncio.Task] = set()
         self.forwarding = Forwarding(grace_s=reports_s, keep_s=2 * fallback_s + 2 * reports_s, every=publish_every)
         self._planned: dict = {}  # the workers of the latest plans, by id (the registry's live records)
+        self.routed: frozenset[str] = frozenset()  # who the latest version's pushes go to (or pull along)
 
     async def start(self) -> str | None:
         key = SigningKey.load_or_generate(self.key_file)
@@ -153,7 +154,7 @@ class ChainPublisher(StarPublisher):
         base_version = delta.manifest.base_version if delta else None
         on_base = [w for w in workers if w.relay_url and w.version == base_version]
         rest = [w for w in workers if w.relay_url and w.version != base_version]
-        plans = {}
+        plans, routed = {}, set()
         groups = [(key, group, manifest) for key, group, manifest in (
             (delta.manifest.key if delta else None, on_base, delta.manifest if delta else None),
             (full.manifest.key, rest, full.manifest)) if key is not None and group]
@@ -166,6 +167,7 @@ class ChainPublisher(StarPublisher):
                 log.warning("no route for %s: %s", key, e)
                 continue
             self.forwarding.planned(route)  # before the push: its pulls are blamed on this route
+            routed.update(w.id for w in group)
             # Two groups share the uplink, each planned as if it had it all: only a lone push measures it.
             task = asyncio.create_task(self._push(key, route, measure_uplink=len(groups) == 1))
             self.pushes.add(task)
@@ -178,6 +180,7 @@ class ChainPublisher(StarPublisher):
         self.wire_bytes[version] = {"raw": len(blob), "chunk": chunk, "full": full.manifest.wire_size,
                                     "delta": delta.manifest.wire_size if delta else None, "plans": plans,
                                     "demoted": self.forwarding.leaves(version)}
+        self.routed = frozenset(routed)
         return PushAnnouncement(
             **star.model_dump(), key=full.manifest.key, delta_key=delta.manifest.key if delta else None,
             source=self.source.url,

@@ -30,6 +30,7 @@ class Publishing:
         self.accounting.published(version)
         self.ledger.published(version)
         workers = self.registry.active(time.monotonic())
-        self.run.announcement = await self.publisher.publish(version, blob, workers)
+        announcement = await self.publisher.publish(version, blob, workers)
+        self.run.announcement, self.run.routed = announcement, getattr(self.publisher, "routed", None)
         self.metrics.published.set(version)
         return version

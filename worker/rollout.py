@@ -371,12 +371,14 @@ class Worker:
             self.received_at[m.version] = time.monotonic()
             self.arrived.set()
 
-    async def _fetch(self, client: LearnerClient, snapshot: P.Snapshot) -> None:
+    async def _fetch(self, client: LearnerClient, snapshot: P.Snapshot, on_route: bool | None = None) -> None:
         """Get an announced version: by star download, or in chain mode from the push — and if the
         push does not arrive within `fallback_s`, by pulling the full version from the source. A
-        version published before this identity joined was planned without it: no push of it will
-        come, so it is pulled at once. (A worker idled at join pulled nothing then; activated, it
-        waited out fallback_s: 10 of a one-worker demo's first 18 s.)"""
+        version whose push was planned without this worker is pulled at once: one published before
+        this identity joined, or one the learner says is not pushed to it (`on_route` False: it was
+        idle then). A worker idled at join, activated, waited out fallback_s for a push never
+        coming: 10 of a one-worker demo's first 18 s, and a fresh-clone CI run's whole 120 s
+        where the worker joined before v0 was published."""
         if self.relay is None or not isinstance(snapshot, P.PushAnnouncement):  # nothing pushes it
             return await self._download(client, BlobInfo(snapshot.version, snapshot.size, snapshot.sha256))
         from broadcast.relay import BroadcastError
@@ -387,7 +389,7 @@ class Worker:
         try:
             keys = [k for k in (snapshot.delta_key, snapshot.key) if k]
             at_join = self.joined.snapshot.version if self.joined and self.joined.snapshot else -1
-            if version > at_join:
+            if version > at_join and on_route is not False:
                 waits = [asyncio.create_task(self.relay.wait(k)) for k in keys]
                 done, waiting = await asyncio.wait(waits, timeout=self.broadcast.fallback_s,
                                                    return_when=asyncio.FIRST_COMPLETED)
@@ -477,7 +479,7 @@ class Worker:
                                  "forward versions too, bind --worker.relay_host where others reach it, or give "
                                  "--worker.advertise_url", self.name, self.relay.url)
                     self.relay.follow(self.broadcast.source)  # behind NAT: pull what the routes assign
-                self._notice(client, reply.snapshot)
+                self._notice(client, reply.snapshot, reply.on_route)
                 failing_since = None
             except Forgotten:
                 try:
@@ -503,13 +505,14 @@ class Worker:
         """The newest version installed or staged to be (-1: none)."""
         return max(self.engine.version if self.engine else -1, self.pending[0] if self.pending else -1)
 
-    def _notice(self, client: LearnerClient, snapshot: P.Snapshot | None) -> None:
-        """Start downloading an announced version newer than anything installed or on its way."""
+    def _notice(self, client: LearnerClient, snapshot: P.Snapshot | None, on_route: bool | None = None) -> None:
+        """Start downloading an announced version newer than anything installed or on its way
+        (`on_route`: whether the learner pushes it to this worker; see `_fetch`)."""
         if self.engine is None:
             return  # still starting; the snapshot announced at join is fetched then
         newest_known = max(self._held_version(), self.downloading if self.downloading is not None else -1)
         if snapshot is not None and snapshot.version > newest_known:
-            self._download_task = asyncio.create_task(self._fetch(client, snapshot))
+            self._download_task = asyncio.create_task(self._fetch(client, snapshot, on_route))
 
     async def _install_pending(self) -> None:
         if self.pending is None:
@@ -551,7 +554,7 @@ class Worker:
             asked = time.monotonic()
             lease = await self._calling(client, lambda: client.lease(self.cfg.worker.prompts_per_lease, version, wait_s),
                                         "a lease request")
-            self._notice(client, lease.snapshot)
+            self._notice(client, lease.snapshot, lease.on_route)
             if lease.lease_id is None:
                 if lease.empty == "install":  # too stale to be trained on: wait for the announced version
                     await self._version_arrives(5.0)

@@ -200,7 +200,8 @@ class LeaseRoom:
         deadline = asked + min(req.wait_s, server.long_poll_s)
 
         def answer(message: P.LeaseReply) -> web.Response:  # saying how long the request was held
-            return reply(message.model_copy(update={"waited_s": round(time.monotonic() - asked, 4)}))
+            return reply(message.model_copy(update={"waited_s": round(time.monotonic() - asked, 4),
+                                                    "on_route": run.on_route(worker.id)}))
 
         while True:
             if run.finished:

@@ -337,7 +337,7 @@ class WorkerRegistry:
         worker.told_finished = finished
         return P.HeartbeatReply(state="stop" if finished else "active" if worker.active else "idle",
                                 snapshot=self.run.announcement, reachable=worker.reachable,
-                                read_token=self.ticket(worker, worker.last_seen))
+                                read_token=self.ticket(worker, worker.last_seen), on_route=self.run.on_route(worker.id))
 
     def ticket(self, worker: WorkerInfo, now: float, *, fresh: bool = False) -> str:
         """A renewed read ticket for `worker` when its last one is due (or `fresh`), else "". A

@@ -192,6 +192,7 @@ async def _serve(args) -> int:
     async def publish(version: int) -> None:
         blob = os.urandom(1 << 16)  # each version its own bytes, as weights are
         run.announcement = await publisher.publish(version, blob, list(api.registry.workers.values()))
+        run.routed = getattr(publisher, "routed", None)  # as `learner.publishing` does
         ledger.published(version)
 
     await publish(0)

@@ -1040,6 +1040,28 @@ def test_a_wrong_credential_is_answered_late_and_holds_up_nobody_else(tokenizer,
     run_api(tokenizer, test, tmp_path, **{"server.auth_failure_delay_s": 0.5, "server.auth_failure_burst": 3})
 
 
+def test_each_reply_says_whether_the_announced_version_is_pushed_to_that_worker(tokenizer, tmp_path):
+    """A worker idle when a version was published is not on its push route; activated, it waited
+    `fallback_s` for a push never coming (a fresh-clone CI run timed out on it). Heartbeat and
+    lease replies say, per worker, whether the announced version is pushed to it (chain mode);
+    in star mode nothing is pushed and they say nothing."""
+    async def test(api: Api):
+        a, cred_a = await api.join("a")
+        b, cred_b = await api.join("b")
+        for cred in (cred_a, cred_b):
+            status, body, _ = await api.call("/v1/heartbeat", {}, token=cred)
+            assert status == 200 and body["on_route"] is None  # star: nothing is pushed
+        api.state.run.routed = frozenset({a})  # v0 was pushed to a only (b was idle then)
+        said = {}
+        for wid, cred in ((a, cred_a), (b, cred_b)):
+            status, beat, _ = await api.call("/v1/heartbeat", {}, token=cred)
+            status, lease, _ = await api.call("/v1/lease", {"max_prompts": 1}, token=cred)
+            said[wid] = (beat["on_route"], lease["on_route"])
+        assert said == {a: (True, True), b: (False, False)}
+
+    run_api(tokenizer, test, tmp_path)
+
+
 def test_a_relay_url_cannot_aim_the_learner_elsewhere(tokenizer, tmp_path):
     async def test(api: Api):
         wid, cred = await api.join("w")

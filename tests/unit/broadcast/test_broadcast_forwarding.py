@@ -184,6 +184,7 @@ def test_a_relay_that_forwards_nothing_is_a_leaf_in_the_next_plan(tmp_path):
                    for w, u in urls.items()]
         try:
             await pub.publish(1, blobs[0], workers)
+            assert pub.routed == set(urls)  # whom replies tell `on_route` (an idle worker is never passed)
             pub.source.on_pull("v1", "new", 0, 1)  # a pull by a worker with no accepted work blames nobody
             assert "new" not in pub.forwarding.pulls(1)
             # The hole pulls v1 itself, as a tester's did (its children's pulls then passed it by)

@@ -23,7 +23,7 @@ def _closed_port() -> int:
 
 
 def _pulls(installed: int, announced: int, active: bool, caplog, joined_at: int | None = None,
-           fallback_s: float = 0.2) -> list[str]:
+           fallback_s: float = 0.2, on_route: bool | None = None) -> list[str]:
     async def run() -> None:
         key = SigningKey.generate()
         worker = Worker(load_worker_config(None, []), "http://127.0.0.1:1", "token")
@@ -37,7 +37,7 @@ def _pulls(installed: int, announced: int, active: bool, caplog, joined_at: int 
             worker.active.clear()
         try:
             await worker._fetch(None, P.PushAnnouncement(version=announced, key=f"v{announced}",
-                                                         source=f"http://127.0.0.1:{_closed_port()}"))
+                                                         source=f"http://127.0.0.1:{_closed_port()}"), on_route)
         finally:
             await worker.relay.stop()
 
@@ -63,6 +63,20 @@ def test_a_version_published_before_the_worker_joined_is_pulled_without_waiting_
     start = time.monotonic()
     said = _pulls(installed=5, announced=6, active=True, caplog=caplog, joined_at=5, fallback_s=0.5)
     assert any("pulling v6" in m for m in said) and time.monotonic() - start >= 0.5
+
+
+def test_a_version_the_learner_says_is_not_pushed_to_the_worker_is_pulled_without_waiting(caplog):
+    """A worker joined idle before v0 was published, so v0's push was planned without it; activated,
+    it waited `fallback_s` for that push (600 s in a fresh-clone CI run, which timed out). The
+    learner's reply says whether the announced version is pushed to this worker."""
+    import time
+
+    start = time.monotonic()
+    said = _pulls(installed=-1, announced=0, active=True, caplog=caplog, joined_at=-1, fallback_s=60.0, on_route=False)
+    assert any("pulling v0" in m for m in said) and time.monotonic() - start < 10
+    start = time.monotonic()  # on the route: the push is waited for
+    said = _pulls(installed=-1, announced=0, active=True, caplog=caplog, joined_at=-1, fallback_s=0.5, on_route=True)
+    assert any("pulling v0" in m for m in said) and time.monotonic() - start >= 0.5
 
 
 def test_an_idled_worker_or_one_already_past_the_version_pulls_nothing(caplog):
