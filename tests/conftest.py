@@ -130,6 +130,18 @@ class LearnerProcess:
         self.run_dir = next(run_root.glob("*/url")).parent
         self.url = (self.run_dir / "url").read_text().strip()
 
+    def finished(self, timeout: float) -> int:
+        """The learner's exit code, waiting at most `timeout` s. A learner still running then fails
+        the test with its log's tail and each worker's: CI hands back only the test's output."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logs = [self.run_root.parent / "learner.log",
+                    *sorted(p for p in self.run_root.parent.glob("*.log") if p.name != "learner.log")]
+            tails = "\n".join(f"--- {p.name} (last 2,500 chars) ---\n{p.read_text(errors='replace')[-2500:]}"
+                               for p in logs)
+            raise AssertionError(f"the learner did not finish within {timeout:g} s\n{tails}") from None
+
     def output(self) -> str:
         self.log.flush()
         return (self.run_root.parent / "learner.log").read_text()

@@ -25,7 +25,7 @@ def test_two_workers_train_within_the_staleness_bound_and_survive_a_killed_worke
     lp.wait_until(lambda: lp.status()["leases"]["expired_prompts"] >= held, 30,
                   "the dead worker's lease to expire")
 
-    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    assert lp.finished(180) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     records = lp.records()
     assert summary["steps"] == steps and [r["step"] for r in records] == list(range(1, steps + 1))
@@ -204,7 +204,7 @@ def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, 
 def test_resume_continues_from_the_last_checkpoint(learner_factory):
     lp = learner_factory(run={"steps": 4, "checkpoint_every": 2}, broadcast={"mode": "star"})  # the star path too
     lp.worker("w")
-    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert lp.finished(120) == 0, lp.output()[-3000:]
     first = json.loads((lp.run_dir / "summary.json").read_text())
     assert first["steps"] == 4
     # The summary's idle share is the last status line's (the final eval and save are not idle time
@@ -256,7 +256,7 @@ def test_scheduler_activates_the_cheapest_sufficient_worker_and_idles_the_other(
                   "the cheap worker to be activated")
     lp.machine("pricey")  # available too, but the cheap one already covers the target
     lp.wait_until(lambda: any(w["name"] == "pricey" for w in lp.status()["workers"]), 60, "pricey to join")
-    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert lp.finished(120) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     groups = {w["name"]: w["groups"] for w in summary["workers"]}
     assert groups["pricey"] == 0 and groups["cheap"] >= 30 * 4
@@ -279,7 +279,7 @@ def test_a_worker_activated_after_a_version_was_published_pulls_it_at_once(learn
                          broadcast={"mode": "chain", "fallback_s": 600.0},
                          server={"heartbeat_interval": 3.0, "lease_ttl": 10.0})
     lp.worker("late")
-    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert lp.finished(120) == 0, lp.output()[-3000:]
     log = (lp.run_root.parent / "late.log").read_text()
     assert log.index("idled by the learner's scheduler") < log.index("activated by the learner's scheduler")
     assert "pulling v0 from the learner" in log
@@ -292,7 +292,7 @@ def test_a_worker_whose_relay_is_not_at_its_own_address_trains_as_a_pulling_leaf
     network namespaces, each with the default relay. Now it is a leaf that pulls, never probed."""
     lp = learner_factory(run={"steps": 4}, broadcast={"mode": "chain", "fallback_s": 600.0})
     lp.worker("natted", "--worker.advertise_url", "http://127.0.0.2:9")  # it connects from 127.0.0.1
-    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert lp.finished(120) == 0, lp.output()[-3000:]
     log = (lp.run_root.parent / "natted.log").read_text()
     assert "heartbeat failed" not in log and "the learner does not connect to this relay at http://127.0.0.2:9" in log
     assert "run finished" in log, log[-2000:]
@@ -316,7 +316,7 @@ def test_an_interrupted_learner_takes_the_machines_it_started_with_it(learner_fa
     started = _descendants(lp.proc.pid)
     assert len(started) >= 1
     lp.proc.send_signal(signal.SIGTERM)
-    assert lp.proc.wait(60) == 130, lp.output()[-3000:]
+    assert lp.finished(60) == 130, lp.output()[-3000:]
     deadline = time.monotonic() + 20
     while _alive(started) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -327,7 +327,7 @@ def test_abort_policy_hands_stale_batches_back(learner_factory):
     lp = learner_factory(run={"steps": 15})
     lp.worker("finisher", "--worker.max_rollouts_per_s", "60")
     aborter = lp.worker("aborter", "--engine.on_new_version", "abort", "--worker.max_rollouts_per_s", "20")
-    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert lp.finished(120) == 0, lp.output()[-3000:]
     assert aborter.wait(30) == 0
     log = (lp.run_root.parent / "aborter.log").read_text()
     assert "handed" in log and "prompts back" in log  # a newer version arrived mid-batch: no stale submit
@@ -348,7 +348,7 @@ def test_command_provider_launches_machines_with_the_users_command(learner_facto
               f"--worker.cache_dir {tmp_path / 'cache'}")
     lp = learner_factory(run={"steps": 5}, scheduler={"pool": str(pool), "provider": "command",
                                                       "launch_command": launch, "t_train_s": 1.0, "t_bcast_s": 0.0})
-    assert lp.proc.wait(120) == 0, lp.output()[-3000:]
+    assert lp.finished(120) == 0, lp.output()[-3000:]
     assert launched.read_text().split() == ["box", "0.2"]  # placeholders filled in, shell-quoted
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert [w["name"] for w in summary["workers"]] == ["box"] and summary["steps"] == 5
@@ -367,7 +367,7 @@ def test_workers_relay_over_libp2p(learner_factory, tmp_path):
                for name in ("a", "b")]
     lp.wait_until(lambda: sum(w["relay_url"].startswith("p2p:/ip4/127.0.0.1/") for w in lp.status()["workers"]) == 2,
                   60, "both relays to advertise a p2p address")
-    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    assert lp.finished(240) == 0, lp.output()[-3000:]
     records = lp.records()
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     plans = [p for r in records if "snapshot_bytes" in r for p in r["snapshot_bytes"]["plans"].values()]
@@ -390,7 +390,7 @@ def test_a_two_rank_learner_trains_on_policy_with_top_p(learner_factory):
     lp = learner_factory(run={"steps": steps, "nproc": 2}, buffer={"max_staleness": 0},
                          rollout={"top_p": 0.9, "temperature": 0.8})
     lp.worker("w", "--worker.max_rollouts_per_s", "200")
-    assert lp.proc.wait(240) == 0, lp.output()[-4000:]
+    assert lp.finished(240) == 0, lp.output()[-4000:]
     records, summary = lp.records(), json.loads((lp.run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and len(records) == steps
     assert all(s == 0 for r in records for s in r["staleness"])
@@ -462,7 +462,7 @@ def test_a_multi_turn_task_trains_through_real_workers(learner_factory, chat_mod
                          rollout={"group_size": 4, "max_new_tokens": 8, "max_episode_tokens": 120},
                          eval={"where": "learner"}, verify={"rescore_fraction": 1.0})
     lp.worker("w1")
-    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    assert lp.finished(180) == 0, lp.output()[-3000:]
     records = lp.records()
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["turns_mean"] > 1 and 0 < r["env_token_share"] < 1 for r in records), records
@@ -487,7 +487,7 @@ def test_a_multi_turn_task_trains_on_two_bf16_ranks_with_lora(learner_factory, c
                          trainer={"compute_dtype": "bfloat16", "lora": {"rank": 2, "alpha": 8}, "lr": 1e-3},
                          eval={"where": "learner"})
     lp.worker("w1")
-    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    assert lp.finished(240) == 0, lp.output()[-3000:]
     records = lp.records()
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["turns_mean"] > 1 for r in records)
@@ -602,7 +602,7 @@ def test_echo_learner_serves_on_uvloop_and_a_sigterm_ends_it_like_ctrl_c(learner
     lp.wait_until(lambda: len(lp.records()) >= 2, 120, "two updates")
     assert "uvloop" in open(f"/proc/{lp.proc.pid}/maps").read()  # its compiled loop is loaded
     lp.proc.send_signal(signal.SIGTERM)
-    assert lp.proc.wait(30) == 130, lp.output()[-3000:]
+    assert lp.finished(30) == 130, lp.output()[-3000:]
     out = lp.output()
     assert f"interrupted; the run directory {lp.run_dir}" in out and "Traceback" not in out, out[-3000:]
     assert "checkpoint_every = 0 saves one only at the end" in out  # not "the first comes at [run] checkpoint_every"

@@ -16,7 +16,7 @@ def test_a_lora_run_publishes_adapters_and_exports_adapter_and_merged_model(lear
     lp = learner_factory(run={"steps": steps}, trainer={"batch_prompts": 4, "lr": 1e-2,
                                                          "lora": {"rank": 4, "alpha": 8.0}})
     lp.worker("w0")
-    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    assert lp.finished(240) == 0, lp.output()[-3000:]
     records = lp.records()
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     # On policy the learner's π is the worker's μ: the adapter each batch was sampled with is live.

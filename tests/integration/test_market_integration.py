@@ -49,7 +49,7 @@ def test_vast_rents_the_cheapest_offer_that_joins_trains_and_destroys_everything
     lp = learner_factory(run={"steps": 8}, scheduler={
         "provider": vast_provider(fake, tmp_path, {"RTX 3090": 1000.0, "RTX 4090": 1000.0}),
         "t_train_s": 10.0, "t_bcast_s": 0.0, "window_s": 1000.0, "tick_s": 0.25, "launch_timeout_s": timeout})
-    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    assert lp.finished(180) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert summary["steps"] == 8
     # The cheapest by unit cost first; the vanished offer and the dud are each tried once, never again.
@@ -95,7 +95,7 @@ def test_a_preempted_instance_is_replaced_and_the_budget_stops_the_run_cleanly(l
                   30, "the first machine to hold a lease")
     fake.preempt(first.id)  # outbid: the process dies mid-lease, the instance shows `exited`
     lp.wait_until(lambda: fake.by_offer(18421004), 30, "a replacement to be rented")
-    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    assert lp.finished(180) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     assert "budget" in summary["stopped"], summary.get("stopped")
     assert summary["steps"] < steps and summary["cost"]["dollars"] <= 0.9

@@ -926,7 +926,7 @@ def test_a_worker_nobody_can_connect_to_is_told_so_and_pulls_every_version(learn
     # open one train all 8 steps before the natted one had loaded its model (CI, 2026-11-27).
     lp.wait_until(lambda: "natted: installed v" in natted_log.read_text(errors="replace"), 120, "the natted worker's first version")
     lp.worker("open", "--worker.max_rollouts_per_s", "100")
-    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    assert lp.finished(240) == 0, lp.output()[-3000:]
     log = natted_log.read_text()
     installs = [line for line in log.splitlines() if "natted: installed v" in line]
     assert len(installs) >= 4, log[-3000:]
@@ -2095,7 +2095,7 @@ def test_a_flood_of_groups_without_an_advantage_is_not_trained(learner_factory, 
             status, body = lp.request("POST", "/v1/trajectories", encode_submission(Submission(wid, lease["lease_id"], groups)),
                                       content_type=CONTENT_TYPE, token=cred)
             flooded += len(groups) if status == 200 else 0
-    assert lp.proc.wait(180) == 0, lp.output()[-3000:]
+    assert lp.finished(180) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     steps_logged = lp.records()
     assert len(steps_logged) == steps and all(0.0 < s["reward_mean"] < 1.0 for s in steps_logged), \

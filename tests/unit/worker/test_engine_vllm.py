@@ -126,7 +126,7 @@ def test_a_vllm_worker_trains_a_run_on_policy(learner_factory):
     lp = learner_factory(run={"steps": steps}, buffer={"max_staleness": 0}, publish={"every": 1},
                          rollout={"top_p": 0.9})
     lp.worker("vllm", "--engine.type", "vllm", "--engine.device", "cpu")
-    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    assert lp.finished(240) == 0, lp.output()[-3000:]
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     records = lp.records()
     assert summary["steps"] == steps and [w["name"] for w in summary["workers"]] == ["vllm"]
@@ -152,7 +152,7 @@ def test_a_vllm_worker_plays_multi_turn_episodes_on_policy(learner_factory, chat
                          rollout={"top_p": 0.9, "max_new_tokens": 8, "max_episode_tokens": 120},
                          eval={"where": "learner"}, verify={"rescore_fraction": 1.0})
     lp.worker("vllm", "--engine.type", "vllm", "--engine.device", "cpu")
-    assert lp.proc.wait(240) == 0, lp.output()[-3000:]
+    assert lp.finished(240) == 0, lp.output()[-3000:]
     records = lp.records()
     summary = json.loads((lp.run_dir / "summary.json").read_text())
     print("multi-turn mismatch_kl per step:", [f"{r['mismatch_kl']:.1e}" for r in records])
