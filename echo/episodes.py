@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from echo.chat import Chat
-from echo.tasks.base import Prompt, Task, Unscored
+from echo.tasks.base import Prompt, Task, TaskError, Unscored
 from echo.wire import turn_budget
 
 if TYPE_CHECKING:  # the learner's checks replay episodes without torch
@@ -221,6 +221,41 @@ class Episodes:
                 played = self.play([(p, self.first(p)) for p in chunk], generate, n=1)
                 returns += [group[0].reward for group in played]
         return returns
+
+    def check_playable(self) -> None:
+        """Raise `TaskError` where this tokenizer cannot play the task, before a run starts: an
+        environment's reply that renders as no tokens (a policy turn would run into the next; the
+        demo's digits-only tokenizer spells the calculator's "error" as nothing, and the
+        learner's first eval died of it), or the environment's expert action coming back changed
+        (the policy could never write it). Tried on the first eval prompt, with an empty action
+        and with the expert's (where the environment has one)."""
+        prompts = self.task.eval_prompts()[:1] or [next(iter(self.task.train_prompts(0)))]
+        name = self.task.name
+        tokenizer, fix = self.chat.tokenizer, (f"use a model whose tokenizer spells the task's text: `echo-rl build-model "
+                                               f"--config <this config> --out models/tiny-{name}` builds a tiny one, "
+                                               f"then --model.path models/tiny-{name}")
+        for prompt in prompts:
+            for expert in (False, True):
+                env = self.task.environment(prompt)
+                env.reset(prompt.seed)
+                for _ in range(self.max_turns if expert else 1):
+                    action = ""
+                    if expert:
+                        if not hasattr(env, "expert_action"):
+                            break
+                        action = env.expert_action()
+                        written = self.decode(tokenizer(action, add_special_tokens=False)["input_ids"])
+                        if written.strip() != action.strip():
+                            raise TaskError(f"task {self.task.name!r}: this tokenizer writes the action {action!r} as "
+                                            f"{written!r}, so the policy can never take it; {fix}")
+                    step = env.step(action)
+                    if step.done:
+                        break
+                    if not self.chat.observation(step.messages):
+                        said = " ".join(m.get("content", "") for m in step.messages)
+                        raise TaskError(f"task {self.task.name!r}: the environment's reply {said!r} to the action "
+                                        f"{action!r} is no tokens with this tokenizer, so the policy's turns would run "
+                                        f"together; {fix}")
 
     def demonstrations(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[int]]]:
         """(context ids, action ids) for every decision of the environment's own expert

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from echo import serving
+from echo.chat import ChatError
 from echo.config import ConfigError, add_config_args, dump_toml
 from echo.tasks import TaskError
 from learner.config import load_learner_config
@@ -104,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         close(world)
         return 2
     if not world.is_main:
-        return follow(cfg, world, args.resume)
+        try:
+            return follow(cfg, world, args.resume)
+        except (TaskError, ChatError):
+            return 2  # rank 0 says why
     more_files()  # the control API holds a few connections per worker
     run_dir = RunDir(cfg, args.resume)
     if run_dir.resumed and (holder := run_dir.hold()) is not None:
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     workers = LocalWorkers(cfg.workers, run_dir / "workers", run_dir.token, cfg.run.seed)
     try:
         return serving.run(serve(cfg, world, run_dir, workers, args.json))
+    except (TaskError, ChatError) as e:  # the task cannot be played with this model (`Episodes.check_playable`)
+        print(f"echo-learner: {e}", file=sys.stderr)
+        close(world)
+        return 2
     except KeyboardInterrupt:
         from learner.rundir import latest_checkpoint
 

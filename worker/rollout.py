@@ -187,6 +187,8 @@ class Worker:
                                             template_kwargs=r.chat_template_kwargs, stop_ids=r.stop_ids,
                                             max_new_tokens=r.max_new_tokens, max_tokens=r.max_tokens,
                                             max_turns=r.max_turns, scored=not r.scored_by_learner)
+                if self.episodes.scored:  # (unscored: one-turn, nothing of the environment played here)
+                    self.episodes.check_playable()  # the learner's model's tokenizer, so this holds there too
                 pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
                 self.params = GenerationParams(n=r.group_size, max_new_tokens=r.max_new_tokens,
                                                temperature=r.temperature, top_p=r.top_p,

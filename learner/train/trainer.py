@@ -201,6 +201,7 @@ class Trainer:
             task, self.tokenizer, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt,
             template_kwargs=cfg.task.chat_template_kwargs, stop_ids=stop_ids(self.tokenizer, self.model_dir, task.stop_tokens),
             max_new_tokens=r.max_new_tokens, max_tokens=r.episode_tokens(task), max_turns=r.turns(task))
+        self.episodes.check_playable()  # a tokenizer that cannot play the task: said now, not at the first eval
         self.encode = self.episodes.first  # a prompt's token ids
         self.compute_dtype = None if t.compute_dtype == "float32" else DTYPES[t.compute_dtype]
         # Autocast only for fp16 (one rank, with loss scaling): bf16 computes through FSDP2's

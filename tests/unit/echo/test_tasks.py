@@ -138,6 +138,28 @@ def test_a_one_turn_task_plays_unscored_where_the_answers_are_kept_and_an_enviro
                     max_tokens=16, max_turns=3, scored=False)
 
 
+def test_a_tokenizer_that_cannot_play_the_task_is_refused_before_the_run(tiny_model, chat_model):
+    """The calculator on the demo's digits-only tokenizer: its environment's "error" is no tokens,
+    and the learner's first eval died of it (EpisodeError, a traceback) after it had printed its
+    URL (an API-only tester, 2026-12-07). Checked when episodes are set up, it says what to do."""
+    from transformers import AutoTokenizer
+
+    from echo.chat import stop_ids
+    from echo.episodes import Episodes
+    from echo.tasks import TaskError
+
+    def episodes(task, model):
+        tok = AutoTokenizer.from_pretrained(model)
+        return Episodes.of(task, tok, chat_template="auto", stop_ids=stop_ids(tok, model), max_new_tokens=12,
+                           max_tokens=64, max_turns=task.max_turns)
+
+    calculator = load_task("calculator", {"turns": 3})
+    with pytest.raises(TaskError, match=r"reply 'error' .* no tokens.*echo-rl build-model"):
+        episodes(calculator, tiny_model).check_playable()
+    episodes(calculator, chat_model).check_playable()  # a byte-level tokenizer spells every reply and action
+    episodes(load_task("arith", {}), tiny_model).check_playable()  # one turn: nothing of an environment to say
+
+
 def test_arith_warmup_is_correct_deterministic_and_not_the_training_stream():
     task = load_task("arith", {"digits": 2, "ops": "+-"})
     examples = task.warmup_examples(100, seed=0)
