@@ -453,6 +453,24 @@ def test_a_worker_that_writes_its_own_eval_answers_is_caught(learner_factory):
     assert gauge == events[-1]["eval_accuracy"]  # what Prometheus shows is the checked accuracy
 
 
+def test_a_task_the_models_tokenizer_cannot_play_stops_the_learner_in_one_line(tiny_model, tmp_path):
+    """The calculator on the demo's digits-only model: the learner printed its URL, then its first
+    eval died in a traceback (EpisodeError: the environment's "error" is no tokens; an API-only
+    tester, 2026-12-07). Now it says so and what to do, before it serves."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    config = tmp_path / "calculator.toml"  # as a new operator writes it: the task, the default (demo) model
+    config.write_text(f'[run]\ndir = "{tmp_path}"\n[task]\nname = "calculator"\n[eval]\nwhere = "learner"\n[server]\nport = 0\n')
+    done = subprocess.run([sys.executable, "-m", "learner.main", "--config", str(config), "--model.path", str(tiny_model)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "reply 'error' to the action '' is no tokens" in done.stderr and "Traceback" not in done.stderr
+    assert "echo-learner at" not in done.stdout + done.stderr  # never served
+
+
 def test_a_multi_turn_task_trains_through_real_workers(learner_factory, chat_model):
     """The calculator task on a chat model whose turns end on <|im_end|>: workers play episodes
     turn by turn, the learner replays a share of them, trains on the policy's tokens only."""
