@@ -128,7 +128,8 @@ class ControlApi:
         self.status = StatusRoom(run=run, buffer=buffer, leases=self.leases, registry=self.registry,
                                  links=self.links, metrics=self.metrics, model_dir=model_dir, offload=self.offload,
                                  serve_weights=lora is not None, task_dirs={k: d for k, (d, _) in self.task_dirs.items()},
-                                 metrics_from=[ipaddress.ip_network(n, strict=False) for n in cfg.server.metrics_from])
+                                 metrics_from=[ipaddress.ip_network(n, strict=False) for n in cfg.server.metrics_from],
+                                 workers_per_address=cfg.server.max_workers_per_address)
 
     def app(self) -> web.Application:
         cfg = self.cfg

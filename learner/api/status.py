@@ -45,21 +45,26 @@ STATUS_EVERY_S = 1.0  # /v1/status is rebuilt at most this often
 VIEWS_PER_S, VIEW_BURST = 1.0, 10  # /v1/status and /metrics from outside metrics_from, per address (`_paced`)
 WEIGHT_STREAMS_PER_ADDRESS = 4  # weights (snapshots, a LoRA base, task dirs) sent to one address at once (`StreamGate`)
 TURN_WAIT_S = 60.0  # ...the rest wait this long for a turn, then 429 `busy` uncounted (under echo-worker's 120 s read timeout)
-COUNTED = web.RequestKey("counted download", str)  # the download a request was counted as (`_count_download`)
+COUNTED = web.RequestKey("counted download", tuple)  # the counts a request's download took (`_count_download`)
 MAX_SERVED_WEIGHTS = 2 << 30  # LoRA mode: the largest base /v1/model?weights=1 sends (a worker sets base_dir beyond)
 
 
 class StatusRoom:
     def __init__(self, *, run: Run, buffer: AsyncBuffer, leases: LeaseRoom, registry: WorkerRegistry,
                  links: LinkTable, metrics: LearnerMetrics, model_dir: Path, offload: Executor,
-                 metrics_from: list | None = None, serve_weights: bool = False, task_dirs: dict[str, Path] | None = None):
+                 metrics_from: list | None = None, serve_weights: bool = False, task_dirs: dict[str, Path] | None = None,
+                 workers_per_address: int = 16):
         self.run, self.buffer, self.leases, self.registry = run, buffer, leases, registry
         self.task_dirs = task_dirs or {}  # option -> the directory (`Task.model_dirs`), served whole
         self.metrics_from = metrics_from or []  # networks /metrics answers without the run token
         self.links, self.metrics, self.model_dir, self.offload = links, metrics, model_dir, offload
         self.serve_weights = serve_weights  # LoRA mode: workers without [engine] base_dir fetch the base here
         self._views: dict[bool, tuple[float, bytes]] = {}  # full view? -> (built at, JSON)
-        self.downloads: dict[str, int] = {}  # "reader version" -> snapshot downloads (most recent kept)
+        self.downloads: dict[str, int] = {}  # "reader thing" and "@address thing" -> downloads (most recent kept)
+        # An address's downloads of one thing, whoever its identities: a worker joining again as a
+        # new identity had 4 more of the base each time, without end (an API-only tester, 2026-12-07).
+        # Its workers behind one NAT need one each, and a retry or two between them.
+        self.per_address = 2 * workers_per_address
         self.views: dict[str, TokenBucket] = {}  # address -> its /v1/status and /metrics calls (`_paced`)
         self.streams = StreamGate(WEIGHT_STREAMS_PER_ADDRESS, TURN_WAIT_S)
 
@@ -118,14 +123,17 @@ class StatusRoom:
             paths += base
         return dirfiles.Packed(paths)
 
-    def _count_download(self, request: web.Request, key: str, what: str, advice: str) -> None:
-        """One more download of `key`: past MAX_SNAPSHOT_DOWNLOADS, refused (429 `downloads`)."""
-        count = self.downloads.get(key, 0) + 1
-        if count > MAX_SNAPSHOT_DOWNLOADS:
-            raise Refusal(429, "downloads", f"{what} was already downloaded {MAX_SNAPSHOT_DOWNLOADS} times by this "
-                                            f"worker; {advice}")
-        remember(self.downloads, key, count)
-        request[COUNTED] = key  # given back if it gets no turn (`weights_turn`)
+    def _count_download(self, request: web.Request, reader: str, address: str, thing: str, what: str,
+                        advice: str) -> None:
+        """One more download of `thing` by `reader` from `address`: past MAX_SNAPSHOT_DOWNLOADS by
+        the reader, or `per_address` from the address (its /64), refused (429 `downloads`)."""
+        mine, here = f"{reader} {thing}", f"@{address_key(address)} {thing}"
+        for key, most, by in ((mine, MAX_SNAPSHOT_DOWNLOADS, "this worker"), (here, self.per_address, "this address")):
+            if self.downloads.get(key, 0) >= most:
+                raise Refusal(429, "downloads", f"{what} was already downloaded {most} times by {by}; {advice}")
+        for key in (mine, here):
+            remember(self.downloads, key, self.downloads.get(key, 0) + 1)
+        request[COUNTED] = (mine, here)  # given back if it gets no turn (`weights_turn`)
 
     @contextlib.asynccontextmanager
     async def weights_turn(self, request: web.Request, address: str) -> AsyncIterator[None]:
@@ -135,8 +143,9 @@ class StatusRoom:
             async with self.streams.hold(address):
                 yield
         except NoTurn as e:
-            if (key := request.get(COUNTED)) in self.downloads:
-                self.downloads[key] -= 1
+            for key in request.get(COUNTED, ()):
+                if key in self.downloads:
+                    self.downloads[key] -= 1
             raise Refusal(429, "busy", f"{e}: retry after the given seconds", {"Retry-After": "5"}) from None
 
     def task_dir_files(self, option: str) -> dirfiles.Packed:
@@ -206,8 +215,8 @@ class StatusRoom:
             weights = request.query.get("weights") == "1" and self.serve_weights
             reader = auth.weights_reader(request) if weights else auth.anyone(request)
             if weights:  # a base of up to 2 GiB: a few times per reader, as a snapshot
-                self._count_download(request, f"{reader} base", "the base model", "use the copy you have, or set "
-                                                                         "[engine] base_dir")
+                self._count_download(request, reader, auth.address(request), "base", "the base model",
+                                     "use the copy you have, or set [engine] base_dir")
             packed = await asyncio.get_running_loop().run_in_executor(self.offload, self.model_files, weights)
             return await self.send(request, packed, auth.address(request) if weights else None)
 
@@ -219,7 +228,8 @@ class StatusRoom:
             if option not in self.task_dirs:
                 raise Refusal(404, "no-task-dir", f"this run's task serves no directory {option[:64]!r} "
                                                   f"(it serves: {', '.join(self.task_dirs) or 'none'})")
-            self._count_download(request, f"{worker.id} task {option}", f"task.{option}", "use the copy you have")
+            self._count_download(request, worker.id, auth.address(request), f"task {option}", f"task.{option}",
+                                 "use the copy you have")
             packed = await asyncio.get_running_loop().run_in_executor(self.offload, self.task_dir_files, option)
             return await self.send(request, packed, auth.address(request))
 
@@ -247,7 +257,8 @@ class StatusRoom:
             number = parse_version(version)
             if self.run.blobs.get(number) is None:
                 return  # the snapshot route answers it (404)
-            self._count_download(request, f"{reader} {number}", f"version {number}", "install the copy you have, or the next version")
+            self._count_download(request, reader, auth.address(request), str(number), f"version {number}",
+                                 "install the copy you have, or the next version")
 
         add_star_routes(app, self.run.blobs, "/v1/snapshots", snapshot_reader,
                         gate=lambda request: self.weights_turn(request, auth.address(request)))

@@ -1647,13 +1647,41 @@ def test_one_worker_cannot_download_a_snapshot_over_and_over(tokenizer, tmp_path
         # Paths that name no held version are not counted: their raw text was the key (~8 KB each)
         for path in ("/v1/snapshots/" + "9" * 4000, "/v1/snapshots/7", "/v1/snapshots/x" * 100):
             assert (await get(other, path))[0] in (400, 404)
-        assert sorted(api.state.status_room.downloads) == sorted([f"{hog_id} 0", f"{other_id} 0"])
+        assert sorted(api.state.status_room.downloads) == sorted([f"{hog_id} 0", f"{other_id} 0", "@127.0.0.1 0"])
         # Other spellings of 0 that int() reads were served uncounted: 504 downloads in 10.7 s (a tester)
         for spelling in ("+0", "0_0", "\u0660", "\uff10", "\u0966", " 0"):
             status, body = await get(hog, "/v1/snapshots/" + quote(spelling))
             assert status == 400 and b"ASCII digits" in body, (spelling, status, body)
 
     run_api(tokenizer, test, tmp_path)
+
+
+def test_an_address_downloads_a_thing_a_bounded_number_of_times_whatever_identities_it_takes(tokenizer, tmp_path):
+    """Each identity may download a version (or the LoRA base, or a task directory) 4 times, and
+    a worker joining again is a new identity: one address had the base 4 more times per join,
+    without end (an API-only tester, 2026-12-07; at 8B a base is 16 GB). An address gets each
+    thing at most twice per worker it may hold, whoever asks; another address is not touched."""
+    async def test(api: Api):
+        async def get(cred: str) -> int:
+            async with api.session.get(api.url + "/v1/snapshots/0", headers={"Authorization": f"Bearer {cred}"}) as resp:
+                await resp.read()
+                return resp.status
+
+        most = 2 * 2  # [server] max_workers_per_address = 2
+        got = 0
+        for n in range(6):  # identity after identity from one address, each forgotten after its copies
+            _, cred = await api.join(f"churn{n}")
+            statuses = [await get(cred) for _ in range(4)]
+            got += statuses.count(200)
+            assert set(statuses) <= {200, 429}
+            api.state.registry.forget(api.state.workers[cred.partition(".")[0]])  # its address may join again
+        assert got == most
+        _, cred = await api.join("elsewhere")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.9", 0))) as other:
+            async with other.get(api.url + "/v1/snapshots/0", headers={"Authorization": f"Bearer {cred}"}) as resp:
+                assert resp.status == 200  # read from another address: its own count
+
+    run_api(tokenizer, test, tmp_path, **{"server.max_workers_per_address": 2})
 
 
 def test_one_address_takes_its_turn_at_the_weights(tokenizer, tmp_path):
