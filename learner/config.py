@@ -356,6 +356,19 @@ class LearnerConfig(Section):
     workers: WorkersSection = WorkersSection()
     scheduler: SchedulerSection = SchedulerSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _episodes_evaluated_on_the_learner(cls, data: Any) -> Any:
+        """An `[eval]` table that does not say where, for a multi-turn task: on the learner, the
+        only place its returns are scored (a calculator config without `[eval] where` was refused)."""
+        if not isinstance(data, dict) or not isinstance(data.get("eval", {}), dict) or "where" in data.get("eval", {}):
+            return data
+        try:
+            episodic = TaskSection.model_validate(data.get("task", {})).build().episodic
+        except Exception:  # noqa: BLE001 - a bad [task] table is said by its own validation, next
+            return data
+        return {**data, "eval": {**data.get("eval", {}), "where": "learner"}} if episodic else data
+
     @model_validator(mode="after")
     def _ranks_supported(self) -> "LearnerConfig":
         if self.eval.where == "workers" and self.task.build().episodic:

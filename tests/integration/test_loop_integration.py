@@ -463,7 +463,7 @@ def test_a_task_the_models_tokenizer_cannot_play_stops_the_learner_in_one_line(t
     from conftest import ROOT
 
     config = tmp_path / "calculator.toml"  # as a new operator writes it: the task, the default (demo) model
-    config.write_text(f'[run]\ndir = "{tmp_path}"\n[task]\nname = "calculator"\n[eval]\nwhere = "learner"\n[server]\nport = 0\n')
+    config.write_text(f'[run]\ndir = "{tmp_path}"\n[task]\nname = "calculator"\n[server]\nport = 0\n')
     done = subprocess.run([sys.executable, "-m", "learner.main", "--config", str(config), "--model.path", str(tiny_model)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]

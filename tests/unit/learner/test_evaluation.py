@@ -36,6 +36,18 @@ def test_where_picks_the_variant_and_keeps_old_spellings():
     assert isinstance(workers, WorkerEvaluation) and workers.book.per_lease == 4
 
 
+def test_a_multi_turn_task_is_evaluated_on_the_learner_unless_told_otherwise():
+    """A config naming the calculator and no `[eval] where` was refused (its returns are scored on
+    the learner only); it is evaluated there now. Saying `workers` is still refused, saying why."""
+    import pytest
+
+    cfg = load_config(LearnerConfig, None, ["--task.name", "calculator"])
+    assert isinstance(cfg.eval, LearnerEval)
+    assert isinstance(load_config(LearnerConfig, None, ["--task.name", "arith"]).eval, WorkersEval)
+    with pytest.raises(Exception, match="evaluated by their return on the learner"):
+        load_config(LearnerConfig, None, ["--task.name", "calculator", "--eval.where", "workers"])
+
+
 def test_rounds_on_the_workers_open_at_publications_when_due():
     woken = []
     ev = WorkerEvaluation(WorkersEval(), parts(eval_every=4, woken=woken))
