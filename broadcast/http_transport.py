@@ -66,9 +66,15 @@ class HttpTransport(Transport):
     schemes = ("http", "https")
 
     def __init__(self, node: "Node", connect_timeout: float) -> None:
-        self.node = node
+        self.node, self.connect_timeout = node, connect_timeout
+        self._session: aiohttp.ClientSession | None = None  # made in start(), on the event loop
+
+    async def start(self) -> None:
+        # Not in __init__: `Node.transport_for` builds transports on a thread (an import may be
+        # slow), where aiohttp finds no running loop ("no running event loop" killed a worker's
+        # pull after it joined again; a new user, 2026-12-07).
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout), auto_decompress=False)
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout), auto_decompress=False)
 
     @classmethod
     def for_node(cls, node: "Node", advertised: bool) -> "HttpTransport":
@@ -88,7 +94,8 @@ class HttpTransport(Transport):
         return http_url(self.node.host, self.node.port)  # bound to 0.0.0.0: the address others reach
 
     async def stop(self) -> None:
-        await self._session.close()
+        if self._session is not None:
+            await self._session.close()
 
     # -- client half -----------------------------------------------------------------------------
     def _read(self, proof: tuple[str | None, str, str] | None = None) -> dict[str, str]:

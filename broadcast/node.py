@@ -148,6 +148,7 @@ class Node:
         self._transports: dict[type[Transport], Transport] = {}  # by class: http and https share one
         self._store_added: asyncio.Condition | None = None  # created in start() (needs a loop)
         self._making = asyncio.Lock()
+        self._stopped = False  # a stopped node makes no transports (a pull still running on it fails)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _routes(self) -> list[web.RouteDef]:
@@ -157,6 +158,7 @@ class Node:
     async def start(self) -> str:
         """Start serving (the HTTP server, and the advertised transport); returns the node's URL."""
         self._store_added = asyncio.Condition()
+        self._stopped = False
         own = [self._make(cls) for cls in dict.fromkeys((transport_class(SERVER_SCHEME), self._advertised))]
         app = web.Application(middlewares=[refusals_returned])
         app[REFUSAL_DELAY] = self.refusal_delay_s
@@ -185,6 +187,8 @@ class Node:
         if cls in self._transports:
             return self._transports[cls]
         async with self._making:  # concurrent pushes to new kinds of peer make one transport
+            if self._stopped:
+                raise BroadcastError("node stopped")
             if cls in self._transports:
                 return self._transports[cls]
             # On a thread: a transport's first use may import its library (py-libp2p: ~0.5 s), and
@@ -195,6 +199,7 @@ class Node:
         return transport
 
     async def stop(self) -> None:
+        self._stopped = True
         for store in list(self.stores.values()):
             await store.close(BroadcastError("node stopped"))
         # A stopped node holds no version: aiohttp's middleware cache (1,024 entries) keeps its

@@ -229,8 +229,8 @@ class Worker:
             self.joined = joined
             self.broadcast = joined.broadcast
             if self.relay is not None:  # the relay is named by the worker id, which changed
-                await self.relay.stop()
-                self.relay = None
+                old, self.relay = self.relay, None  # first: a pull starting meanwhile must not use it
+                await old.stop()
             if self.broadcast.mode == "chain":
                 await self._start_relay(client.worker_id, client.credential)
             self._notice(client, joined.snapshot)

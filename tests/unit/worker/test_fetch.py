@@ -168,3 +168,22 @@ def test_a_workers_heartbeat_reports_its_relays_pushes_with_the_childs_receipt()
     [d] = report.deliveries
     assert (d.key, d.child, d.tree) == ("v1", "w2", 0)
     assert valid(receipt_key("child-secret"), d.receipt, "v1", 0, "w1", "w2")
+
+
+def test_a_pull_on_a_relay_stopped_meanwhile_fails_as_a_broadcast_error_the_worker_handles():
+    """A worker joining again stops its relay and starts another; a pull begun on the old one made
+    a transport on a thread, where aiohttp found no event loop: an uncaught RuntimeError killed
+    the pull ("Task exception was never retrieved"; a new user, 2026-12-07)."""
+    import pytest
+
+    from broadcast.manifest import BroadcastError
+    from broadcast.transport import Hop
+
+    async def run() -> None:
+        relay = Relay("w", SigningKey.generate().public_key(), host="127.0.0.1", port=0)
+        await relay.start()
+        await relay.stop()
+        with pytest.raises(BroadcastError):  # what `Worker._fetch` catches and logs
+            await relay.fetch("v1", [Hop("source", f"http://127.0.0.1:{_closed_port()}")])
+
+    asyncio.run(run())
