@@ -209,8 +209,13 @@ class StalenessBuffer:
         next version. Leases and admission both ask this: a group accepted now is never evicted
         as stale at the next batch. With `S = 0` this is what makes a run synchronous without
         waste: no prompt goes to the old snapshot while the learner trains on its batch."""
-        arrives = learner_version + 1 if self.taken_at == learner_version else learner_version
+        arrives = self.trained_at(learner_version)
         return version <= learner_version and (not self.filters or arrives - version <= self.max_staleness)
+
+    def trained_at(self, learner_version: int) -> int:
+        """The earliest version a group arriving now is trained at: the next one while the batch of
+        `learner_version` is being trained."""
+        return learner_version + 1 if self.taken_at == learner_version else learner_version
 
     @property
     def useful_share(self) -> float:

@@ -240,11 +240,13 @@ class UploadRoom:
             book.give_back(sub.lease_id, g.prompt_id, worker.id)
         if not fresh:
             self.leases.freed(len(stale), worker.id)  # the room those prompts held is free again, its own included
-            oldest = min(g.version for g in stale)
+            oldest, at = min(g.version for g in stale), buf.trained_at(version)
+            # Said at the version it would be trained at: "2 updates old at learner version 2; max
+            # staleness is 2" read as an off-by-one (a new user, 2026-12-07).
+            when = f"at learner version {at}" + (f" (v{version}'s batch is being trained now)" if at > version else "")
             raise Rejected(409, "stale-version",
-                           f"version {oldest} is {version - oldest} updates old at learner version "
-                           f"{version}; max staleness is {self.max_staleness}. Install the newest snapshot "
-                           f"({len(stale)} prompts were given back)")
+                           f"version {oldest} would be {at - oldest} updates old when trained, {when}; max staleness "
+                           f"is {self.max_staleness}. Install the newest snapshot ({len(stale)} prompts were given back)")
         if stale:
             self.metrics.rejected.labels("stale-version").inc(len(stale))
         for g in fresh:

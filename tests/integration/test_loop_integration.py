@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import msgpack
@@ -108,6 +109,8 @@ def test_bad_uploads_are_refused_with_reasons_and_the_learner_keeps_running(lear
     lp.wait_until(past_window, 90, "the learner to move past the staleness window")
     status, body = submit(Submission(wid, lease["lease_id"], [_group(p1, version)]))
     assert (status, body["error"]) == (409, "stale-version") and f"max staleness is {S}" in body["message"]
+    # The age it states is past S: "2 updates old ...; max staleness is 2" read as an off-by-one
+    assert int(re.search(r"would be (\d+) updates old when trained", body["message"]).group(1)) > S, body["message"]
 
     # Still serving and still training, and every refusal was counted by reason.
     v = lp.status()["learner_version"]
