@@ -31,7 +31,7 @@ from learner.publishing import Publishing
 from learner.record import RunRecord
 from learner.rundir import RunDir
 from learner.scheduling import make_fleet, make_provider, schedule
-from learner.stalls import NoInstalls, NoSignal, ThinSignal, watch_buffer
+from learner.stalls import AgedOut, NoInstalls, NoSignal, ThinSignal, watch_buffer
 from learner.status import StatusDisplay, banner
 from learner.train.dist import World
 from learner.verify import Rescorer
@@ -124,9 +124,13 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         stalls = NoInstalls(60.0, display.note, run_dir / "workers")
         background = [api.reaping, asyncio.create_task(workers.watch()),
                       asyncio.create_task(stalls.watch(api.registry, run))]
+        watched = []
         if cfg.dynamic_sampling:  # every group skipped for equal rewards: say why no batch fills; most: what it does
-            background.append(asyncio.create_task(watch_buffer(
-                buffer.buffer, [NoSignal(8 * G, display.note), ThinSignal(16 * G, display.note)])))
+            watched += [NoSignal(8 * G, display.note), ThinSignal(16 * G, display.note)]
+        if cfg.staleness_bound:  # much of the work dropped as too stale: say so, and what to change
+            watched.append(AgedOut(16 * G, display.note, cfg.staleness_bound, cfg.publish_every))
+        if watched:
+            background.append(asyncio.create_task(watch_buffer(buffer.buffer, watched)))
         if fleet is not None:
             background.append(asyncio.create_task(schedule(fleet, api.registry, cfg.scheduler.tick_s, log.write,
                                                            display.note)))

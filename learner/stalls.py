@@ -5,6 +5,9 @@ model; all right: too easy) and dynamic sampling skips them all, so no batch fil
 
 `NoInstalls`: workers joined, and none has installed a snapshot.
 
+`AgedOut`: the run goes on, but a large share of the groups accepted grow too stale in the
+queue before a batch takes them (a new user's S = 1, I = 1 demo dropped a third, unsaid).
+
 `ThinSignal`: the run goes on, but dynamic sampling trains only a small share of what arrives,
 and each update, a mean over that share alone, is as large as a full batch of signal's: the
 poker demo's policy collapsed by step 60 that way with nothing said (2026-11-29).
@@ -119,4 +122,39 @@ class ThinSignal:
                   "signal would take. If the eval falls or every sample of a group starts to play out alike, lower "
                   "[trainer] lr, or set [buffer] dynamic_sampling = false with [trainer] kl_coef > 0 "
                   "(the poker demo collapsed by step 60 with it: docs/poker.md)")
+        return True
+
+
+class AgedOut:
+    """Note once per run when, of `window` groups accepted, `above` or more were dropped as too
+    stale while queued: work paid for and thrown away (S = 1 with I = 1 on the demo: 304 of 944;
+    S = 2 with I = 1: 12)."""
+
+    def __init__(self, window: int, note: Callable[[str], None], staleness: int, every: int, above: float = 0.2):
+        self.window, self.note, self.staleness, self.every, self.above = window, note, staleness, every, above
+        self.start: tuple[int, int] | None = None  # (accepted, dropped_stale) when the window began
+        self.said = False
+
+    def check(self, stats) -> bool:
+        """`stats`: the buffer's `BufferStats`. Returns whether it noted now."""
+        now = (stats.accepted, stats.dropped_stale)
+        if self.said:
+            return False
+        if self.start is None:
+            self.start = now
+        accepted, dropped = now[0] - self.start[0], now[1] - self.start[1]
+        if accepted < self.window:
+            return False
+        self.start = now
+        if dropped < self.above * accepted:
+            return False
+        self.said = True
+        S, I = self.staleness, self.every
+        fixes = [f"raise [buffer] max_staleness (S = {S + 1}, keeping [publish] every = {I})"]
+        if I > max(1, S - 1):
+            fixes.append(f"publish more often ([publish] every = {max(1, S - 1)})")
+        fixes.append("run fewer workers")
+        self.note(f"staleness: {dropped} of the last {accepted} groups accepted were dropped as too stale before a "
+                  f"batch took them (S = {S}, I = {I}): workers generate more than the learner trains, and what "
+                  f"queues behind a batch outlives the {S}-update bound. To waste less: " + ", or ".join(fixes))
         return True

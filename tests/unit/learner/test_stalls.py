@@ -129,3 +129,24 @@ def test_a_thin_signal_under_dynamic_sampling_is_noted_once_per_run():
     assert watch.check(stats) and "20% of the last 100 groups" in notes[0] and "[trainer] lr" in notes[0]
     stats.accepted, stats.skipped_uniform = 500, 450
     assert not watch.check(stats) and len(notes) == 1  # once per run
+
+
+def test_groups_dropped_as_too_stale_are_said_once_with_what_to_change():
+    """A new user's S = 1, I = 1 demo dropped 304 of 944 accepted groups as too stale, and the
+    learner said nothing; S = 2 dropped 12. A share of a fifth or more is said, once."""
+    from types import SimpleNamespace
+
+    from learner.stalls import AgedOut
+
+    said = []
+    watch = AgedOut(64, said.append, staleness=1, every=1)
+    assert not watch.check(SimpleNamespace(accepted=0, dropped_stale=0))
+    assert not watch.check(SimpleNamespace(accepted=64, dropped_stale=6))  # under a fifth: nothing said
+    assert watch.check(SimpleNamespace(accepted=128, dropped_stale=6 + 20))
+    assert len(said) == 1 and "20 of the last 64" in said[0] and "S = 2, keeping [publish] every = 1" in said[0]
+    assert "publish more often" not in said[0]  # I = 1 already
+    assert not watch.check(SimpleNamespace(accepted=1000, dropped_stale=900))  # once per run
+    said.clear()
+    watch = AgedOut(64, said.append, staleness=3, every=3)
+    watch.check(SimpleNamespace(accepted=0, dropped_stale=0))
+    assert watch.check(SimpleNamespace(accepted=64, dropped_stale=30)) and "[publish] every = 2" in said[0]
