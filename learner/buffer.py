@@ -277,6 +277,19 @@ class StalenessBuffer:
         queued = sum(g.version == learner_version for g in self._queue)
         return max(0, self.batch_groups - queued - in_flight)
 
+    def version_room(self, version: int, learner_version: int, in_flight: int) -> int | None:
+        """How many more prompts a worker on `version` may be leased (None: no limit here). Its
+        groups are trained at the earliest at `trained_at`, at the latest at `version + S`: in
+        `k` batches, which the groups queued and in flight fill first (a batch takes the oldest).
+        More would age out in the queue: at S = 1 with I = 1 the demo dropped a third of the groups
+        it accepted, G every other step (a new user, 2026-12-07). S = 0 is `lease_room`'s."""
+        if not self.filters or self.synchronous or version < 0:
+            return None
+        k = version + self.max_staleness - self.trained_at(learner_version) + 1
+        if k > self.max_staleness:  # as fresh as a group can be: the window ((S + 1) G) bounds it
+            return None
+        return max(0, k * self.batch_groups - len(self._queue) - in_flight)
+
     def evict_stale(self, learner_version: int) -> int:
         """Discard every group too old to be trained at `learner_version`; return how many."""
         if not self.filters:

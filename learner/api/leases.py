@@ -64,9 +64,14 @@ class LeaseRoom:
         self.checking = 0
 
     def _must_install(self, worker) -> bool:
-        """Is `worker`'s version too stale to be leased with (a newer one must be installed first)?"""
-        return (self.server.refuse_stale_leases and worker.version >= 0
-                and not self.buffer.buffer.leasable(worker.version, self.run.version))
+        """Is `worker`'s version too stale to be leased with (a newer one must be installed first):
+        not trainable any more, or trainable for fewer batches than the groups queued and in flight
+        already fill (`StalenessBuffer.version_room`)?"""
+        if not (self.server.refuse_stale_leases and worker.version >= 0):
+            return False
+        buf, version = self.buffer.buffer, self.run.version
+        return (not buf.leasable(worker.version, version)
+                or buf.version_room(worker.version, version, self.book.outstanding + self.checking) == 0)
 
     def token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased
@@ -237,7 +242,9 @@ class LeaseRoom:
                 await self.waiters.wait(deadline - now, worker)
                 continue
             room = self.room()
-            got = self.book.lease(worker.id, min(req.max_prompts, room), now) if room else None
+            mine = buf.version_room(worker.version, run.version, self.book.outstanding + self.checking)
+            mine = room if mine is None or not server.refuse_stale_leases else min(room, mine)
+            got = self.book.lease(worker.id, min(req.max_prompts, mine), now) if mine else None
             if got is not None:
                 self._leased.set()
                 await self._encoded(got.prompts.values(), self._token_ids)  # done ahead, unless re-issued or a burst

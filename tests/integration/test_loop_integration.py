@@ -203,6 +203,20 @@ def test_s1_with_four_workers_of_different_speeds_never_stalls(learner_factory, 
     assert st["quarantined"] == []  # no honest worker read as dishonest (the token check twice did)
 
 
+def test_s1_i1_leases_no_more_than_can_be_trained_so_little_ages_out(learner_factory):
+    """S = 1 with I = 1 and two fast workers: a worker on the previous version was leased a second
+    batch while the learner trained, and those groups aged out in the queue, G every other step:
+    304 of 944 accepted in a 40-step demo (a new user, 2026-12-07; 0 since). Over 12 steps the old
+    rule dropped ~5 batches; at most one is allowed here (a slow lease may still miss its batch)."""
+    lp = learner_factory(run={"steps": 12}, buffer={"max_staleness": 1}, publish={"every": 1})
+    for name in ("a", "b"):
+        lp.worker(name)
+    assert lp.finished(120) == 0, lp.output()[-3000:]
+    summary = json.loads((lp.run_dir / "summary.json").read_text())
+    G = 4  # [trainer] batch_prompts in the tests' config
+    assert summary["recycled"] <= G, summary
+
+
 @pytest.mark.slow  # ~50 s; a resumed run in `make test`: test_untrusted (killed mid-run, resumed, "already finished")
 def test_resume_continues_from_the_last_checkpoint(learner_factory):
     lp = learner_factory(run={"steps": 4, "checkpoint_every": 2}, broadcast={"mode": "star"})  # the star path too

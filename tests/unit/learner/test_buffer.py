@@ -239,6 +239,30 @@ def test_synchronous_lease_room_is_what_the_batch_still_needs():
     assert StalenessBuffer("queue-drop", 1, 4, 2).lease_room(0, 100) is None  # asynchronous: no limit here
 
 
+def test_a_version_is_leased_only_what_it_can_still_be_trained_in():
+    """S = 1, I = 1 on the demo: a worker on v(t-1) was leased a second batch's worth while the
+    learner trained batch t; those groups queued behind the batch and aged out, G every other
+    step, a third of what was accepted (a new user, 2026-12-07). A version trainable for k more
+    batches is leased only what the groups queued and in flight leave of k batches."""
+    buf = StalenessBuffer("queue-drop", max_staleness=1, batch_groups=4, queue_factor=2)
+    assert buf.version_room(0, 0, in_flight=0) is None  # the newest, not training: the window bounds it
+    for _ in range(4):
+        buf.put(group(0))
+    buf.take(0)  # batch 0 trains: what arrives now is trained at v1 at the earliest, v0's last chance
+    assert buf.version_room(0, 0, in_flight=1) == 3  # one batch, 1 of it coming
+    buf.put(group(0))
+    assert buf.version_room(0, 0, in_flight=3) == 0  # that batch is full: more would age out
+    assert buf.version_room(1, 1, in_flight=3) is None  # the next version: a fresh window
+    s2 = StalenessBuffer("queue-drop", max_staleness=2, batch_groups=4, queue_factor=2)
+    for _ in range(4):
+        s2.put(group(3))
+    s2.take(3)
+    assert s2.version_room(2, 3, in_flight=0) == 4  # v2 trains at v4 at the latest: one batch
+    assert s2.version_room(3, 3, in_flight=0) == 8  # v3 at v4 or v5: two
+    assert StalenessBuffer("queue-drop", 0, 4, 2).version_room(0, 0, 0) is None  # S = 0: `lease_room`'s
+    assert StalenessBuffer("queue-drop", 1, 4, 2, staleness_filter=False).version_room(0, 5, 0) is None  # no filter
+
+
 def test_drop_worker_discards_its_queued_and_replayable_groups():
     dropped = []
     buf = StalenessBuffer("queue-drop", 2, 2, 4, reuse=2, on_drop=lambda g, reason: dropped.append((g.prompt_id, reason)))
