@@ -24,9 +24,11 @@ and count each accuracy in the cost of improvement. The loop calls `start`, `ste
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from echo.tasks import Prompt
 from learner.addresses import remember
@@ -294,6 +296,29 @@ class LearnerEvaluation(Evaluation):
 
 
 EVALUATIONS = {"workers": WorkerEvaluation, "learner": LearnerEvaluation}
+
+
+def with_logged_eval(resumed: dict, run_log: Path, update: int) -> dict:
+    """The checkpoint's state (`resumed`), with its own weights' eval taken from the run log where
+    the checkpoint was saved before that eval came back: a round on the workers ends after the
+    checkpoint of its version is written, so a resume evaluated those weights again (a new user,
+    2026-12-07). An event from before a resume to an earlier update is not taken: that attempt's
+    update of the same number had other weights."""
+    if resumed.get("eval_update") == update or not run_log.exists():
+        return resumed
+    found = None
+    with run_log.open() as lines:
+        for line in lines:
+            if '"event": "resume"' in line:
+                if json.loads(line).get("step", -1) < update:
+                    found = None
+            elif '"event": "eval"' in line:
+                event = json.loads(line)
+                if event.get("step") == update and event.get("eval_accuracy") is not None:
+                    found = event
+    if found is None:
+        return resumed
+    return {**resumed, "eval_accuracy": found["eval_accuracy"], "eval_version": found["version"], "eval_update": update}
 
 
 def make_evaluation(section: EvalSection, parts: EvalParts) -> Evaluation:

@@ -20,7 +20,7 @@ from learner.api import ControlApi, Run, link_table, worker_connections
 from learner.buffer import AsyncBuffer, StalenessBuffer
 from learner.config import LearnerConfig
 from learner.driver import TrainerDriver
-from learner.evaluation import EvalParts, make_evaluation
+from learner.evaluation import EvalParts, make_evaluation, with_logged_eval
 from learner.leases import LeaseBook, WorkerCap
 from learner.ledger import Ledger, unique_ids
 from learner.local_workers import LocalWorkers
@@ -72,8 +72,9 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                                reports_s=3 * cfg.server.heartbeat_interval, publish_every=cfg.publish_every)
     await publisher.start()
     eval_prompts = task.eval_prompts()[: cfg.eval.limit or None]
+    resumed = with_logged_eval(trainer.resumed, log.path, trainer.updates) if run_dir.resumed else trainer.resumed
     evaluation = make_evaluation(cfg.eval, EvalParts(
-        eval_prompts, cfg.run.eval_every, trainer.resumed, cost, metrics, log=log.write, note=display.note, run=run,
+        eval_prompts, cfg.run.eval_every, resumed, cost, metrics, log=log.write, note=display.note, run=run,
         changed=waiters.wake_all, evaluate=partial(driver.call, "evaluate", task, eval_prompts),
         lease_ttl=cfg.server.lease_ttl, hold=partial(driver.call, "hold_for_eval"),
         greedy_gaps=partial(driver.call, "greedy_gaps"), encode=trainer.encode, max_gap=cfg.verify.max_eval_logit_gap,

@@ -276,3 +276,30 @@ def test_a_resumed_run_keeps_the_eval_schedule_of_its_updates():
     asyncio.run(run())
     assert evaluated == [30, 60, 70]
     assert opened == [(30, 32), (60, 62), (70, 72)]  # v22's eval came with the checkpoint
+
+
+def test_a_resume_takes_its_checkpoints_eval_from_the_run_log_when_it_came_back_after_the_save(tmp_path):
+    """The workers' eval of v20 came back after checkpoint 20 was written, so its state held the
+    eval of v10, and the resume evaluated v20's weights again (a new user, 2026-12-07). The run
+    log's event for update 20 is taken, unless a resume to an earlier update came after it (that
+    attempt's update 20 had other weights)."""
+    import json
+
+    from learner.evaluation import with_logged_eval
+
+    log = tmp_path / "metrics.jsonl"
+    events = [{"event": "eval", "step": 10, "version": 10, "eval_accuracy": 0.3},
+              {"step": 20, "version": 20, "loss": 0.1},
+              {"event": "eval", "step": 20, "version": 20, "eval_accuracy": 0.43}]
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    saved = {"eval_accuracy": 0.3, "eval_version": 10, "eval_update": 10, "lr_resumed": 1e-3}
+    got = with_logged_eval(saved, log, update=20)
+    assert got == {**saved, "eval_accuracy": 0.43, "eval_version": 20, "eval_update": 20}
+    assert with_logged_eval(saved, log, update=30) == saved  # no event of that update: evaluated again
+    with log.open("a") as f:  # resumed from update 10 since: its update 20 is another's weights
+        f.write(json.dumps({"event": "resume", "step": 10, "version": 12}) + "\n")
+    assert with_logged_eval(saved, log, update=20) == saved
+    with log.open("a") as f:  # ...resumed from 20 itself (the same weights): still good
+        f.write(json.dumps({"event": "eval", "step": 20, "version": 24, "eval_accuracy": 0.5}) + "\n")
+        f.write(json.dumps({"event": "resume", "step": 20, "version": 30}) + "\n")
+    assert with_logged_eval(saved, log, update=20)["eval_accuracy"] == 0.5
