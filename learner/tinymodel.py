@@ -227,6 +227,12 @@ def cli(argv: list[str]) -> int:
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         return step
 
+    def say(what: str) -> None:
+        """A line before each slow part: the poker build scored and demonstrated for 6 minutes
+        before its warm start's first line, saying nothing (a new user, 2026-12-07)."""
+        if not args.json:
+            print(f"{what} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
     if task.episodic:
         created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +240,9 @@ def cli(argv: list[str]) -> int:
         tokenizer.save_pretrained(out)
         episodes = _episodes(cfg, task, tokenizer, out)
         score = lambda: sum(episodes.greedy_returns(model.eval(), evals, tokenizer.pad_token_id)) / max(1, len(evals))  # noqa: E731
+        say(f"scoring the untrained model: {len(evals)} eval episodes, greedy")
         acc_random = score()
+        say("playing the environment's expert for the warm start's demonstrations")
         try:
             pairs = episodes.demonstrations(list(itertools.islice(task.train_prompts(args.seed + 7919), max(
                 300, args.warmup_steps * args.warmup_batch // 3)))) if args.warmup_steps else []
@@ -251,6 +259,7 @@ def cli(argv: list[str]) -> int:
             job = bar.add_task("warm start", total=args.warmup_steps)
             losses = warm_start_ids(model, tokenizer, pairs, steps=args.warmup_steps, lr=args.warmup_lr,
                                     batch=args.warmup_batch, seed=args.seed, progress=progress(bar, job))
+        say(f"scoring the warm-started model: {len(evals)} eval episodes, greedy")
         acc = score()
     else:
         max_new = cfg.rollout.max_new_tokens
