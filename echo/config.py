@@ -112,6 +112,12 @@ def _explain(model: type[BaseModel], error: ValidationError, source: str, flags:
     lines = [f"invalid config ({source}, with command-line overrides applied):"]
     for err in error.errors():
         path, allowed = _walk(model, [str(p) for p in err["loc"]])
+        # A table's kind (`[broadcast] mode`, `[eval] where`) that names no variant: said as the
+        # key it is, not as pydantic's "Input tag 'stripes' found using 'mode'" (a new user)
+        kind = (next((k for k, v in err["input"].items() if v == err["ctx"]["tag"]), None)
+                if err["type"] == "union_tag_invalid" and isinstance(err.get("input"), dict) else None)
+        if kind:
+            path = [*path, kind]
         key = ".".join(path)
         # Where the user wrote it: a key typed on the command line is not "in configs/demo.toml",
         # and one inside a table given whole is named by the flag that gave it.
@@ -119,7 +125,9 @@ def _explain(model: type[BaseModel], error: ValidationError, source: str, flags:
         flag = next((f for f in reversed(flags) if path[:len(f)] == f or f[:len(path)] == path), None) if path else None
         where = f"given as --{'.'.join(flag)} on the command line" if flag else f"in {source}"
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
+        if kind:
+            lines.append(f"  {key} = {err['ctx']['tag']!r}: must be one of {err['ctx']['expected_tags']} ({where})")
+        elif err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(path[-1], allowed, n=1) if path else []
             hint = (f"; did you mean {close[0]!r}?" if close else "") + (
                 f"; allowed keys here: {', '.join(allowed)}" if allowed else "")

@@ -107,6 +107,12 @@ def test_an_error_says_where_the_key_was_written_and_what_to_write():
 def test_bad_value_lists_allowed_values():
     with pytest.raises(ConfigError, match="buffer.type.*'queue-drop' or 'queue-max'"):
         load_learner_config(ROOT / "configs/demo.toml", ["--buffer.type", "fifo"])
+    # A table's kind, as a key: pydantic's "Input tag 'stripes' found using 'mode'" (a new user, 2026-12-07)
+    with pytest.raises(ConfigError, match=r"broadcast.mode = 'stripes': must be one of 'chain', 'star' \(given as "
+                                          r"--broadcast.mode on the command line\)"):
+        load_learner_config(ROOT / "configs/demo.toml", ["--broadcast.mode", "stripes"])
+    with pytest.raises(ConfigError, match=r"eval.where = 'gpu': must be one of 'workers', 'learner'"):
+        load_learner_config(ROOT / "configs/demo.toml", ["--eval.where", "gpu"])
     with pytest.raises(ConfigError, match="trainer.lr"):
         load_learner_config(None, ["--trainer.lr", "-1"])
 
