@@ -63,9 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(dump_toml(cfg), end="")
-        # What the file leaves to be derived, as the run will use it (a key left unset prints nothing above)
-        print(f"\n# derived: [publish] every = {cfg.publish_every} (I; unset: S - 1, at least 1), "
-              f"[buffer] dynamic_sampling = {str(cfg.dynamic_sampling).lower()} (unset: on with loss = 'grpo')")
+        # What the file leaves to be derived, as the run will use it (a key left unset prints
+        # nothing above; one set is not "derived": a new user's --publish.every 2 was said to be)
+        derived = [f"[publish] every = {cfg.publish_every} (I; unset: S - 1, at least 1)" if cfg.publish.every is None
+                   else None,
+                   f"[buffer] dynamic_sampling = {str(cfg.dynamic_sampling).lower()} (unset: on with loss = 'grpo')"
+                   if cfg.buffer.dynamic_sampling is None else None]
+        if said := [d for d in derived if d]:
+            print("\n# derived: " + ", ".join(said))
         return 0
     if args.resume and (done := finished(args.resume, cfg.run.steps)) is not None:
         # Resuming a finished run evaluated again, re-saved its last checkpoint and replaced its

@@ -150,6 +150,10 @@ def test_dry_run_prints_resolved_config():
     assert "lr = 0.002" in out and "[buffer]" in out
     # what the file leaves to be derived is said too (a new user could not see I or dynamic sampling)
     assert "# derived: [publish] every = " in out and "[buffer] dynamic_sampling = true" in out
+    # ...and what the user set is not said to be derived (a new user's --publish.every 2 was)
+    out = subprocess.run([sys.executable, "-m", "learner.main", "--config", "configs/demo.toml", "--dry-run",
+                          "--publish.every", "2"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "[publish] every = 2 (I; unset" not in out and "# derived: [buffer] dynamic_sampling = true" in out
     bad = subprocess.run([sys.executable, "-m", "worker.main", "join", "http://x", "--token", "t",
                           "--config", "configs/worker.toml", "--engine.type", "tpu"], cwd=ROOT,
                          capture_output=True, text=True)
