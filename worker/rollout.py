@@ -48,6 +48,7 @@ log = logging.getLogger("echo.worker")
 RETRY_AFTER_MAX_S = 30.0
 RETRY_AFTER_DEFAULT_S = 2.0
 RESENDS = 8  # times one upload (an eval answer, a release) is sent again before it is given up
+UNANSWERED_EVERY_S = 30.0  # a learner that does not answer is said so once in this long
 
 
 def retry_wait(e: LearnerError) -> float:
@@ -117,6 +118,7 @@ class Worker:
         self.stopped = asyncio.Event()
         self.unreachable = False
         self.give_up_s = cfg.worker.learner_timeout_s  # no heartbeat answered this long: the learner is gone
+        self._unanswered: dict[str, tuple[float, float]] = {}  # what -> (unanswered since, last said)
         self.active = asyncio.Event()  # the learner's scheduler may idle this worker
         self.active.set()
         # (version, installed at, received at, install seconds): T_bcast and install time, apart
@@ -268,7 +270,9 @@ class Worker:
         while not self.stopped.is_set():
             credential = client.credential
             try:
-                return await call()
+                result = await call()
+                self._answered(what or "a request")
+                return result
             except Forgotten:
                 try:
                     await self._rejoin(client, credential)
@@ -287,9 +291,25 @@ class Worker:
                          what or "a request", e.status, e.reason, wait)
                 await asyncio.sleep(wait)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                log.warning("%s: the learner did not answer (%s); retrying", self.name, e)
+                self._unanswered_now(what or "a request", e)
                 await asyncio.sleep(1.0)
         raise RunFinished("stopped")
+
+    def _unanswered_now(self, what: str, e: Exception) -> None:
+        """The learner did not answer `what`: said at once, then every UNANSWERED_EVERY_S while it
+        goes on. A learner down for the workers' 600 s timeout was ~1,000 lines of the same two
+        (a new user, 2026-12-07). `_answered` ends it."""
+        now = time.monotonic()
+        since, said = self._unanswered.get(what, (now, -UNANSWERED_EVERY_S))
+        if now - said >= UNANSWERED_EVERY_S:
+            log.warning("%s: the learner did not answer %s%s (%s); retrying", self.name, what,
+                        f" for {now - since:.0f} s" if now > since else "", e)
+            said = now
+        self._unanswered[what] = (since, said)
+
+    def _answered(self, what: str) -> None:
+        if self._unanswered.pop(what, None) is not None:
+            log.info("%s: the learner answers %s again", self.name, what)
 
     async def _in_turn(self, call, what: str):
         """A download of weights, asked again while the learner says the streams to this
@@ -483,6 +503,7 @@ class Worker:
                     self.relay.follow(self.broadcast.source)  # behind NAT: pull what the routes assign
                 self._notice(client, reply.snapshot, reply.on_route)
                 failing_since = None
+                self._answered("heartbeats")
             except Forgotten:
                 try:
                     await self._rejoin(client, credential)
@@ -490,7 +511,10 @@ class Worker:
                     log.warning("%s: joining again failed: %s", self.name, e)
                 continue
             except (aiohttp.ClientError, LearnerError, asyncio.TimeoutError) as e:
-                log.warning("%s: heartbeat failed: %s", self.name, e)
+                if isinstance(e, LearnerError):
+                    log.warning("%s: heartbeat failed: %s", self.name, e)
+                else:  # the learner down: said at once, then every UNANSWERED_EVERY_S
+                    self._unanswered_now("heartbeats", e)
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self.give_up_s:
                     log.error("%s: the learner has not answered for %.0f s; leaving", self.name, self.give_up_s)

@@ -187,3 +187,25 @@ def test_a_pull_on_a_relay_stopped_meanwhile_fails_as_a_broadcast_error_the_work
             await relay.fetch("v1", [Hop("source", f"http://127.0.0.1:{_closed_port()}")])
 
     asyncio.run(run())
+
+
+def test_a_learner_that_does_not_answer_is_said_once_then_every_half_minute(caplog, monkeypatch):
+    """While the learner was down a worker logged two lines a second, ~1,000 over its 600 s
+    timeout (a new user, 2026-12-07): now once, then every UNANSWERED_EVERY_S, and once more
+    when it answers again."""
+    import worker.rollout as rollout
+
+    now = [100.0]
+    monkeypatch.setattr(rollout.time, "monotonic", lambda: now[0])
+    worker = Worker(load_worker_config(None, []), "http://127.0.0.1:1", "token")
+    with caplog.at_level(logging.INFO, logger="echo.worker"):
+        for _ in range(60):  # 30 s of retries, two a second
+            worker._unanswered_now("heartbeats", ConnectionRefusedError("refused"))
+            now[0] += 0.5
+        worker._unanswered_now("heartbeats", ConnectionRefusedError("refused"))
+        worker._answered("heartbeats")
+        worker._answered("heartbeats")  # already said
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "did not answer heartbeats (refused)" in said[0] and "for 30 s" in said[1]
+    assert "answers heartbeats again" in said[2]
