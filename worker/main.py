@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -11,6 +10,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from echo import serving
 from echo.config import ConfigError, add_config_args, dump_toml
 from echo.tasks import TaskError
 from worker.client import LearnerError
@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     from worker.rollout import QUARANTINED, Worker
 
     try:
-        return asyncio.run(Worker(cfg, args.url, args.token).run())
+        # As the learner's: SIGTERM as Ctrl-C, the relay and the engine closed on the way out and
+        # said (a SIGTERM'd worker exited without a line; a new user, 2026-12-07)
+        return serving.run(Worker(cfg, args.url, args.token).run())
     except LearnerError as e:
         print(f"echo-worker: the learner refused: {e.message or e}", file=sys.stderr)
         # Quarantined (or barred from joining for it), whichever call heard it first: code 3, as

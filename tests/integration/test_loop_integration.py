@@ -340,6 +340,21 @@ def test_an_interrupted_learner_takes_the_machines_it_started_with_it(learner_fa
     assert not _alive(started), lp.output()[-2000:]
 
 
+def test_a_worker_stopped_by_sigterm_says_so_and_exits_130(learner_factory):
+    """`kill` (SIGTERM) of a worker ended it at the signal's default: no line in its log, and its
+    relay and engine not closed (a new user, 2026-12-07). It stops as Ctrl-C stops it now."""
+    import time
+
+    lp = learner_factory(run={"steps": 100_000})
+    worker = lp.worker("w")
+    lp.wait_until(lambda: lp.status()["learner_version"] >= 1, 90, "the worker to train")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 130
+    time.sleep(0.2)
+    log = (lp.run_root.parent / "w.log").read_text()
+    assert "echo-worker: interrupted" in log and "Traceback" not in log, log[-2000:]
+
+
 def test_abort_policy_hands_stale_batches_back(learner_factory):
     lp = learner_factory(run={"steps": 15})
     lp.worker("finisher", "--worker.max_rollouts_per_s", "60")
