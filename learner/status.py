@@ -41,7 +41,8 @@ def banner(cfg, url: str, run_dir, token: str, params: int, ranks: int, eval_pro
             + (" (those whose rewards differ: above what workers sample)" if cfg.dynamic_sampling else "")
             + ", eval = the newest greedy eval @ the version it evaluated"
             + (" (the learner's own weights: newer than v between publications)" if cfg.eval.where == "learner" else "")
-            + ", idle = share of wall time the trainer waited for data, "
+            + ", idle = share of wall time the trainer waited for data, workers = those generating (/ those "
+              "joined, where the scheduler holds some idle), "
             + ("signal = share of the groups since the last step whose rewards differ (the rest are skipped: "
                "[buffer] dynamic_sampling), " if cfg.dynamic_sampling else "")
             + "recycled = groups dropped as staler than S, queue = groups waiting, length = mean response tokens "
