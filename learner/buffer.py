@@ -280,7 +280,8 @@ class StalenessBuffer:
     def version_room(self, version: int, learner_version: int, in_flight: int) -> int | None:
         """How many more prompts a worker on `version` may be leased (None: no limit here). Its
         groups are trained at the earliest at `trained_at`, at the latest at `version + S`: in
-        `k` batches, which the groups queued and in flight fill first (a batch takes the oldest).
+        `k` batches, which the groups queued and in flight fill first (a batch takes the oldest),
+        each in flight a group of signal at the `useful_share` (dynamic sampling skips the rest).
         More would age out in the queue: at S = 1 with I = 1 the demo dropped a third of the groups
         it accepted, G every other step (a new user, 2026-12-07). S = 0 is `lease_room`'s."""
         if not self.filters or self.synchronous or version < 0:
@@ -288,7 +289,7 @@ class StalenessBuffer:
         k = version + self.max_staleness - self.trained_at(learner_version) + 1
         if k > self.max_staleness:  # as fresh as a group can be: the window ((S + 1) G) bounds it
             return None
-        return max(0, k * self.batch_groups - len(self._queue) - in_flight)
+        return max(0, math.ceil((k * self.batch_groups - len(self._queue)) / self.useful_share) - in_flight)
 
     def evict_stale(self, learner_version: int) -> int:
         """Discard every group too old to be trained at `learner_version`; return how many."""

@@ -259,6 +259,13 @@ def test_a_version_is_leased_only_what_it_can_still_be_trained_in():
     s2.take(3)
     assert s2.version_room(2, 3, in_flight=0) == 4  # v2 trains at v4 at the latest: one batch
     assert s2.version_room(3, 3, in_flight=0) == 8  # v3 at v4 or v5: two
+    # Under dynamic sampling a prompt leased is a batch's group at the share that carry signal:
+    # late in the demo 12% did, and a room of k·G prompts would have starved the learner.
+    thin = StalenessBuffer("queue-drop", max_staleness=1, batch_groups=4, queue_factor=2, skip_uniform=True)
+    for rewards in [[1.0, 0.0]] * 4 + [[1.0, 1.0]] * 12:  # a quarter carry signal
+        thin.put(Group("p", 0, [1], [[5], [6]], [[-0.1]] * 2, rewards, worker_id="w"))
+    thin.take(0)
+    assert thin.useful_share == 0.25 and thin.version_room(0, 0, in_flight=2) == 4 * 4 - 2
     assert StalenessBuffer("queue-drop", 0, 4, 2).version_room(0, 0, 0) is None  # S = 0: `lease_room`'s
     assert StalenessBuffer("queue-drop", 1, 4, 2, staleness_filter=False).version_room(0, 5, 0) is None  # no filter
 
