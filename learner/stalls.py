@@ -92,69 +92,77 @@ class NoSignal:
         return True
 
 
-class ThinSignal:
-    """Note once per run when, of `window` groups accepted in a row, fewer than `below` of them
-    had rewards that differ (`[buffer] dynamic_sampling` skipped the rest). None at all is
-    `NoSignal`'s to say."""
+class WindowNote:
+    """Note once per run, judging each window of `window` groups accepted in a row by how many of
+    them a `BufferStats` counter (`counter`) counted; `judge` says what to note, or None."""
 
-    def __init__(self, window: int, note: Callable[[str], None], below: float = 0.25):
-        self.window, self.note, self.below = window, note, below
-        self.start: tuple[int, int] | None = None  # (accepted, skipped) when the window began
+    counter = ""
+
+    def __init__(self, window: int, note: Callable[[str], None]):
+        self.window, self.note = window, note
+        self.start: tuple[int, int] | None = None  # (accepted, counted) when the window began
         self.said = False
+
+    def judge(self, accepted: int, counted: int) -> str | None:
+        raise NotImplementedError
 
     def check(self, stats) -> bool:
         """`stats`: the buffer's `BufferStats`. Returns whether it noted now."""
-        now = (stats.accepted, stats.skipped_uniform)
+        now = (stats.accepted, getattr(stats, self.counter))
         if self.said:
             return False
         if self.start is None:
             self.start = now
-        accepted, skipped = now[0] - self.start[0], now[1] - self.start[1]
+        accepted, counted = now[0] - self.start[0], now[1] - self.start[1]
         if accepted < self.window:
             return False
         self.start = now
-        share = 1 - skipped / accepted
-        if not 0 < share < self.below:
+        said = self.judge(accepted, counted)
+        if said is None:
             return False
         self.said = True
-        self.note(f"dynamic sampling: {share:.0%} of the last {accepted} groups had rewards that differ, the rest "
-                  "were skipped: each update is a mean over that share alone, a step as large as a full batch of "
-                  "signal would take. If the eval falls or every sample of a group starts to play out alike, lower "
-                  "[trainer] lr, or set [buffer] dynamic_sampling = false with [trainer] kl_coef > 0 "
-                  "(the poker demo collapsed by step 60 with it: docs/poker.md)")
+        self.note(said)
         return True
 
 
-class AgedOut:
-    """Note once per run when, of `window` groups accepted, `above` or more were dropped as too
-    stale while queued: work paid for and thrown away (S = 1 with I = 1 on the demo: 304 of 944;
-    S = 2 with I = 1: 12)."""
+class ThinSignal(WindowNote):
+    """Of `window` groups accepted in a row, fewer than `below` of them had rewards that differ
+    (`[buffer] dynamic_sampling` skipped the rest). None at all is `NoSignal`'s to say."""
+
+    counter = "skipped_uniform"
+
+    def __init__(self, window: int, note: Callable[[str], None], below: float = 0.25):
+        super().__init__(window, note)
+        self.below = below
+
+    def judge(self, accepted: int, skipped: int) -> str | None:
+        share = 1 - skipped / accepted
+        if not 0 < share < self.below:
+            return None
+        return (f"dynamic sampling: {share:.0%} of the last {accepted} groups had rewards that differ, the rest "
+                "were skipped: each update is a mean over that share alone, a step as large as a full batch of "
+                "signal would take. If the eval falls or every sample of a group starts to play out alike, lower "
+                "[trainer] lr, or set [buffer] dynamic_sampling = false with [trainer] kl_coef > 0 "
+                "(the poker demo collapsed by step 60 with it: docs/poker.md)")
+
+class AgedOut(WindowNote):
+    """Of `window` groups accepted, `above` or more were dropped as too stale while queued: work
+    paid for and thrown away (S = 1 with I = 1 on the demo: 304 of 944; S = 2 with I = 1: 12)."""
+
+    counter = "dropped_stale"
 
     def __init__(self, window: int, note: Callable[[str], None], staleness: int, every: int, above: float = 0.2):
-        self.window, self.note, self.staleness, self.every, self.above = window, note, staleness, every, above
-        self.start: tuple[int, int] | None = None  # (accepted, dropped_stale) when the window began
-        self.said = False
+        super().__init__(window, note)
+        self.staleness, self.every, self.above = staleness, every, above
 
-    def check(self, stats) -> bool:
-        """`stats`: the buffer's `BufferStats`. Returns whether it noted now."""
-        now = (stats.accepted, stats.dropped_stale)
-        if self.said:
-            return False
-        if self.start is None:
-            self.start = now
-        accepted, dropped = now[0] - self.start[0], now[1] - self.start[1]
-        if accepted < self.window:
-            return False
-        self.start = now
+    def judge(self, accepted: int, dropped: int) -> str | None:
         if dropped < self.above * accepted:
-            return False
-        self.said = True
+            return None
         S, I = self.staleness, self.every
         fixes = [f"raise [buffer] max_staleness (S = {S + 1}, keeping [publish] every = {I})"]
         if I > max(1, S - 1):
             fixes.append(f"publish more often ([publish] every = {max(1, S - 1)})")
         fixes.append("run fewer workers")
-        self.note(f"staleness: {dropped} of the last {accepted} groups accepted were dropped as too stale before a "
-                  f"batch took them (S = {S}, I = {I}): workers generate more than the learner trains, and what "
-                  f"queues behind a batch outlives the {S}-update bound. To waste less: " + ", or ".join(fixes))
-        return True
+        return (f"staleness: {dropped} of the last {accepted} groups accepted were dropped as too stale before a "
+                f"batch took them (S = {S}, I = {I}): workers generate more than the learner trains, and what "
+                f"queues behind a batch outlives the {S}-update bound. To waste less: " + ", or ".join(fixes))
