@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,6 +63,7 @@ class LeaseRoom:
         # Prompts of uploads admitted and still being checked: no longer outstanding, not yet
         # queued. Uncounted, S = 0 leased past its batch while an upload's rewards were checked.
         self.checking = 0
+        self._overdue = (-math.inf, 0)  # (when counted, prompts of overdue leases): `_coming`
 
     def _must_install(self, worker) -> bool:
         """Is `worker`'s version too stale to be leased with (a newer one must be installed first):
@@ -71,7 +73,17 @@ class LeaseRoom:
             return False
         buf, version = self.buffer.buffer, self.run.version
         return (not buf.leasable(worker.version, version)
-                or buf.version_room(worker.version, version, self.book.outstanding + self.checking) == 0)
+                or buf.version_room(worker.version, version, self._coming()) == 0)
+
+    def _coming(self) -> int:
+        """Prompts a version's room counts as coming: leased or being checked, less those overdue
+        (a dead worker's leases, until they expire, held every other worker on its version to
+        `install`). The overdue ones are counted at most 4 times a second: it scans the leases,
+        and this is asked for every waiting worker at each wake."""
+        now = time.monotonic()
+        if now - self._overdue[0] >= 0.25:
+            self._overdue = (now, self.book.overdue(now))
+        return max(0, self.book.outstanding + self.checking - self._overdue[1])
 
     def token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as the learner's tokenizer encodes it, once per prompt while it is leased
@@ -242,7 +254,7 @@ class LeaseRoom:
                 await self.waiters.wait(deadline - now, worker)
                 continue
             room = self.room()
-            mine = buf.version_room(worker.version, run.version, self.book.outstanding + self.checking)
+            mine = buf.version_room(worker.version, run.version, self._coming())
             mine = room if mine is None or not server.refuse_stale_leases else min(room, mine)
             got = self.book.lease(worker.id, min(req.max_prompts, mine), now) if mine else None
             if got is not None:

@@ -159,3 +159,29 @@ def test_one_upload_of_many_groups_does_not_open_the_window():
         book.complete(lease.id, pid, "w", now=5.0 + i * 1e-6)
     assert book.worker_room("w", now=5.0) == 8  # twice the 2 it delivered is below the first window
     assert book.lease("w", 1024, now=5.0).size == 8
+
+
+def test_a_dead_workers_overdue_lease_does_not_hold_a_versions_room():
+    """A version trainable for one more batch is leased what the batch still needs, less the
+    groups coming (`StalenessBuffer.version_room`): a dead worker's lease would hold that room
+    until it expired, every worker on the version told to install. Overdue leases (3 median
+    turnarounds out) are not counted as coming."""
+    import time
+
+    from broadcast.star import BlobStore
+    from learner.api.leases import LeaseRoom
+    from learner.api.run import Run
+    from learner.buffer import AsyncBuffer, StalenessBuffer
+    from learner.config import ServerSection
+    from learner.metrics import LearnerMetrics
+
+    book = LeaseBook(prompts(), ttl=600, max_outstanding=16)
+    room = LeaseRoom(book, AsyncBuffer(StalenessBuffer("queue-drop", 1, 4, 2)), Run(BlobStore(keep=2)), ServerSection(),
+                     backpressure=True, encode=lambda p: [1], metrics=LearnerMetrics())
+    now = time.monotonic()
+    a = book.lease("a", 1, now=now - 12)
+    book.complete(a.id, "p0", "a", now=now - 11)  # turnarounds of a second
+    live = book.lease("b", 1, now=now - 0.5)
+    dead = book.lease("dead", 3, now=now - 10)  # out ten turnarounds
+    assert live and dead and book.outstanding == 4
+    assert room._coming() == 1  # the live lease only
