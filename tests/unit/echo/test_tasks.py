@@ -455,7 +455,8 @@ def test_the_calculator_has_an_expert_for_build_models_warm_start(tmp_path, monk
 def test_build_model_takes_the_overrides_its_own_errors_suggest(tmp_path, capsys):
     """build-model told a user to pass `--eval.where learner`, then refused the flag. It takes
     the learner's `--section.key VALUE` overrides now, names an unknown flag, and calls an
-    episode's score a return (with 0 warm-start steps there is no loss to print)."""
+    episode's score a return (with 0 warm-start steps there is no loss to print). A multi-turn
+    task's eval is on the learner unless the config says otherwise (2026-12-07)."""
     from learner.tinymodel import cli
 
     config = tmp_path / "calc.toml"
@@ -463,11 +464,11 @@ def test_build_model_takes_the_overrides_its_own_errors_suggest(tmp_path, capsys
     config.write_text(f'[model]\npath = "{out}"\n[task]\nname = "calculator"\ndigits = 1\noperands = 2\n'
                       'turns = 2\neval_size = 2\n')
     small = ["--config", str(config), "--hidden", "32", "--layers", "1", "--positions", "256", "--warmup-steps", "0"]
-    assert cli(small) == 2
+    assert cli([*small, "--eval.where", "workers"]) == 2
     assert "--eval.where learner" in capsys.readouterr().err
     assert cli([*small, "--bogus"]) == 2
     assert "unknown option --bogus" in capsys.readouterr().err
-    assert cli([*small, "--eval.where", "learner"]) == 0
+    assert cli(small) == 0
     assert "greedy eval return" in capsys.readouterr().out and (out / "config.json").exists()
 
 
