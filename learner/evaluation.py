@@ -309,13 +309,16 @@ def with_logged_eval(resumed: dict, run_log: Path, update: int) -> dict:
     found = None
     with run_log.open() as lines:
         for line in lines:
-            if '"event": "resume"' in line:
-                if json.loads(line).get("step", -1) < update:
-                    found = None
-            elif '"event": "eval"' in line:
+            if '"event": "resume"' not in line and '"event": "eval"' not in line:
+                continue  # steps, most of a long run's log: not parsed
+            try:
                 event = json.loads(line)
-                if event.get("step") == update and event.get("eval_accuracy") is not None:
-                    found = event
+            except json.JSONDecodeError:  # the line a kill cut short (as `echo.report` skips it)
+                continue
+            if event.get("event") == "resume" and event.get("step", -1) < update:
+                found = None
+            elif event.get("event") == "eval" and event.get("step") == update and event.get("eval_accuracy") is not None:
+                found = event
     if found is None:
         return resumed
     return {**resumed, "eval_accuracy": found["eval_accuracy"], "eval_version": found["version"], "eval_update": update}

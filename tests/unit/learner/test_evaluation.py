@@ -291,12 +291,13 @@ def test_a_resume_takes_its_checkpoints_eval_from_the_run_log_when_it_came_back_
     events = [{"event": "eval", "step": 10, "version": 10, "eval_accuracy": 0.3},
               {"step": 20, "version": 20, "loss": 0.1},
               {"event": "eval", "step": 20, "version": 20, "eval_accuracy": 0.43}]
-    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    log.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "eval", "step": 20, "ver')  # cut by a kill
     saved = {"eval_accuracy": 0.3, "eval_version": 10, "eval_update": 10, "lr_resumed": 1e-3}
     got = with_logged_eval(saved, log, update=20)
     assert got == {**saved, "eval_accuracy": 0.43, "eval_version": 20, "eval_update": 20}
     assert with_logged_eval(saved, log, update=30) == saved  # no event of that update: evaluated again
     with log.open("a") as f:  # resumed from update 10 since: its update 20 is another's weights
+        f.write("\n")
         f.write(json.dumps({"event": "resume", "step": 10, "version": 12}) + "\n")
     assert with_logged_eval(saved, log, update=20) == saved
     with log.open("a") as f:  # ...resumed from 20 itself (the same weights): still good
