@@ -139,10 +139,8 @@ class LeaseRoom:
         room = max(0, self.book.max_outstanding - self.book.outstanding)
         if not buf.synchronous:
             return room
-        # S = 0: what the batch still needs, counting the groups coming (leased, or being checked)
-        # but not those overdue, whose room goes to others
-        coming = self.book.outstanding + self.checking - self.book.overdue(time.monotonic())
-        return min(room, buf.lease_room(self.run.version, coming))
+        # S = 0: what the batch still needs, less the groups coming (overdue ones' room goes to others)
+        return min(room, buf.lease_room(self.run.version, self._coming()))
 
     def changed(self) -> None:
         """Something every waiting lease request must hear at once (training done, run finished, an eval round)."""
