@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from echo.chat import ChatError
+from echo.episodes import EpisodeError
 from echo.tasks import Prompt
 from learner.addresses import remember
 from learner.api.run import Run
@@ -276,9 +278,17 @@ class LearnerEvaluation(Evaluation):
         self.parts.log(self._event(version, eval_accuracy=accuracy, where="learner", seconds=round(seconds, 3)))
         self.parts.note(f"eval v{version}: {accuracy:.3f} (on the learner, {seconds:.1f} s)")
 
-    async def _evaluate(self, version: int) -> float:
+    async def _evaluate(self, version: int) -> float | None:
         started = time.monotonic()
-        accuracy = await self.parts.evaluate()
+        try:
+            accuracy = await self.parts.evaluate()
+        except (EpisodeError, ChatError) as e:
+            # The task's environment, not the model: a week's run does not end in a traceback for
+            # it. No accuracy is recorded; the next eval tries again.
+            self.parts.log({**self._event(version, where="learner"), "event": "eval_failed", "error": str(e)[:500]})
+            self.parts.note(f"eval v{version} failed, training goes on: {e} (the task's environment erred "
+                            f"while the model played it; fix the environment, then resume)")
+            return None
         self._record(version, accuracy, time.monotonic() - started)
         return accuracy
 

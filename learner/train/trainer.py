@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from echo import protocol as P
-from echo.chat import stop_ids
-from echo.episodes import Episodes
+from echo.chat import ChatError, stop_ids
+from echo.episodes import EpisodeError, Episodes
 from echo.hf import TokenBatch
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo, Group
@@ -782,8 +782,16 @@ class Trainer:
         never come, which is why N ranks used to be refused, and multi-turn tasks, evaluated only
         here, could not run on them.)"""
         episodes = dataclasses.replace(self.episodes, task=task)
-        with self._generating(self.policy) as hf:
-            returns = episodes.greedy_returns(hf, prompts, self._pad)
+        try:
+            with self._generating(self.policy) as hf:
+                returns = episodes.greedy_returns(hf, prompts, self._pad)
+        except (EpisodeError, ChatError):
+            # The environment failed in a state the start's check did not reach. Every rank fails
+            # alike (the same greedy steps); rank 0's caller says so and training goes on, and a
+            # follower must not leave its loop over it.
+            if self.world.is_main:
+                raise
+            return math.nan
         return sum(returns) / max(1, len(prompts))
 
     def rollout_params(self) -> P.RolloutParams:

@@ -304,3 +304,33 @@ def test_a_resume_takes_its_checkpoints_eval_from_the_run_log_when_it_came_back_
         f.write(json.dumps({"event": "eval", "step": 20, "version": 24, "eval_accuracy": 0.5}) + "\n")
         f.write(json.dumps({"event": "resume", "step": 20, "version": 30}) + "\n")
     assert with_logged_eval(saved, log, update=20)["eval_accuracy"] == 0.5
+
+
+def test_an_environment_that_errs_in_a_learner_eval_is_said_and_training_goes_on():
+    """An eval on the learner whose environment fails (`EpisodeError`, beyond what the start's
+    check reached) ended the run in a traceback. Now the eval is said to have failed, logged as
+    such, and the next eval is tried; the first accuracy stays unknown rather than made up."""
+    from echo.episodes import EpisodeError
+
+    log, notes, outcomes = [], [], [EpisodeError("the environment gave a non-finite reward nan"), 0.25]
+    p = parts(1, log=log)
+    p.note = notes.append
+
+    async def evaluate():
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    p.evaluate = evaluate
+    ev = make_evaluation(LearnerEval(), p)
+
+    async def run():
+        await ev.start(0)
+        return await ev.stepped(1, True, False)
+
+    assert asyncio.run(run()) == 0.25
+    assert ev.first_accuracy is None and ev.last.version == 1
+    assert [(e["event"], e["version"]) for e in log] == [("eval_failed", 0), ("eval", 1)]
+    assert "non-finite reward" in log[0]["error"]
+    assert notes[0].startswith("eval v0 failed, training goes on: the environment gave a non-finite reward")

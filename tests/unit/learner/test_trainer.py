@@ -498,3 +498,21 @@ def test_an_exported_model_with_the_probe_in_its_metadata_loads_in_transformers(
         assert f.metadata()["format"] == "pt"
     model = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_an_environment_that_errs_in_the_learners_eval_fails_on_rank_0_alone(tiny_model):
+    """An environment failing mid-eval (here: a non-finite reward) ended a run in a traceback;
+    with N ranks a follower would also have left its loop. Rank 0 raises it for the eval to say;
+    a follower returns NaN and goes on replaying rank 0's calls."""
+    import dataclasses
+
+    from echo.episodes import EpisodeError
+    from echo.tasks import load_task
+
+    task = load_task("arith", {})
+    task.reward = lambda prompt, completion: math.nan  # the environment's bug
+    trainer = _trainer(tiny_model, "--eval.where", "learner")
+    with pytest.raises(EpisodeError, match="non-finite reward"):
+        trainer.evaluate(task, task.eval_prompts()[:2])
+    trainer.world = dataclasses.replace(trainer.world, rank=1)
+    assert math.isnan(trainer.evaluate(task, task.eval_prompts()[:2]))  # and its loop replays the next call
