@@ -111,6 +111,7 @@ class SchedulerSection(Section):
     length_sigma: float = Field(0.6, ge=0.0, le=3.0, description="[scheduler] length_sigma: tailness σ of the lognormal response-length model used by plan")
     window_s: float = Field(60.0, ge=0.0, description="[scheduler] window_s: a capacity deviation must last this long before workers are (de)activated")
     release_margin: float = Field(0.3, ge=0.0, le=10.0, description="[scheduler] release_margin: release workers only when R_eff > (1 + margin)·α·R_req")
+    release_lookback_s: float | None = Field(None, ge=0.0, description="[scheduler] release_lookback_s: a release is judged against the highest target of this many seconds back, so a swinging target does not release a machine it wants again a window later (default: 3 × window_s)")
     heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="[scheduler] heartbeat_timeout_s: a worker silent this long is unavailable")
     ewma: float = Field(0.2, gt=0.0, le=1.0, description="[scheduler] ewma: weight of each throughput report in the smoothed rate r̂")
     warmup_s: float = Field(30.0, ge=0.0, description="[scheduler] warmup_s: a freshly activated worker counts at its declared rate this long")
@@ -171,5 +172,5 @@ class SchedulerSection(Section):
         return ControllerParams(
             alpha=self.alpha, window_s=self.window_s, release_margin=self.release_margin,
             heartbeat_timeout_s=self.heartbeat_timeout_s, ewma=self.ewma, warmup_s=self.warmup_s,
-            max_price_per_hour=cap,
+            max_price_per_hour=cap, release_lookback_s=self.release_lookback_s,
         )

@@ -16,7 +16,11 @@ It keeps `R_eff = Σ_{i active} a_i·r̂_i` at or above the target `α·R_req`:
   a machine that would pass it, and prices that rose past it release the dearest first;
 - above `(1 + release_margin)·target` for `window_s` → release the active worker with the
   highest unit cost whose removal leaves `R_eff ≥ (1 + release_margin/2)·target`, one per
-  window (gradual, and never back into the activation zone: no flapping).
+  window (gradual, and never back into the activation zone: no flapping). On the way down the
+  target is the highest of the last `release_lookback_s` (three windows by default), as
+  Kubernetes' autoscaler stabilises a scale-down: a target that swings (a noisy useful share, a
+  step slowed by the workers sharing its CPU) released, in the demo, a machine it activated
+  again 15 s later, four times in two minutes.
 
 The controller is pure: it is fed plain numbers (`join`, `observe`, `tick`) and returns
 `Decision`s; the learner adapter turns them into messages and owns the clock. Invariant
@@ -26,6 +30,7 @@ The controller is pure: it is fed plain numbers (`join`, `observe`, `tick`) and 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +51,7 @@ class ControllerParams:
     ewma: float = 0.2  # weight of each new throughput report in r̂
     warmup_s: float = 30.0  # a freshly activated worker counts at its prior this long
     max_price_per_hour: float = math.inf  # Σ c_i of the active workers never exceeds it (the budget)
+    release_lookback_s: float | None = None  # releases judge the highest target this far back (None: 3·window_s)
 
     def __post_init__(self) -> None:
         if not self.alpha >= 1:
@@ -56,6 +62,8 @@ class ControllerParams:
             raise SchedulerError(f"release_margin must be ≥ 0, got {self.release_margin!r}")
         if not self.max_price_per_hour > 0:
             raise SchedulerError(f"max_price_per_hour must be > 0, got {self.max_price_per_hour!r}")
+        if self.release_lookback_s is not None and not self.release_lookback_s >= 0:
+            raise SchedulerError(f"release_lookback_s must be ≥ 0, got {self.release_lookback_s!r}")
         if not 0 < self.ewma <= 1:
             raise SchedulerError(f"ewma must be in (0, 1], got {self.ewma!r}")
 
@@ -105,6 +113,7 @@ class Controller:
         self._urgent = False
         self._shortfall = 0.0
         self._last: ControllerStatus | None = None
+        self._targets: deque[tuple[float, float]] = deque()  # (time, target), decreasing targets: a sliding maximum
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -166,6 +175,7 @@ class Controller:
             raise SchedulerError(f"r_req must be a finite rate ≥ 0, got {r_req!r}")
         p = self.p
         target = p.alpha * r_req
+        peak = self._peak(now, target)
         decisions: list[Decision] = []
         for w in self._workers.values():
             if w.alive and now - w.last_beat > p.heartbeat_timeout_s:
@@ -186,14 +196,14 @@ class Controller:
                 decisions += self._activate(now, target - r_eff, target)
                 self._below_since = None
             self._urgent = False
-        elif r_eff > (1 + p.release_margin) * target and active:
+        elif r_eff > (1 + p.release_margin) * peak and active:
             self._below_since = None
             self._shortfall = 0.0
             self._urgent = False
             if self._above_since is None:
                 self._above_since = now
             if now - self._above_since >= p.window_s:
-                decisions += self._release_one(r_eff, target)
+                decisions += self._release_one(r_eff, peak, target)
                 self._above_since = None
         else:
             self._below_since = self._above_since = None
@@ -204,6 +214,17 @@ class Controller:
         assert math.fsum(w.price for w in self._workers.values() if w.active) <= self.p.max_price_per_hour + 1e-9
         self._last = self._status(now, r_req, target)
         return decisions
+
+    def _peak(self, now: float, target: float) -> float:
+        """The highest target of the last `release_lookback_s`, this one's included."""
+        lookback = 3 * self.p.window_s if self.p.release_lookback_s is None else self.p.release_lookback_s
+        kept = self._targets
+        while kept and kept[-1][1] <= target:
+            kept.pop()
+        kept.append((now, target))
+        while kept[0][0] < now - lookback:
+            kept.popleft()
+        return kept[0][1]
 
     def _within_budget(self) -> list[Decision]:
         """Prices rose past `max_price_per_hour`: release the dearest by unit cost until under it."""
@@ -236,12 +257,13 @@ class Controller:
         self._shortfall = max(0.0, deficit - added)
         return out
 
-    def _release_one(self, r_eff: float, target: float) -> list[Decision]:
-        floor = (1 + self.p.release_margin / 2) * target
+    def _release_one(self, r_eff: float, peak: float, target: float) -> list[Decision]:
+        floor = (1 + self.p.release_margin / 2) * peak
+        judged = f"target {target:.3g}/s" if peak <= target else f"the recent highest target {peak:.3g}/s"
         for w in sorted((w for w in self._workers.values() if w.active), key=lambda w: (-w.unit_cost, w.id)):
             if r_eff - w.rate >= floor:
                 w.active = False
-                return [Decision("release", w.id, f"R_eff {r_eff:.3g}/s above target {target:.3g}/s by the margin")]
+                return [Decision("release", w.id, f"R_eff {r_eff:.3g}/s above {judged} by the margin")]
         return []
 
     # --- outputs -----------------------------------------------------------------------------

@@ -174,3 +174,33 @@ def test_a_worker_joining_a_fleet_already_short_is_activated_at_the_next_tick() 
     ctl.tick(4.0, r_req=1.0)  # demand fell: covered, no shortfall left
     ctl.join(5.0, "c", 0.36, 3.0)
     assert ctl.tick(6.0, r_req=1.0) == []  # nothing to meet: no activation
+
+
+def test_a_swinging_target_does_not_release_a_machine_it_wants_again_a_window_later() -> None:
+    """The demo's target swung 1.3k ↔ 3.3k rollouts/s within half a minute (a noisy useful share,
+    steps slowed by workers sharing the learner's CPU), and the controller released a machine
+    after each low and activated it again after the next high: four times in two minutes. A
+    release is judged against the highest target of the last three windows now; a target that
+    stays low still releases, three windows later."""
+    def swings(params: ControllerParams, seconds: int, period: int = 40) -> list[tuple[int, str, str]]:
+        ctl = joined(params)
+        seen = []
+        for t in range(seconds):
+            beat(ctl, float(t))
+            r_req = 9.0 if (t // (period // 2)) % 2 == 0 else 3.5  # targets 10.8 and 4.2
+            seen += [(t, d.action, d.worker_id) for d in ctl.tick(float(t), r_req)]
+        return seen
+
+    def params(lookback: float | None) -> ControllerParams:
+        return ControllerParams(alpha=1.2, window_s=10, release_margin=0.3, warmup_s=0, release_lookback_s=lookback)
+
+    flapped = swings(params(0.0), 400)  # judged on the tick's own target, as before
+    assert sum(action == "release" for _, action, _ in flapped) >= 8, flapped
+    held = swings(params(None), 400)
+    assert [action for _, action, _ in held] == ["activate"] * len(held), held  # the first cover, then nothing
+    ctl = joined(params(None))
+    released = []
+    for t in range(200):
+        beat(ctl, float(t))
+        released += [t for d in ctl.tick(float(t), 9.0 if t < 20 else 3.5) if d.action == "release"]
+    assert released and 20 + 30 <= released[0] <= 20 + 30 + 12  # the high is out of the lookback, then a window
