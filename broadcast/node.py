@@ -409,6 +409,13 @@ class Node:
                 raise Refused(401, f"{self.id}: {e.text}") from None
         return None
 
+    def version_streams(self, store: VersionStore) -> tuple[list[VersionStore], int, int | None]:
+        """The streams held of `store`'s version (full and delta), the larger's size, the version."""
+        version = key_version(store.key)
+        streams = [store, *(s for s in self.stores.values()
+                            if s is not store and version is not None and key_version(s.key) == version)]
+        return streams, max(s.manifest.wire_size for s in streams), version
+
     def pulled(self, store: VersionStore, holder: str | None, start: int, end: int) -> None:
         """A pull of chunks [start, end) of `store` by a ticket's holder is to begin: refused (429)
         past the holder's share of this version (`PULL_SHARE`), else counted, and the source tells
@@ -417,11 +424,8 @@ class Node:
             return
         # A version's full and delta streams share one share, of the larger's size: counted per
         # stream, one holder took each twice, 3.5 versions' worth (a tester, 2026-11-29)
-        version = key_version(store.key)
-        streams = [store, *(s for s in self.stores.values()
-                            if s is not store and version is not None and key_version(s.key) == version)]
+        streams, size, version = self.version_streams(store)
         served, wanted = sum(s.pulled_by.get(holder, 0) for s in streams), store.range_bytes(start, end)
-        size = max(s.manifest.wire_size for s in streams)
         if served + wanted > PULL_SHARE * size:
             raise Refused(429, f"{self.id}: {holder[:64]!r} was served {served} B of version {version} by pull "
                                f"already, of {size} B; a worker needs a version once (at most {PULL_SHARE}× its "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 from aiohttp import web
@@ -23,10 +23,11 @@ from broadcast.route import Route, SignedRoute, chunk_spans, route_for, sign_rou
 from broadcast.signing import SignedManifest, SigningKey, sign_manifest
 from broadcast.store import VersionStore
 from broadcast.tickets import LEARNER, Readers, issue
-from broadcast.transport import PREFIX, Hop, bearer
+from broadcast.transport import PREFIX, Hop, Refused, bearer
 
 FEED_WAIT_S = 20.0  # how long one long poll of the route feed waits for a route
 FEED_KEEP = 16  # routes the feed remembers
+COPIES_PER_ADDRESS = 32  # versions' worth one address's holders may pull (the learner: 2 × max_workers_per_address)
 
 
 class Source(Node):
@@ -42,10 +43,30 @@ class Source(Node):
         self.verify_key = signing_key.public_key()
         if self.read_token:  # guarded: the learner revokes a quarantined worker here (readers.revoke)
             self.readers = Readers(self.verify_key, me=self.id)
+        # Per address, what all its ticket holders pulled of a version (`pulled`): a holder's share
+        # alone was renewed by each identity the address joined as.
+        self.address_of: Callable[[str], str | None] | None = None  # a holder's address key (the learner's registry)
+        self.copies_per_address = COPIES_PER_ADDRESS
         self._feed: deque[tuple[int, SignedManifest, SignedRoute]] = deque(maxlen=FEED_KEEP)
         self._seq = 0
         self._feed_changed: asyncio.Condition | None = None
         self._closing = False
+
+    def pulled(self, store: VersionStore, holder: str | None, start: int, end: int) -> None:
+        """As every node (a holder's share of the version), and at most `copies_per_address` of the
+        version by pull to all the holders of one address: an address that joined as a new
+        identity for each copy took the whole model from the learner's uplink without end."""
+        address = self.address_of(holder) if holder is not None and self.address_of is not None else None
+        if address is None:
+            return super().pulled(store, holder, start, end)
+        streams, size, version = self.version_streams(store)
+        served, wanted = sum(s.pulled_from.get(address, 0) for s in streams), store.range_bytes(start, end)
+        if served + wanted > self.copies_per_address * size:
+            raise Refused(429, f"{self.id}: the workers at {address} were served {served} B of version {version} by "
+                               f"pull already, {self.copies_per_address} copies of its {size} B; pull it from a "
+                               "peer, or wait for the next version")
+        super().pulled(store, holder, start, end)
+        store.pulled_from[address] = store.pulled_from.get(address, 0) + wanted
 
     def push_ticket(self, child: str) -> str | None:
         """A ticket good at `child` only (`broadcast.tickets`): the learner's own would read the

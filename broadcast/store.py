@@ -87,6 +87,7 @@ class VersionStore:
         self.span_rates: list[float | None] = [None]  # per span: its tree's rate, if the route is paced
         self.last_failure = ""  # why the latest inbound stream ended early (for repair events)
         self.pulled_by: dict[str, int] = {}  # ticket holder -> bytes of this version it was served by pull
+        self.pulled_from: dict[str, int] = {}  # the holders' address (its /64) -> those bytes, all its holders'
         self.gone: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
         self._conds = [asyncio.Condition()]  # one per span: a commit wakes only that span's readers

@@ -86,6 +86,9 @@ class StarPublisher:
         """Start serving; returns the learner's relay URL (None: nothing pushes)."""
         return None
 
+    def gate_pulls(self, address_of, copies: int) -> None:
+        """Star: the control API's downloads are counted per address there (`learner.api.status`)."""
+
     async def publish(self, version: int, blob: bytes, workers: list) -> Announcement:
         """Publish `version`; returns what to announce to workers."""
         digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())  # not on the event loop
@@ -186,6 +189,12 @@ class ChainPublisher(StarPublisher):
             source=self.source.url,
             plan={k: PlanBrief(kind=v["kind"], chains=len(v["chains"]), predicted_s=v["predicted_s"])
                   for k, v in plans.items()})
+
+    def gate_pulls(self, address_of, copies: int) -> None:
+        """At most `copies` of each version by pull from the source to the workers of one address
+        (`address_of`: a worker id's address key, None for one the learner does not know)."""
+        assert self.source is not None, "start() the publisher first"
+        self.source.address_of, self.source.copies_per_address = address_of, copies
 
     def _pulled(self, key: str, holder: str, start: int, end: int) -> None:
         """A pull from the source blames the puller's parent only if the learner accepted the

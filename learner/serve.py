@@ -93,6 +93,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
                      lora=trainer.lora_info(keep=cfg.buffer.max_staleness + 2), machine_key=run_dir.machine_key,
                      task_dirs=task_dirs)
     evaluation.parts.quarantine = lambda worker_id, why: api.registry.quarantine_id(worker_id, "eval", why)
+    publisher.gate_pulls(api.registry.address_of, copies=2 * cfg.server.max_workers_per_address)  # as the star's downloads
     url = await api.start(cfg.server.host, run_dir.port(cfg.server.port), reap_every=min(1.0, cfg.server.lease_ttl / 4))
     # The scheduler comes once the address is known: its provider hands it to the machines it starts.
     provider = make_provider(cfg, url, run_dir.machine_key, run_dir.path) if cfg.scheduled else None

@@ -148,6 +148,11 @@ class WorkerRegistry:
     def active(self, now: float) -> list[WorkerInfo]:
         return [w for w in self.alive(now) if w.active]
 
+    def address_of(self, worker_id: str) -> str | None:
+        """A worker's address key (its /64 for IPv6); None for one not registered."""
+        w = self.workers.get(worker_id)
+        return None if w is None else address_key(w.address)
+
     def of_machine(self, machine: str | None) -> WorkerInfo | None:
         """The live identity of pool machine `machine` (a join with its machine token replaces it)."""
         if not machine:  # most joins: no machine token, and nothing to scan the fleet for

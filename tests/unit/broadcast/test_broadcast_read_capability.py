@@ -714,3 +714,40 @@ def test_a_peers_endless_reply_is_read_no_further_than_its_bound():
         assert sent["manifest"] < MAX_HEADER_BYTES + (32 << 20), sent
 
     asyncio.run(run())
+
+
+def test_the_holders_of_one_address_pull_a_bounded_number_of_copies_from_the_source():
+    """Each holder's share was renewed by each identity an address joined as: 16 sybils from one
+    address, each pulling twice, took 32 copies of a version from the learner's uplink, and a
+    new identity took more (at 8B, 16 GB each). The source now counts an address's holders
+    together (`Source.address_of`, the learner's registry), up to `copies_per_address`; a holder
+    at another address is not affected, nor a source that knows no addresses."""
+    blob = os.urandom(1 << 20)
+
+    async def run():
+        src = Source(KEY, read_token=issue(KEY, "learner"), up_rate=None)
+        await src.start()
+        await src.publish(blob, 1, chunk_size=64 << 10)
+        src.address_of = lambda holder: "198.51.100.7" if holder.startswith("sybil") else "203.0.113.9"
+        src.copies_per_address = 3
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def pull(holder: str) -> int:
+                    headers = holder_headers(holder, "source", f"{PREFIX}/chunks/v1")
+                    async with session.get(f"{src.url}{PREFIX}/chunks/v1?from=0", headers=headers) as resp:
+                        await resp.read()
+                        return resp.status
+
+                for k in range(5):  # a new identity for each copy
+                    statuses.append(await pull(f"sybil-{k}"))
+                statuses.append(await pull("honest"))
+                store = src.stores["v1"]
+                served, size = store.pulled_from["198.51.100.7"], store.manifest.wire_size
+        finally:
+            await src.stop()
+        return statuses, served, size
+
+    statuses, served, size = asyncio.run(run())
+    assert statuses == [200, 200, 200, 429, 429, 200], statuses
+    assert served == 3 * size  # the refused pulls were not counted
