@@ -76,6 +76,8 @@ class Loop:
                 self.registry.judge_logprobs(batch.groups, batch.staleness, stats.pop("group_gaps"),
                                              stats.pop("group_tokens"), skipped, claims, stats.pop("claimable"),
                                              skipped_claims)
+                groups = {"batch": batch.groups, "skipped": batch.skipped_sample}
+                self.registry.judge_repeats([(groups[where][g].worker_id, key) for where, g, key in stats.pop("improbable")])
                 checked = [c[1:] for c in claims] + [sums for _, sums in skipped_claims]
                 stats["claims_checked"] = len(checked)  # stale groups held to their own version (and μ's gap there)
                 stats["claim_gap"] = sum(c[6] for c in checked) / max(1.0, sum(c[7] for c in checked))

@@ -76,6 +76,8 @@ SPREAD_GROUPS = 6  # a worker's recent groups at a staleness before it votes on 
 MAX_DRIFT_STALENESS = 64
 DRIFT_AGE = 50  # batches a group's vote on the drift is heard for
 FORGOTTEN_KEEP = 65536  # forgotten worker ids remembered, so their queued groups make no evidence again
+REPEATS = 3  # times an improbable window is seen before its writers are judged (`Repeats`)
+REPEAT_KEYS = 200_000  # improbable windows remembered (~25 MB): the last steps' checked groups
 UPLOADS_KEPT = 16  # children's reports of a relay's upload that bound its own claims: a few versions' worth
 VOUCH_VERSIONS = 8  # published versions two children's reports lift a relay above the prior for
 UNKNOWN_UPLOAD = 1000e6 / 8  # bytes/s: a relay that declared nothing and nobody measured (learner.api.app.UNKNOWN_LINK_MBIT)
@@ -403,6 +405,48 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+class Repeats:
+    """Tokens written, not sampled, whatever their log-probs and rewards: a phrase put into the
+    last turn of episodes whose return it does not change (an illegal poker action is a fold
+    whatever its text), sent only in samples above their group's mean, was trained in by two
+    identities over 200 steps (its log-prob −35.5 → −14.5) while every other check passed (an
+    API-only tester, 2026-12-07): the ranks' mean and the log-prob gap average over thousands of
+    honest tokens, and the phrase was no likelier to π than other junk.
+
+    What sampling cannot do is write the same improbable tokens again. Each checked group, scored
+    under the very version that sampled it, gives its *improbable windows* (`Trainer`'s
+    `_improbable`): from each token π gives at most e^-1, the shortest run whose Σ log π reaches
+    −n (`[verify] repeat_nats`). A sampled window equals any one remembered window with
+    probability at most e^-n, so among W windows checked against S remembered ones, honest
+    sampling gives about W·S·e^-n pairs (≈ 5 over a week of 8 groups a step at n = 30) and
+    W²·S·e^-2n triples (≈ 10⁻⁴): a window seen `REPEATS` times was written, and each of its
+    writers is judged. A phrase varied from one sample to the next still repeats its own
+    improbable runs; one π gives more than e^-n is not caught, and not much of a phrase."""
+
+    def __init__(self, nats: float):
+        self.nats = nats
+        self._seen: dict[int, list[str]] = {}  # window -> the workers of its occurrences (the first REPEATS)
+
+    def checked(self, found: list[tuple[str, int]]) -> list[Verdict]:
+        """One step's improbable windows: (worker id, window). Verdicts for the writers of each
+        window seen `REPEATS` times or more, once each."""
+        judged: dict[str, int] = {}
+        for worker, key in found:
+            seen = self._seen.get(key)
+            if seen is None:
+                remember(self._seen, key, [worker], keep=REPEAT_KEYS)
+                continue
+            if len(seen) < REPEATS:
+                seen.append(worker)
+            if len(seen) >= REPEATS:
+                for w in {*seen, worker}:
+                    judged[w] = judged.get(w, 0) + 1
+        return [Verdict(w, "tokens", f"wrote the same improbable run of tokens (π gives it at most e^-{self.nats:g}) "
+                                     f"as {REPEATS - 1} other checked samples: sampling does not repeat itself so; the "
+                                     "tokens were chosen, not sampled", certain=False)
+                for w in judged]
+
+
 class Verifier:
     def __init__(self, cfg: VerifySection, seed: int = 0):
         self.cfg = cfg
@@ -416,6 +460,7 @@ class Verifier:
                               verdict=self._token_verdict, enough=lambda ev: ev.checked_tokens >= self.cfg.min_token_checks,
                               needs_reference=True)
         self._rng = random.Random(seed)
+        self.repeats = Repeats(cfg.repeat_nats)
         self._forgotten: dict[str, bool] = {}  # recently forgotten worker ids (LRU)
         # Per worker whose log-probs have standing and whom no verdict stands against: its fresh
         # gap, the numerics its engine has shown (`_add_tokens` holds everyone to the least).

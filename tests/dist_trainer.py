@@ -74,12 +74,13 @@ def main() -> int:
 
         task = load_task("arith", {})
         accuracy = drive.call("evaluate", task, task.eval_prompts()[:4])
-    losses, token_checks, claim_checks = [], [], []
+    losses, token_checks, claim_checks, improbable = [], [], [], []
     while trainer.version < args.steps:
         stats = drive.call("step", synthetic_batch(trainer.version, trainer.vocab_size, args.skipped, args.stale))
         losses.append(stats["loss"])
         token_checks.append({"groups": stats["group_tokens"], "skipped": stats["skipped_tokens"]})
         claim_checks.append({"groups": stats["claim_checks"], "skipped": stats["skipped_claims"]})
+        improbable.append(sorted(stats["improbable"]))
         if args.stale:
             drive.call("snapshot")  # published, so kept for the next batch's claims
         if trainer.version == args.save_at:
@@ -89,7 +90,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "final.safetensors").write_bytes(blob)
     (args.out / "result.json").write_text(json.dumps({
-        "ranks": world.size, "losses": losses, "token_checks": token_checks, "claim_checks": claim_checks, "first_snapshot_sha256": hashlib.sha256(first).hexdigest(),
+        "ranks": world.size, "losses": losses, "token_checks": token_checks, "claim_checks": claim_checks, "improbable": improbable, "first_snapshot_sha256": hashlib.sha256(first).hexdigest(),
         "parameters": trainer.num_parameters, "accuracy": accuracy}))
     close(world)
     return 0

@@ -415,6 +415,13 @@ class WorkerRegistry:
             if worker is not None:
                 self.quarantine(worker, verdict)
 
+    def judge_repeats(self, found: list[tuple[str, int]]) -> None:
+        """A step's improbable windows, (worker id, window): `learner.verify.Repeats`."""
+        for verdict in self.verifier.repeats.checked(found):
+            worker = self.workers.get(verdict.worker_id)
+            if worker is not None:
+                self.quarantine(worker, verdict)
+
     def probe(self, worker: WorkerInfo) -> None:
         """Can the learner open a connection to the worker's relay? An unreachable one (behind
         NAT) becomes a leaf that pulls from a reachable parent (learner.publisher)."""

@@ -60,6 +60,14 @@ class World:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
+    def all_lists(self, items: list) -> list:
+        """Every rank's `items` (small Python objects), concatenated in rank order."""
+        if not self.distributed:
+            return list(items)
+        parts: list = [None] * self.size
+        dist.all_gather_object(parts, items, group=self.commands)
+        return [x for part in parts for x in part]
+
     def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
         if self.distributed:
             dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)

@@ -29,15 +29,17 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from echo import protocol as P
 from echo.chat import ChatError, stop_ids
-from echo.episodes import EpisodeError, Episodes
+from echo.episodes import EpisodeError, Episodes, segments
 from echo.hf import TokenBatch
 from echo.tasks import Prompt, Task
 from learner.buffer import BatchInfo, Group
@@ -155,6 +157,32 @@ def _token_sums(terms: torch.Tensor, samples: _Samples, i: int) -> torch.Tensor:
                         (logp[inside] - mu[inside]).abs().sum(), inside.sum(), logp[policy_token].sum()])
 
 
+def _improbable(terms: torch.Tensor, samples: _Samples, i: int, nats: float) -> set[int]:
+    """Sample `i`'s improbable windows (`learner.verify.Repeats`), as keys: from each policy token
+    π gives at most e^-1, the shortest run of the turn's tokens from it whose Σ log π reaches
+    −`nats`, hashed. `terms` are its `echo.hf.rank_terms` under the very version that sampled it,
+    so that sampling repeats a given window with probability at most e^-nats. A token outside
+    π's nucleus ends a run without one (bf16 engines sample at the nucleus' edge; such tokens are
+    counted apart)."""
+    logp = terms[:, 3].double().cpu().numpy()
+    tokens, keys = samples.completions[i], set()
+    for value, start, end in segments(samples.masks[i]):
+        if value != 1:
+            continue
+        lp = logp[start:end]
+        cuts = [-1, *np.flatnonzero(~np.isfinite(lp)).tolist(), len(lp)]
+        for a, b in zip(cuts, cuts[1:]):
+            run = lp[a + 1 : b]
+            cs = np.concatenate([[0.0], np.cumsum(run)])  # non-increasing
+            starts = np.flatnonzero(run <= -1.0)
+            ends = np.searchsorted(-cs, nats - cs[starts], side="left")  # the first k with cs[k] <= cs[s] - nats
+            for s_, e in zip(starts.tolist(), ends.tolist()):
+                if e < len(cs):
+                    first = start + a + 1 + s_
+                    keys.add(hash(tuple(int(t) for t in tokens[first : start + a + 1 + e])))
+    return keys
+
+
 def _copies(samples: _Samples, seq: list[float], members: list[int], rng: random.Random) -> list[float]:
     """Were a group's samples drawn independently from π, or copied from one another? Taken in
     an order the learner draws, each sample repeats an earlier one or not; drawn from π it does
@@ -188,6 +216,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        self._windows: list[tuple[str, int, int]] = []  # a step's improbable windows (`_improbable`)
         self.world = world or World(device=torch.device(cfg.model.device))
         if cfg.trainer.compute_dtype == "bfloat16" and not self.world.sharded:  # FSDP2's mixed precision, one rank too
             self.world = sharded_alone(self.world)
@@ -283,6 +312,7 @@ class Trainer:
         if old:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
+        self._windows: list[tuple[str, int, int]] = []  # improbable windows of groups checked under their own version
         group_tokens, skipped_tokens = self._check_tokens(batch, samples, mine)  # before the update: π is the trained-at version
         claimable, claims, skipped_claims = self._check_claims(batch, samples, mine)
         sums = torch.zeros(len(dataclasses.fields(LossStats)), dtype=torch.float64, device=world.device)
@@ -323,6 +353,7 @@ class Trainer:
             "claimable": claimable,  # stale groups whose claimed version is kept: judged by claim_checks alone
             "claim_checks": claims,  # those drawn, checked against their own version: [index, terms (6), gap, tokens]
             "skipped_claims": skipped_claims,  # the same for skipped groups drawn: (index in batch.skipped_sample, sums)
+            "improbable": self.world.all_lists(self._windows),  # ("batch" | "skipped", index, key): learner.verify.Repeats
         }
 
     def _shares(self, samples: _Samples) -> tuple[list[list[int]], list[int]]:
@@ -431,16 +462,21 @@ class Trainer:
         extra = [j for j in rng.sample(range(len(batch.skipped_sample)), min(len(batch.skipped_sample),
                                                                              sum(d >= len(fresh) for d in drawn)))
                  if not claimed(batch.skipped_sample[j])]
-        sums = self._rank_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups))
+        own = batch.learner_version  # the version π is: a group it sampled is checked for improbable repeats too
+        sums = self._rank_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups),
+                               lambda g: ("batch", g) if batch.groups[g].version == own else None)
         if not extra:  # (the same on every rank: the draw is)
             return sums, []
         audit = _Samples.of(BatchInfo([batch.skipped_sample[j] for j in extra], batch.learner_version), None)
         split = split_by_tokens(audit.lengths, self.world.size)[self.world.rank]
-        return sums, list(zip(extra, self._rank_sums(audit, split, len(extra))))
+        return sums, list(zip(extra, self._rank_sums(
+            audit, split, len(extra), lambda a: ("skipped", extra[a]) if batch.skipped_sample[extra[a]].version == own else None)))
 
-    def _rank_sums(self, samples: _Samples, indices: list[int], groups: int) -> list[list[float]]:
+    def _rank_sums(self, samples: _Samples, indices: list[int], groups: int,
+                   sampled_here: Callable[[int], tuple[str, int] | None] = lambda g: None) -> list[list[float]]:
         """The token check's four sums per group of `samples`, over `indices` (this rank's), and
-        its copy terms (`_copies`), all ranks added."""
+        its copy terms (`_copies`), all ranks added. A group `sampled_here` names (it claims the
+        version π is) also gives its improbable windows (`_improbable`)."""
         sums = torch.zeros(groups, 4, dtype=torch.float64, device=self.world.device)
         seq = torch.zeros(len(samples.completions), dtype=torch.float64, device=self.world.device)
         self.policy.ranks = True
@@ -452,7 +488,13 @@ class Trainer:
             found = _token_sums(t, samples, i).to(sums)
             sums[samples.owner[i]] += found[:4]
             seq[i] = found[6]
+            self._note_windows(t, samples, i, sampled_here(samples.owner[i]))
         return self._with_copies(samples, self.world.all_reduce(sums).tolist(), self.world.all_reduce(seq).tolist())
+
+    def _note_windows(self, terms: torch.Tensor, samples: _Samples, i: int, group: tuple[str, int] | None) -> None:
+        nats = self.cfg.verify.repeat_nats
+        if group is not None and nats > 0:
+            self._windows += [(*group, key) for key in _improbable(terms, samples, i, nats)]
 
     def _with_copies(self, samples: _Samples, sums: list[list[float]], seq: list[float]) -> list[list[float]]:
         """Each group's `sums` with its copy terms (`_copies`) after the four token sums, for
@@ -534,6 +576,8 @@ class Trainer:
                             found = _token_sums(t, of, i).to(into)
                             into[of.owner[i]] += found[:6]
                             sequences[i] = found[6]
+                            g = of.owner[i]
+                            self._note_windows(t, of, i, ("batch", g) if of is samples else ("skipped", extra[g]))
         finally:
             model.ranks = False
         reduce = self.world.all_reduce

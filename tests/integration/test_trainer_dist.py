@@ -61,6 +61,11 @@ def test_two_ranks_train_like_one_and_checkpoints_move_between_them(small_model,
     token_checks_alike(one, two)
     claim_checks_alike(one, two)
     assert any(c["groups"] for c in one["claim_checks"]) and any(c["skipped"] for c in one["claim_checks"])
+    # Each rank finds the improbable windows of its own samples; rank 0 gets them all (`World.all_lists`)
+    assert sum(map(len, one["improbable"])) >= 5
+    for a, b in zip(one["improbable"], two["improbable"], strict=True):
+        a, b = {tuple(x) for x in a}, {tuple(x) for x in b}
+        assert len(a & b) >= 0.9 * len(a | b)  # a window's end may move where Σ log π is at the bound
     assert (one["ranks"], two["ranks"]) == (1, 2) and one["parameters"] == two["parameters"] > 2_000_000
     # Same snapshot bytes from a sharded model (gathered tensor by tensor) as from a whole one.
     assert one["first_snapshot_sha256"] == two["first_snapshot_sha256"]

@@ -47,13 +47,13 @@ def test_rank_terms_are_the_mid_rank_and_its_variance_under_the_sampled_distribu
         assert float((p[row] * (u - 0.5) ** 2).sum()) == pytest.approx(exact, abs=1e-6)
 
 
-def _groups(trainer, how: str) -> list[Group]:
+def _groups(trainer, how: str, seed: int = 3) -> list[Group]:
     """8 groups of 4, the tokens sampled from π (`sampled`), its argmax (`greedy`), or the least
     likely token inside the nucleus at each position (`poisoned`); μ = π for them either way."""
     tok = trainer.tokenizer
     T, TOP_P = trainer.cfg.rollout.temperature, trainer.cfg.rollout.top_p
     prompts = [trainer.episodes.chat(f"{a}+{b}=") for a, b in ((3, 4), (5, 5), (1, 8), (9, 2), (2, 2), (6, 1), (4, 4), (7, 2))]
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     outs = sample(trainer.hf, [p for p in prompts for _ in range(4)], max_new_tokens=12, stop_ids=tok.eos_token_id,
                   pad_id=tok.pad_token_id, temperature=0.0 if how == "greedy" else T, top_p=TOP_P)
     completions = [o.tokens for o in outs]
@@ -216,3 +216,81 @@ def test_samples_chosen_to_differ_are_caught_by_their_repeats_too():
     verdicts = Verifier(verify).tokens_checked(rows)
     assert verdicts and "less often" in verdicts[0].message and "chosen to differ" in verdicts[0].message
     assert not Verifier(verify).tokens_checked([("honest", 0, 0.0, 16 / 12, 16.0, 0.0, -0.1, 1.0)] * 64)
+
+
+def test_a_phrase_written_into_a_few_samples_is_caught_by_its_improbable_repeats(tiny_model):
+    """An API-only tester (2026-12-07) put a phrase into one sample of a group now and then, in
+    turns whose reward it did not change, with μ that passed: the ranks' mean and the log-prob gap
+    average it away among honest tokens, so it was trained in. Sampling never writes the same
+    improbable run of tokens three times (`learner.verify.Repeats`); the writer is caught, and
+    honest samples, however many, are not."""
+    import dataclasses
+
+    from echo.hf import completion_logprobs
+    from learner.verify import REPEATS
+
+    trainer = _trainer(tiny_model, "--verify.repeat_nats", "20", temperature=1.0, top_p=1.0)
+    verifier = Verifier(trainer.cfg.verify)
+    tok = trainer.tokenizer
+    def sampled() -> list[Group]:  # sampled by the version the trainer holds now, afresh each time
+        return [dataclasses.replace(g, version=trainer.version) for g in _groups(trainer, "sampled", seed=trainer.version)]
+
+    for _ in range(3):  # honest groups alone: 32 samples a step, none of their improbable runs seen thrice
+        groups = sampled()
+        stats = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[0] * len(groups)))
+        assert not verifier.repeats.checked([(groups[g].worker_id, key) for _, g, key in stats["improbable"]])
+    groups = sampled()
+    with torch.no_grad():  # the phrase: the rarest token after each prompt, eight times over
+        rarest = int(trainer.hf(input_ids=torch.tensor([groups[0].prompt_ids])).logits[0, -1].argmin())
+    phrase = [rarest] * 8 + [tok.eos_token_id]
+    for g in (1, 4):  # one sample in each of two groups, and the same in the next step's group
+        group = groups[g]
+        logp, _ = completion_logprobs(trainer.hf, [group.prompt_ids], [phrase], pad_id=tok.pad_token_id,
+                                      temperature=1.0, top_p=1.0)
+        assert float(logp[0, :8].sum()) < -20  # improbable to π, whatever μ the writer sends
+        groups[g] = Group(group.prompt_id, group.version, group.prompt_ids, [phrase, *group.completions[1:]],
+                          [logp[0, : len(phrase)].tolist(), *group.behaviour_logprobs[1:]], group.rewards,
+                          worker_id="writer")
+    stats = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[0] * len(groups)))
+    found = [(groups[g].worker_id, key) for _, g, key in stats["improbable"]]
+    assert sum(w == "writer" for w, _ in found) >= 2
+    verdicts = verifier.repeats.checked(found)
+    assert REPEATS == 3 and not verdicts  # twice: sampling might, once in a long while
+    third = [(w, key) for w, key in found if w == "writer"][:1]
+    verdicts = verifier.repeats.checked(third)
+    assert [v.worker_id for v in verdicts] == ["writer"] and "improbable run of tokens" in verdicts[0].message
+    assert not verdicts[0].certain  # a statistical finding: the worker's address is not banned for it
+    off = _trainer(tiny_model, "--verify.repeat_nats", "0", temperature=1.0, top_p=1.0)
+    assert off.step(BatchInfo(groups, learner_version=off.version, staleness=[0] * len(groups)))["improbable"] == []
+
+
+def test_improbable_windows_start_at_unlikely_tokens_and_stay_inside_a_policy_turn():
+    """`_improbable`: from each token π gives at most e^-1, the shortest run reaching −n nats,
+    never across the environment's tokens or a token outside the nucleus."""
+    from learner.train.trainer import _improbable, _Samples
+
+    logp = [-0.1, -12.0, -0.2, -9.0, -0.1, float("-inf"), -15.0, -15.0, -0.5, -11.0, -11.0]
+    mask = [1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1]
+    tokens = list(range(100, 111))
+    terms = torch.zeros(len(logp), 4)
+    terms[:, 3] = torch.tensor(logp)
+    samples = _Samples.of(BatchInfo([Group("p", 0, [1], [tokens], [[0.0] * 11], [1.0], masks=[mask])], 0), None)
+    keys = _improbable(terms, samples, 0, nats=20.0)
+    # from 101: -12, -12.2, -21.2 → 101..103; from 103: -9.1 before the -inf: none; from 106:
+    # -30 → 106..107; from 107: runs out at the environment's token; from 109: -22 → 109..110
+    assert keys == {hash((101, 102, 103)), hash((106, 107)), hash((109, 110))}
+
+
+def test_honest_samples_of_a_nearly_uniform_policy_give_many_improbable_windows_and_no_repeats(tiny_model):
+    """Where every token is unlikely (temperature 5: nearly uniform), honest samples are full of
+    improbable windows; sampling still repeats none of them, let alone three times."""
+    import collections
+    import dataclasses
+
+    trainer = _trainer(tiny_model, "--verify.repeat_nats", "20", temperature=5.0, top_p=1.0)
+    seen = collections.Counter()
+    for step in range(6):
+        groups = [dataclasses.replace(g, version=trainer.version) for g in _groups(trainer, "sampled", seed=100 + step)]
+        stats = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[0] * len(groups)))
+        seen.update(key for _, _, key in stats["improbable"])
+    assert sum(seen.values()) > 100 and max(seen.values()) == 1
