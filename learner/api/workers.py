@@ -20,6 +20,7 @@ import itertools
 import math
 import secrets
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -496,11 +497,24 @@ class WorkerRegistry:
                 web.post("/v1/heartbeat", heartbeat, expect_handler=continue_later)]
 
 
+def shown_dir(path: str) -> str:
+    """A task's model directory as a worker is told it: relative to the learner's working
+    directory where it lies under it (`models/tiny-poker`, the layout a clone of the repo has
+    too, so the worker finds its own copy), else its name alone. The learner's absolute paths
+    (a user's home, a mount) went to every holder of the run token (an API-only tester, 2026-12-07)."""
+    p = Path(path).absolute()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return p.name
+
+
 def welcome(server: ServerSection, task: TaskSection, rollout: P.RolloutParams, run: Run, broadcast: P.BroadcastInfo,
             lora: P.LoraInfo | None = None, task_dirs: dict[str, str] | None = None):
     """The join reply's maker: what a new worker needs to start (`broadcast`: how versions travel,
     with the worker's own read ticket; `task_dirs`: the digest of each of the task's model directories)."""
-    info = P.TaskInfo(name=task.name, options=task.options, model_dirs=task_dirs or {})
+    options = {k: shown_dir(v) if k in (task_dirs or {}) else v for k, v in task.options.items()}
+    info = P.TaskInfo(name=task.name, options=options, model_dirs=task_dirs or {})
 
     def make(worker_id: str, credential: str, read_token: str = "") -> P.JoinReply:
         return P.JoinReply(

@@ -2387,6 +2387,26 @@ def test_a_worker_gets_the_tasks_model_directory_from_the_learner_unless_its_own
     run_api(tokenizer, test, tmp_path, task_dirs={"opponent_model": (opponent, digest)})
 
 
+def test_a_join_reply_names_the_tasks_model_directory_without_the_learners_path(tmp_path, monkeypatch):
+    """The join reply told every holder of the run token where the learner keeps poker's opponent
+    (`/home/alice/...`, an API-only tester, 2026-12-07). A directory under the learner's working
+    directory is told relative to it (a clone's layout, where a worker finds its own copy), any
+    other by its name alone; the digest says which files."""
+    from learner.api.workers import shown_dir, welcome
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "opp").mkdir(parents=True)
+    assert shown_dir(str(tmp_path / "models" / "opp")) == "models/opp" and shown_dir("models/opp") == "models/opp"
+    assert shown_dir("/home/alice/secret/opponent") == "opponent"
+    task = SimpleNamespace(name="poker", options={"opponent_model": "/home/alice/secret/opponent", "big_blind": 2})
+    cfg = load_config(LearnerConfig, None, [])
+    make = welcome(cfg.server, task, P.RolloutParams(group_size=4, max_new_tokens=8, temperature=1.0, top_p=1.0), Run(BlobStore(keep=2)),
+                   P.BroadcastInfo(mode="star"), task_dirs={"opponent_model": "0" * 64})
+    reply = make("w-1", "w-1.secret")
+    assert reply.task.options == {"opponent_model": "opponent", "big_blind": 2}
+    assert "alice" not in reply.model_dump_json()
+
+
 def test_what_aiohttps_parser_refuses_is_answered_as_json_without_its_version_or_the_request(tokenizer, tmp_path):
     """A request line or header aiohttp cannot parse is refused before any route or middleware
     runs: it answered in plain text, `Server: Python/3.11 aiohttp/3.x`, echoing the rejected line
