@@ -226,13 +226,17 @@ class Worker:
         async with self._rejoining:
             if client.credential != credential:
                 return  # another task already joined again
+            if self.relay is not None:  # the relay is named by the worker id, which changes
+                # Before the join: the join's report named the old relay, the learner probed it
+                # as it was stopped, found it shut, and planned this worker as behind NAT for a
+                # minute after every resume (a new user, 2026-12-07). Its successor is reported
+                # by the next heartbeat, and probed then.
+                old, self.relay = self.relay, None  # first: a pull starting meanwhile must not use it
+                await old.stop()
             joined = await self._join(client)
             log.info("%s: joined %s again as %s", self.name, self.url, client.worker_id)
             self.joined = joined
             self.broadcast = joined.broadcast
-            if self.relay is not None:  # the relay is named by the worker id, which changed
-                old, self.relay = self.relay, None  # first: a pull starting meanwhile must not use it
-                await old.stop()
             if self.broadcast.mode == "chain":
                 await self._start_relay(client.worker_id, client.credential)
             self._notice(client, joined.snapshot)

@@ -784,6 +784,9 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
             raise AssertionError(f"worker {name} did not leave: {logs[name].read_text()[-4000:]}") from None
     logs = [path.read_text() for path in logs.values()]
     assert all("joined" in log and "again as" in log for log in logs)
+    # Their relays, started again after the rejoin, were reachable: the learner probed the old one
+    # as it was stopped and planned every worker as behind NAT for a minute (a new user, 2026-12-07)
+    assert not any("does not connect to this relay" in log for log in logs), logs[0][-3000:]
 
     events = _ledger(lp.run_dir)
     resume = next(i for i, e in enumerate(events) if e["e"] == "R")
