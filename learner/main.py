@@ -23,7 +23,7 @@ from learner.config import load_learner_config
 from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
-from learner.rundir import RunDir, finished, port_in_use
+from learner.rundir import RunDir, finished, past_steps, port_in_use
 from learner.serve import serve
 from learner.train.dist import DeviceError, close, cuda_allocator_defaults, init_world, under_torchrun
 
@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
               f"summary.json and model/ are the run's); to train on, resume with a larger --run.steps",
               file=sys.stderr)
         return 0
+    if args.resume and (saved := past_steps(args.resume, cfg.run.steps)) is not None:
+        print(f"echo-learner: --run.steps {cfg.run.steps} leaves nothing to train: {args.resume} was stopped after its "
+              f"checkpoint at update {saved}; resume with --run.steps above {saved}",
+              file=sys.stderr)
+        return 2
     if not (cfg.model.path / "config.json").exists():
         # Say what to do for the model the config names: a real one is downloaded (its published
         # config.json, shipped under configs/models/, is all --preflight reads); the demo's is built.

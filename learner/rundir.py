@@ -114,6 +114,16 @@ def finished(run_dir: Path, steps: int) -> int | None:
     return updates if updates >= steps else None
 
 
+def past_steps(run_dir: Path, steps: int) -> int | None:
+    """The updates an unfinished run's checkpoint holds, where they are already `steps` or more: a
+    resume would train nothing, and overwrite the checkpoint, the summary and the config's steps."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None or (run_dir / "summary.json").exists():
+        return None
+    updates = updates_of(checkpoint)
+    return updates if updates >= steps else None
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Is `host:port` bound by another process now (as the control API would bind it)?"""
     import errno

@@ -831,6 +831,16 @@ def test_a_learner_killed_mid_run_resumes_and_its_workers_rejoin_by_themselves(l
     assert (lp.run_dir / "summary.json").read_bytes() == summary_bytes
     assert (lp.run_dir / "config.toml").stat().st_mtime_ns == config_mtime
     assert {p: p.stat().st_mtime_ns for p in latest.rglob("*")} == saved
+    # An interrupted run (no summary) resumed with --run.steps at or below its checkpoint trained
+    # nothing, re-saved the checkpoint and wrote a summary of zero groups and its steps into
+    # config.toml (a new user, 2026-12-07): refused in one line, nothing touched.
+    (lp.run_dir / "summary.json").rename(lp.run_dir / "summary.json.kept")
+    done = subprocess.run([sys.executable, "-m", "learner.main", "--resume", str(lp.run_dir), "--run.steps", "20"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=WATCHED)
+    assert done.returncode == 2 and "--run.steps 20 leaves nothing to train" in done.stderr, done.stderr[-3000:]
+    assert "checkpoint at update 24; resume with --run.steps above 24" in done.stderr and "Traceback" not in done.stderr
+    assert (lp.run_dir / "config.toml").stat().st_mtime_ns == config_mtime and not (lp.run_dir / "summary.json").exists()
+    assert {p: p.stat().st_mtime_ns for p in latest.rglob("*")} == saved
 
 
 def test_a_turn_whose_end_of_turn_id_was_deleted_is_refused(learner_factory, tiny_model):
