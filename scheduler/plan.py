@@ -391,7 +391,8 @@ def render_plan(plan: dict) -> str:
         (f"pipeline   R = {pipe['rate']:.3f} rollouts/s, ρ = R·T/B = {pipe['rho']:.2f} ({pipe['regime']}), "
          f"C = {pipe['concurrency']} slots (C/B = {pipe['c_over_b']:.2f})"),
         (f"           paper's overlap I·B/R + T_b ≤ I·T: {'holds' if pipe['overlap_holds'] else 'fails'}; predicted "
-         f"wait ({capd['rule']} rule) {pipe['wait_per_period_s']:.3g} s per period, bubble {pipe['bubble']:.1%}"),
+         f"wait ({capd['rule']} rule, rates alone) {pipe['wait_per_period_s']:.3g} s per period, bubble {pipe['bubble']:.1%}"
+         + (" (the simulator's, with each rollout's time: below)" if stale.get("simulator") else "")),
         (f"cost       ${cost['dollars_per_step']:.4f}/step = (T + wait/I)·${cost['learner_per_hour'] + cost['workers_per_hour']:.3f}/h / 3600 "
          f"(learner {cost['learner_per_hour']:.2f} + workers {cost['workers_per_hour']:.3f})"
          + (f" + bandwidth ${cost['bandwidth_per_version']:.4f}/version / I"

@@ -10,6 +10,7 @@ command line and prints; this module only computes, so tests call it directly.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -250,6 +251,20 @@ def warnings(inp: PlanInputs, plan: dict, sim) -> list[str]:
             f"the simulated max staleness {sim.max_staleness} exceeds the App. A bound {stale['bound']}: the "
             "bound assumes rollouts appear at rate R as soon as a snapshot lands and ignores generation "
             f"latency (groups take ~{stale['closed_form']['pqs']:.2f} train steps to generate here)"
+        )
+    pipe = plan["pipeline"]
+    if sim is not None and sim.bubble > pipe["bubble"] + 0.05:
+        # The headline's wait is the capacity rule's, which counts rates only: a user sized a fleet
+        # by its "bubble 0.0%" above the simulator's 41.9% (a new user, 2026-12-07).
+        latency = pipe["concurrency"] / pipe["rate"]  # Little's law: slots busy ÷ rollouts/s
+        group = st.tail_multiplier(inp.length_sigma, inp.group_size) * latency
+        msgs.append(
+            f"the simulator's bubble is {sim.bubble:.1%} where the capacity rule's is {pipe['bubble']:.1%}: the rule "
+            f"counts rates, the simulator also each rollout's time on its slot (~{latency:.0f} s here, and a group "
+            f"waits for its longest of {inp.group_size}: ~{group:.0f} s, {group / inp.t_train:.1f} train steps) and "
+            f"drops what arrives staler than S = {S}. Plan by the simulator's figures: more capacity does not "
+            f"shorten a rollout; a larger S published every update does (try -S {math.ceil(group / inp.t_train) + 3} "
+            "-I 1), as do faster GPUs per slot or shorter responses"
         )
     if plan["capacity"]["infeasible"]:
         msgs.append(plan["capacity"]["infeasible"])

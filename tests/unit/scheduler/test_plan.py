@@ -142,6 +142,25 @@ def test_a_mean_above_the_worst_case_says_why(capsys: pytest.CaptureFixture[str]
     assert "bandwidth not counted: give a version's size" in out
 
 
+def test_a_bubble_the_simulator_finds_and_the_rule_does_not_is_said_with_what_helps(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's plan headlined "bubble 0.0%" (the capacity rule: rates alone) and ended with the
+    simulator's 41.9% without a word on which to trust (2026-12-07): a rollout on a 64-slot GPU
+    takes ~36 s, a group its longest of 16, three train steps, so at S = 2 most arrive too stale.
+    The warning says so, and its suggestion holds in the simulator."""
+    pool = ["--pool", str(REPO / "configs/pools/consumer-gpus.toml"), "--batch", "128", "--t-train", "30",
+            "--t-bcast", "10"]
+    code, plan = run_json(capsys, pool + ["-S", "2"])
+    assert code == 0 and plan["pipeline"]["bubble"] == 0.0 and plan["staleness"]["simulator"]["bubble"] > 0.3
+    warning = next(w for w in plan["warnings"] if w.startswith("the simulator's bubble"))
+    assert "3.0 train steps" in warning and "more capacity does not shorten a rollout" in warning
+    suggested = warning.split("try ")[1].split(")")[0].split()
+    assert suggested == ["-S", "7", "-I", "1"]
+    code, better = run_json(capsys, pool + suggested)
+    assert better["staleness"]["simulator"]["bubble"] < 0.1
+    assert not any(w.startswith("the simulator's bubble") for w in better["warnings"])
+
+
 def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[scheduler]\nalfa = 1.2\n")
