@@ -52,6 +52,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
     task = cfg.task.build()
     # The custody record: a resumed run re-issues what was in flight and never reuses a version.
     ledger, recovery = Ledger.open_run(run_dir / "ledger.jsonl", trainer.version, run_dir.resumed)
+    reissued_at_resume = len(recovery.pending)  # (the lease book takes them)
     if recovery.newest_published > trainer.version:  # the checkpoint's version had these weights; later ones were lost
         await driver.call("skip_to", recovery.newest_published + 1)
     S, G, b = cfg.buffer.max_staleness, cfg.trainer.batch_prompts, cfg.broadcast
@@ -148,6 +149,7 @@ async def serve(cfg: LearnerConfig, world: World, run_dir: RunDir, workers: Loca
         summary["eval_metric"] = "mean return" if task.episodic else "accuracy"  # what eval_accuracy_* hold
         if resumed_after is not None:  # `steps` is the run's; wall time, groups and cost are this process's
             summary["resumed_after_update"] = resumed_after
+            summary["resume_reissued"] = reissued_at_resume  # in flight or rolled back when the run stopped
         if loop.stopped:
             summary["stopped"] = loop.stopped
         if provider is not None and hasattr(provider, "destroyed"):

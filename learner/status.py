@@ -100,7 +100,8 @@ class StatusDisplay:
              + f" / {s['recycled']} / {s['dropped_overflow']}"
              + (f"; {s['skipped_uniform']} of equal rewards skipped" if s.get("skipped_uniform") else "")),
             ("uploads rejected", ", ".join(f"{k}={v}" for k, v in s["rejected"].items()) or "none"),
-            ("prompts re-issued", f"{s['leases_reissued']} (leases lost or refused), {s.get('dropped_reissued', 0)} (groups dropped)"),
+            ("prompts re-issued", f"{s['leases_reissued']} (leases lost or refused), {s.get('dropped_reissued', 0)} (groups dropped)"
+             + (f", {s['resume_reissued']} (in flight or rolled back at the resume)" if "resume_reissued" in s else "")),
             ("mean length sampled / trained", f"{s['sampled_mean_length']} / {s['trained_mean_length']}"),
             ("cost", f"${s['cost']['dollars']:.4f} total, ${s['cost']['dollars_per_step']:.6f}/step"
                      + (f", ${s['cost']['dollars_per_improvement']:.4f} per unit of eval improvement"

@@ -46,12 +46,14 @@ def test_a_resumed_runs_summary_says_which_counts_are_the_whole_runs():
                "wall_s": 25.7, "learner_idle_ratio": 0.1, "groups_trained": 240, "recycled": 0, "dropped_overflow": 0,
                "rejected": {}, "leases_reissued": 0, "sampled_mean_length": 2.4, "trained_mean_length": 2.4,
                "cost": {"dollars": 0.01, "dollars_per_step": 0.0003}, "workers": [], "run_dir": "runs/x",
-               "resumed_after_update": 10}
+               "resumed_after_update": 10, "resume_reissued": 93}
     display = StatusDisplay(40, enabled=False)
     display.console = Console(record=True, width=400)
     display.summary(summary)
     text = display.console.export_text()
     assert "40, of which 30 after resuming at update 10 in 25.7 s" in text
+    # The resume's line said 93 prompts re-issued, the summary 0 (a new user, 2026-12-07): both counted now
+    assert "0 (leases lost or refused), 0 (groups dropped), 93 (in flight or rolled back at the resume)" in text
     display.console = Console(record=True, width=400)
     display.summary({**summary, "resumed_after_update": None})
     text = display.console.export_text()
