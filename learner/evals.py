@@ -53,6 +53,7 @@ class EvalResult:
     answered_by: frozenset[str] = frozenset()  # the workers whose answers it holds (`workers` of them)
     opened: float | None = None  # when the round was first opened (a re-asked round goes on from it)
     backups: int = 0  # backup leases issued: what a round cost beyond one answer per prompt
+    waited: float = 0.0  # of `seconds`, before its first lease went out (no worker on its version yet)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class _Round:
     workers: set[str] = field(default_factory=set)
     restarts: int = 0
     backups: int = 0  # backup leases issued (`EvalBook.HOLDERS`)
+    first_leased: float | None = None  # when its first lease went out
     superseded: dict[str, str] = field(default_factory=dict)  # lease -> its worker, whose slot another answered first
 
 
@@ -117,8 +119,9 @@ class EvalBook:
         round's opening time and restarts: its result then covers every prompt again, and says who
         answered it and how long it took (it said "on 1 worker", the re-asked prompts' one, where
         three had answered)."""
-        self.round = _Round(result.version, now if result.opened is None else result.opened, deque(prompt_ids),
-                            rewards=dict(verified), workers=set(answered_by), restarts=result.restarts)
+        opened = now if result.opened is None else result.opened
+        self.round = _Round(result.version, opened, deque(prompt_ids), rewards=dict(verified), workers=set(answered_by),
+                            restarts=result.restarts, first_leased=opened + result.waited)
 
     def wants_newer(self, worker_version: int, installable: int) -> bool:
         """Does the open round need answers of a version newer than `worker_version`, one the
@@ -144,6 +147,7 @@ class EvalBook:
         else:
             return None
         lease_id = f"E{next(self._ids)}-{secrets.token_hex(4)}"
+        r.first_leased = now if r.first_leased is None else r.first_leased
         r.leased[lease_id] = _Lease(worker_id, now + self.ttl, ids, latest=now + self._lifetime(), slot=slot or lease_id,
                                     issued=now, renewed=now)
         return lease_id, r.version, [self.prompts[i] for i in ids]
@@ -213,7 +217,7 @@ class EvalBook:
             return None
         result = EvalResult(r.version, sum(r.rewards.values()) / len(r.rewards), len(r.rewards), now - r.opened,
                             len(r.workers), r.restarts, dict(r.answers), dict(r.rewards), frozenset(r.workers), r.opened,
-                            r.backups)
+                            r.backups, max(0.0, (r.first_leased or r.opened) - r.opened))
         self.round, self.finished = None, r
         r.answers, r.rewards = {}, {}  # kept for `superseded` alone; the result holds these
         return result

@@ -219,12 +219,16 @@ class WorkerEvaluation(Evaluation):
         self.first_accuracy = result.accuracy if self.first_accuracy is None else self.first_accuracy
         self.parts.cost.record_eval(result.accuracy)
         self.parts.log(self._event(result.version, eval_accuracy=result.accuracy, where="workers", prompts=result.prompts,
-                                   seconds=round(result.seconds, 3), workers=result.workers, restarts=result.restarts,
+                                   seconds=round(result.seconds, 3), waited=round(result.waited, 3),
+                                   workers=result.workers, restarts=result.restarts,
                                    checked=checked, forged=forged, redecoded=self.round_redecoded if checked else 0,
                                    backups=result.backups, barred=len(self.book.barred),
                                    check_s=round(self.check_s, 4) if checked else None))
         self.parts.note(f"eval v{result.version}: {result.accuracy:.3f} ({result.prompts} prompts on "
                         f"{result.workers} worker{'s' if result.workers != 1 else ''}, {result.seconds:.1f} s"
+                        # v0's round opens before any worker holds v0: its 20 s were mostly the wait (a new user)
+                        + (f" of which {result.waited:.1f} s waiting for a worker on v{result.version}"
+                           if result.waited >= 1.0 else "")
                         + (f", {result.restarts} restarts" if result.restarts else "")
                         + (f", {forged} forged answers " + ("answered again by others" if result.prompts == len(self.prompts)
                                                             else f"left out, {len(self.prompts) - result.prompts} unanswered")

@@ -206,3 +206,18 @@ def test_an_outpaced_holders_answer_after_the_round_completed_is_answered_not_un
     with pytest.raises(Rejected) as stranger:  # only its holder is told so
         book.check("quick", late, 0, [p.id for p in got])
     assert stranger.value.reason == "unknown-lease"
+
+
+def test_a_rounds_time_says_how_much_of_it_waited_for_a_worker_on_its_version():
+    """`eval v0: 0.165 (200 prompts on 1 worker, 20.1 s)` where later rounds of the same prompts
+    took 0.5 s: v0's round opens before any worker holds v0 (a new user, 2026-12-07). The result
+    says what part of its time was that wait, also after its forged answers are asked again."""
+    book = EvalBook(PROMPTS, ttl=5.0, per_lease=10)
+    book.open(0, now=0.0)
+    assert book.lease("w1", worker_version=-1, max_prompts=10, now=5.0) is None  # still installing
+    lid, _, got = book.lease("w1", worker_version=0, max_prompts=10, now=19.5)
+    result = book.submit("w1", lid, 0, {p.id: 1.0 for p in got}, now=20.0)
+    assert result.seconds == 20.0 and result.waited == 19.5
+    book.reask(result, [got[0].id], {p.id: 1.0 for p in got[1:]}, {"w1"}, now=21.0)
+    lid, _, again = book.lease("w2", worker_version=0, max_prompts=10, now=21.0)
+    assert book.submit("w2", lid, 0, {again[0].id: 0.0}, now=21.5).waited == 19.5
