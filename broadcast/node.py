@@ -225,7 +225,9 @@ class Node:
     def emit(self, event: str, **fields: Any) -> None:
         """Report an event; a failing observer never stops the relay."""
         record = {"event": event, "node": self.id, "t": time.time(), **fields}
-        log.info("%s %s", event, json.dumps(fields, default=str))
+        # "complete" has a line of its own (`Relay._complete`); the others are said only here
+        log.log(logging.DEBUG if event == "complete" else logging.INFO, "%s: %s %s", self.id, event,
+                json.dumps(fields, default=str))
         if self.on_event is not None:
             try:
                 self.on_event(record)
