@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+#: What the docs call a key, where that word is not the key (`--buffer.policy queue-max`: its `type`)
+SYNONYMS = {"policy": "type", "kind": "type", "mode": "type"}
 
 
 class Section(BaseModel):
@@ -129,6 +131,8 @@ def _explain(model: type[BaseModel], error: ValidationError, source: str, flags:
             lines.append(f"  {key} = {err['ctx']['tag']!r}: must be one of {err['ctx']['expected_tags']} ({where})")
         elif err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(path[-1], allowed, n=1) if path else []
+            if path and not close and path[-1] in SYNONYMS and SYNONYMS[path[-1]] in allowed:
+                close = [SYNONYMS[path[-1]]]  # the docs' words: "the buffer policy" is its `type`
             hint = (f"; did you mean {close[0]!r}?" if close else "") + (
                 f"; allowed keys here: {', '.join(allowed)}" if allowed else "")
             lines.append(f"  {key}: unknown key ({where}){hint}")

@@ -93,6 +93,9 @@ def test_an_error_says_where_the_key_was_written_and_what_to_write():
         load_learner_config(demo, ["--trainer.kl_coef", "high"])
     with pytest.raises(ConfigError, match=r"did you mean 'alpha'"):
         load_learner_config(demo, ["--trainer.lora", "{rank = 4, alpa = 16}"])
+    # the README's "buffer policy" is the buffer's `type` (a new user typed --buffer.policy)
+    with pytest.raises(ConfigError, match=r"buffer.policy: unknown key .*did you mean 'type'\?"):
+        load_learner_config(demo, ["--buffer.policy", "queue-max"])
     # a key inside a table given whole is named by the flag the user typed, not one they did not
     with pytest.raises(ConfigError, match=r"dropout = 0.1: .*\(given as --trainer.lora on the command line\)"):
         load_learner_config(demo, ["--trainer.lora", "{rank = 4, alpha = 8, dropout = 0.1}"])
