@@ -41,6 +41,10 @@ class LearnerMetrics:
         self.claims_checked = Counter("echo_verify_claims_checked", "Stale groups whose log-probs and tokens were "
                                       "checked against the very version they claim (`[verify] stale_check_fraction`)",
                                       registry=r)
+        self.improbable_windows = Counter("echo_verify_improbable_windows", "Runs of tokens the policy gives at most "
+                                          "e^-repeat_nats, from groups checked under the version that sampled them: "
+                                          "first seen, or seen again (written, not sampled, by its third time)",
+                                          ["seen"], registry=r)
         self.receipts = Counter("echo_broadcast_receipts", "Pushes relays reported their children took whole, by "
                                 "the child's receipt: valid, none, or invalid (forged, or a child's garbage)",
                                 ["receipt"], registry=r)

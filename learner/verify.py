@@ -426,6 +426,7 @@ class Repeats:
     def __init__(self, nats: float):
         self.nats = nats
         self._seen: dict[int, list[str]] = {}  # window -> the workers of its occurrences (the first REPEATS)
+        self.first = self.again = 0  # windows seen for the first time, and seen again, over the run
 
     def checked(self, found: list[tuple[str, int]]) -> list[Verdict]:
         """One step's improbable windows: (worker id, window). Verdicts for the writers of each
@@ -435,7 +436,9 @@ class Repeats:
             seen = self._seen.get(key)
             if seen is None:
                 remember(self._seen, key, [worker], keep=REPEAT_KEYS)
+                self.first += 1
                 continue
+            self.again += 1
             if len(seen) < REPEATS:
                 seen.append(worker)
             if len(seen) >= REPEATS:

@@ -418,7 +418,12 @@ class WorkerRegistry:
 
     def judge_repeats(self, found: list[tuple[str, int]]) -> None:
         """A step's improbable windows, (worker id, window): `learner.verify.Repeats`."""
-        for verdict in self.verifier.repeats.checked(found):
+        repeats = self.verifier.repeats
+        first, again = repeats.first, repeats.again
+        verdicts = repeats.checked(found)
+        self.metrics.improbable_windows.labels("first").inc(repeats.first - first)
+        self.metrics.improbable_windows.labels("again").inc(repeats.again - again)
+        for verdict in verdicts:
             worker = self.workers.get(verdict.worker_id)
             if worker is not None:
                 self.quarantine(worker, verdict)

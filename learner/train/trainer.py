@@ -126,9 +126,11 @@ class _Gaps:
     """Per group, Σ|log π − log μ| and the token count over its samples, so π can be compared
     with the μ the worker claimed, fresh and stale groups alike (learner.verify)."""
 
-    def __init__(self, batch: BatchInfo, samples: _Samples, mine: list[int], device: torch.device):
+    def __init__(self, batch: BatchInfo, samples: _Samples, mine: list[int], device: torch.device,
+                 measured: Callable[[int, torch.Tensor], None] = lambda i, lp: None):
         self.samples = samples
         self.mine = set(mine)
+        self.measured = measured  # each sample's π, once (the improbable windows of the fresh ones)
         self.sums = torch.zeros(len(batch.groups), 2, dtype=torch.float64, device=device)
 
     def measure(self, values: dict[int, torch.Tensor]) -> None:
@@ -142,6 +144,7 @@ class _Gaps:
                 owner = self.samples.owner[i]
                 self.sums[owner, 0] += (lp[inside] - mu[inside]).abs().sum()
                 self.sums[owner, 1] += inside.sum()
+                self.measured(i, lp)
 
 
 def _token_sums(terms: torch.Tensor, samples: _Samples, i: int) -> torch.Tensor:
@@ -157,14 +160,14 @@ def _token_sums(terms: torch.Tensor, samples: _Samples, i: int) -> torch.Tensor:
                         (logp[inside] - mu[inside]).abs().sum(), inside.sum(), logp[policy_token].sum()])
 
 
-def _improbable(terms: torch.Tensor, samples: _Samples, i: int, nats: float) -> set[int]:
+def _improbable(logp: torch.Tensor, samples: _Samples, i: int, nats: float) -> set[int]:
     """Sample `i`'s improbable windows (`learner.verify.Repeats`), as keys: from each policy token
     π gives at most e^-1, the shortest run of the turn's tokens from it whose Σ log π reaches
-    −`nats`, hashed. `terms` are its `echo.hf.rank_terms` under the very version that sampled it,
-    so that sampling repeats a given window with probability at most e^-nats. A token outside
-    π's nucleus ends a run without one (bf16 engines sample at the nucleus' edge; such tokens are
-    counted apart)."""
-    logp = terms[:, 3].double().cpu().numpy()
+    −`nats`, hashed. `logp`: its tokens' log π under the very version that sampled it, so that
+    sampling repeats a given window with probability at most e^-nats. A token outside π's
+    nucleus (−inf) ends a run without one (bf16 engines sample at the nucleus' edge; such tokens
+    are counted apart)."""
+    logp = logp.detach().double().cpu().numpy()
     tokens, keys = samples.completions[i], set()
     for value, start, end in segments(samples.masks[i]):
         if value != 1:
@@ -308,11 +311,15 @@ class Trainer:
         self._computed = torch.zeros(2, dtype=torch.float64)  # tokens the update's forwards computed; real ones
         mine = [i for share in shares for i in share]
         old = self._score(self.policy, samples, mine) if t.minibatches > 1 else None
-        gaps = _Gaps(batch, samples, mine, world.device)
+        # Improbable windows of groups checked under their own version: every fresh trained one
+        # here, from the π the update computes anyway (a quarter of them, drawn by the token check,
+        # lost the race to a phrase the attack itself made likelier), skipped and stale ones drawn below.
+        self._windows: list[tuple[str, int, int]] = []
+        gaps = _Gaps(batch, samples, mine, world.device, measured=lambda i, lp: self._note_windows(
+            lp, samples, i, ("batch", g) if batch.groups[g := samples.owner[i]].version == batch.learner_version else None))
         if old:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
-        self._windows: list[tuple[str, int, int]] = []  # improbable windows of groups checked under their own version
         group_tokens, skipped_tokens = self._check_tokens(batch, samples, mine)  # before the update: π is the trained-at version
         claimable, claims, skipped_claims = self._check_claims(batch, samples, mine)
         sums = torch.zeros(len(dataclasses.fields(LossStats)), dtype=torch.float64, device=world.device)
@@ -462,9 +469,8 @@ class Trainer:
         extra = [j for j in rng.sample(range(len(batch.skipped_sample)), min(len(batch.skipped_sample),
                                                                              sum(d >= len(fresh) for d in drawn)))
                  if not claimed(batch.skipped_sample[j])]
-        own = batch.learner_version  # the version π is: a group it sampled is checked for improbable repeats too
-        sums = self._rank_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups),
-                               lambda g: ("batch", g) if batch.groups[g].version == own else None)
+        own = batch.learner_version  # the version π is: a skipped group it sampled gives its improbable windows
+        sums = self._rank_sums(samples, [i for i in mine if samples.owner[i] in picked], len(batch.groups))
         if not extra:  # (the same on every rank: the draw is)
             return sums, []
         audit = _Samples.of(BatchInfo([batch.skipped_sample[j] for j in extra], batch.learner_version), None)
@@ -476,7 +482,8 @@ class Trainer:
                    sampled_here: Callable[[int], tuple[str, int] | None] = lambda g: None) -> list[list[float]]:
         """The token check's four sums per group of `samples`, over `indices` (this rank's), and
         its copy terms (`_copies`), all ranks added. A group `sampled_here` names (it claims the
-        version π is) also gives its improbable windows (`_improbable`)."""
+        version π is, and is not trained: the update finds a trained one's) also gives its
+        improbable windows (`_improbable`)."""
         sums = torch.zeros(groups, 4, dtype=torch.float64, device=self.world.device)
         seq = torch.zeros(len(samples.completions), dtype=torch.float64, device=self.world.device)
         self.policy.ranks = True
@@ -488,13 +495,13 @@ class Trainer:
             found = _token_sums(t, samples, i).to(sums)
             sums[samples.owner[i]] += found[:4]
             seq[i] = found[6]
-            self._note_windows(t, samples, i, sampled_here(samples.owner[i]))
+            self._note_windows(t[:, 3], samples, i, sampled_here(samples.owner[i]))
         return self._with_copies(samples, self.world.all_reduce(sums).tolist(), self.world.all_reduce(seq).tolist())
 
-    def _note_windows(self, terms: torch.Tensor, samples: _Samples, i: int, group: tuple[str, int] | None) -> None:
+    def _note_windows(self, logp: torch.Tensor, samples: _Samples, i: int, group: tuple[str, int] | None) -> None:
         nats = self.cfg.verify.repeat_nats
         if group is not None and nats > 0:
-            self._windows += [(*group, key) for key in _improbable(terms, samples, i, nats)]
+            self._windows += [(*group, key) for key in _improbable(logp, samples, i, nats)]
 
     def _with_copies(self, samples: _Samples, sums: list[list[float]], seq: list[float]) -> list[list[float]]:
         """Each group's `sums` with its copy terms (`_copies`) after the four token sums, for
@@ -577,7 +584,7 @@ class Trainer:
                             into[of.owner[i]] += found[:6]
                             sequences[i] = found[6]
                             g = of.owner[i]
-                            self._note_windows(t, of, i, ("batch", g) if of is samples else ("skipped", extra[g]))
+                            self._note_windows(t[:, 3], of, i, ("batch", g) if of is samples else ("skipped", extra[g]))
         finally:
             model.ranks = False
         reduce = self.world.all_reduce

@@ -229,7 +229,10 @@ def test_a_phrase_written_into_a_few_samples_is_caught_by_its_improbable_repeats
     from echo.hf import completion_logprobs
     from learner.verify import REPEATS
 
-    trainer = _trainer(tiny_model, "--verify.repeat_nats", "20", temperature=1.0, top_p=1.0)
+    # every fresh trained group gives its windows from the update's own pass, drawn by the token check
+    # or not: drawn (a quarter), the phrase's log-prob rose past the bound before it was seen thrice
+    trainer = _trainer(tiny_model, "--verify.repeat_nats", "20", "--verify.token_check_fraction", "0",
+                       temperature=1.0, top_p=1.0)
     verifier = Verifier(trainer.cfg.verify)
     tok = trainer.tokenizer
     def sampled() -> list[Group]:  # sampled by the version the trainer holds now, afresh each time
@@ -275,7 +278,7 @@ def test_improbable_windows_start_at_unlikely_tokens_and_stay_inside_a_policy_tu
     terms = torch.zeros(len(logp), 4)
     terms[:, 3] = torch.tensor(logp)
     samples = _Samples.of(BatchInfo([Group("p", 0, [1], [tokens], [[0.0] * 11], [1.0], masks=[mask])], 0), None)
-    keys = _improbable(terms, samples, 0, nats=20.0)
+    keys = _improbable(terms[:, 3], samples, 0, nats=20.0)
     # from 101: -12, -12.2, -21.2 → 101..103; from 103: -9.1 before the -inf: none; from 106:
     # -30 → 106..107; from 107: runs out at the environment's token; from 109: -22 → 109..110
     assert keys == {hash((101, 102, 103)), hash((106, 107)), hash((109, 110))}
@@ -287,7 +290,8 @@ def test_honest_samples_of_a_nearly_uniform_policy_give_many_improbable_windows_
     import collections
     import dataclasses
 
-    trainer = _trainer(tiny_model, "--verify.repeat_nats", "20", temperature=5.0, top_p=1.0)
+    trainer = _trainer(tiny_model, "--verify.repeat_nats", "20", "--verify.token_check_fraction", "0",
+                       temperature=5.0, top_p=1.0)
     seen = collections.Counter()
     for step in range(6):
         groups = [dataclasses.replace(g, version=trainer.version) for g in _groups(trainer, "sampled", seed=100 + step)]
