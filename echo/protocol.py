@@ -349,3 +349,27 @@ class EvalReply(Message):
 class ErrorReply(Message):
     error: str  # a stable reason code (also the Prometheus label)
     message: str  # what was wrong and what to do
+
+
+#: The bodies of the JSON routes (`docs/api.md`): what a client sends, and what it is answered
+REQUESTS = (Report, LeaseRequest, ReleaseRequest, EvalSubmission)
+REPLIES = (JoinReply, HeartbeatReply, LeaseReply, ReleaseReply, EvalReply, UploadReply, ErrorReply)
+
+
+def json_schema() -> dict:
+    """The JSON Schema of every route's body, bounds included: `docs/api-schema.json`, what a
+    client written from the API alone is written against (`python -m echo.protocol` prints it).
+    A tester had to learn the fields from a real worker's traffic and from 400 messages."""
+    from pydantic.json_schema import models_json_schema
+
+    _, schema = models_json_schema([(m, "validation") for m in REQUESTS] + [(m, "serialization") for m in REPLIES],
+                                   title="echo learner API bodies (echo/protocol.py)")
+    return schema
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    json.dump(json_schema(), sys.stdout, indent=1, sort_keys=True)
+    sys.stdout.write("\n")

@@ -139,3 +139,20 @@ def test_a_relay_reports_no_more_deliveries_than_a_heartbeat_takes():
 
     field = P.Report.model_fields["deliveries"]
     assert any(getattr(m, "max_length", None) == MAX_DELIVERIES for m in field.metadata), field.metadata
+
+
+def test_the_api_schema_in_the_docs_is_the_protocols():
+    """A client written from the API alone had to learn `Report`'s and `LeaseRequest`'s fields
+    from a real worker's traffic and from 400 messages (an API-only tester, 2026-12-07): the docs
+    carry every body's JSON Schema, bounds included, regenerated with `python -m echo.protocol`."""
+    import json
+    from pathlib import Path
+
+    from echo.protocol import json_schema
+
+    shipped = json.loads((Path(__file__).resolve().parents[3] / "docs" / "api-schema.json").read_text())
+    assert shipped == json.loads(json.dumps(json_schema())), \
+        "docs/api-schema.json is stale: python -m echo.protocol > docs/api-schema.json"
+    lease = shipped["$defs"]["LeaseRequest"]
+    assert lease["additionalProperties"] is False and lease["properties"]["max_prompts"]["maximum"] == 1024
+    assert {"Report", "JoinReply", "HeartbeatReply", "LeaseReply", "EvalSubmission", "ErrorReply"} <= set(shipped["$defs"])
