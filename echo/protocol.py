@@ -173,7 +173,7 @@ class Report(Message):
 class LeaseRequest(Message):
     max_prompts: Annotated[int, Field(ge=1, le=1024)] = 1
     version: Version = -1  # the installed snapshot, which generates the whole lease
-    wait_s: Annotated[float, Field(ge=0.0, le=60.0)] = 0.0  # long poll: hold the request this long for work
+    wait_s: Annotated[float, Field(ge=0.0, le=60.0, allow_inf_nan=False)] = 0.0  # long poll: hold the request this long for work
 
 
 class ReleaseRequest(Message):

@@ -156,3 +156,13 @@ def test_the_api_schema_in_the_docs_is_the_protocols():
     lease = shipped["$defs"]["LeaseRequest"]
     assert lease["additionalProperties"] is False and lease["properties"]["max_prompts"]["maximum"] == 1024
     assert {"Report", "JoinReply", "HeartbeatReply", "LeaseReply", "EvalSubmission", "ErrorReply"} <= set(shipped["$defs"])
+
+
+def test_a_nan_wait_is_refused_as_not_finite():
+    """`{"wait_s": NaN}` was refused as "less than or equal to 60" (an API-only tester)."""
+    import pytest
+
+    from echo.protocol import LeaseRequest
+
+    with pytest.raises(Exception, match="finite number"):
+        LeaseRequest.model_validate_json('{"wait_s": NaN}')
