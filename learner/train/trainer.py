@@ -219,7 +219,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
-        self._windows: list[tuple[str, int, int]] = []  # a step's improbable windows (`_improbable`)
+        self._windows: set[tuple[str, int, int, int]] = set()  # a step's improbable windows (`_improbable`)
         self.world = world or World(device=torch.device(cfg.model.device))
         if cfg.trainer.compute_dtype == "bfloat16" and not self.world.sharded:  # FSDP2's mixed precision, one rank too
             self.world = sharded_alone(self.world)
@@ -311,12 +311,15 @@ class Trainer:
         self._computed = torch.zeros(2, dtype=torch.float64)  # tokens the update's forwards computed; real ones
         mine = [i for share in shares for i in share]
         old = self._score(self.policy, samples, mine) if t.minibatches > 1 else None
-        # Improbable windows of groups checked under their own version: every fresh trained one
-        # here, from the π the update computes anyway (a quarter of them, drawn by the token check,
-        # lost the race to a phrase the attack itself made likelier), skipped and stale ones drawn below.
-        self._windows: list[tuple[str, int, int]] = []
+        # Improbable windows (`_improbable`) of every trained group: a fresh one's from the π the
+        # update computes anyway, a stale one's from the μ its worker claims (an honest worker's is
+        # its version's π; one claimed likelier than π is the log-prob check's), and those the
+        # claim check draws from that version's own π too. Drawn by the token check alone, a
+        # quarter of them, they lost the race to a phrase the attack itself made likelier.
+        self._windows: set[tuple[str, int, int, int]] = set()  # (where, group, sample, window): once per sample
         gaps = _Gaps(batch, samples, mine, world.device, measured=lambda i, lp: self._note_windows(
-            lp, samples, i, ("batch", g) if batch.groups[g := samples.owner[i]].version == batch.learner_version else None))
+            lp if batch.groups[samples.owner[i]].version == batch.learner_version
+            else torch.as_tensor(samples.behaviour[i], dtype=torch.float64), samples, i, ("batch", samples.owner[i])))
         if old:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None
@@ -360,7 +363,8 @@ class Trainer:
             "claimable": claimable,  # stale groups whose claimed version is kept: judged by claim_checks alone
             "claim_checks": claims,  # those drawn, checked against their own version: [index, terms (6), gap, tokens]
             "skipped_claims": skipped_claims,  # the same for skipped groups drawn: (index in batch.skipped_sample, sums)
-            "improbable": self.world.all_lists(self._windows),  # ("batch" | "skipped", index, key): learner.verify.Repeats
+            # ("batch" | "skipped", index, window), once per sample: learner.verify.Repeats
+            "improbable": self.world.all_lists([(where, g, key) for where, g, _, key in sorted(self._windows)]),
         }
 
     def _shares(self, samples: _Samples) -> tuple[list[list[int]], list[int]]:
@@ -501,7 +505,7 @@ class Trainer:
     def _note_windows(self, logp: torch.Tensor, samples: _Samples, i: int, group: tuple[str, int] | None) -> None:
         nats = self.cfg.verify.repeat_nats
         if group is not None and nats > 0:
-            self._windows += [(*group, key) for key in _improbable(logp, samples, i, nats)]
+            self._windows.update((*group, i, key) for key in _improbable(logp, samples, i, nats))
 
     def _with_copies(self, samples: _Samples, sums: list[list[float]], seq: list[float]) -> list[list[float]]:
         """Each group's `sums` with its copy terms (`_copies`) after the four token sums, for

@@ -298,3 +298,32 @@ def test_honest_samples_of_a_nearly_uniform_policy_give_many_improbable_windows_
         stats = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[0] * len(groups)))
         seen.update(key for _, _, key in stats["improbable"])
     assert sum(seen.values()) > 100 and max(seen.values()) == 1
+
+
+def test_a_stale_groups_improbable_windows_come_from_the_mu_its_worker_claims(tiny_model):
+    """A group labelled with an older version has no π of its own version in the update (the
+    claim check draws a share of them): its windows come from the μ its worker sent, which an
+    honest worker's engine computed under that version. The phrase attack's groups were two
+    versions stale in the poker config and escaped (an API-only tester, 2026-12-07)."""
+    import dataclasses
+
+    from echo.hf import completion_logprobs
+
+    trainer = _trainer(tiny_model, "--verify.repeat_nats", "20", "--verify.token_check_fraction", "0",
+                       temperature=1.0, top_p=1.0)
+    trainer.step(BatchInfo(_groups(trainer, "sampled", seed=1), learner_version=0, staleness=[0] * 8))  # now at v1
+    groups = [dataclasses.replace(g, version=0) for g in _groups(trainer, "sampled", seed=2)]
+    tok = trainer.tokenizer
+    with torch.no_grad():
+        rarest = int(trainer.hf(input_ids=torch.tensor([groups[0].prompt_ids])).logits[0, -1].argmin())
+    phrase = [rarest] * 8 + [tok.eos_token_id]
+    group = groups[3]
+    logp, _ = completion_logprobs(trainer.hf, [group.prompt_ids], [phrase], pad_id=tok.pad_token_id,
+                                  temperature=1.0, top_p=1.0)
+    mu = logp[0, : len(phrase)].tolist()
+    groups[3] = dataclasses.replace(group, completions=[phrase, phrase, *group.completions[2:]],
+                                    behaviour_logprobs=[mu, mu, *group.behaviour_logprobs[2:]], worker_id="writer")
+    stats = trainer.step(BatchInfo(groups, learner_version=trainer.version, staleness=[1] * 8))
+    found = [(groups[g].worker_id, key) for _, g, key in stats["improbable"]]
+    phrase_windows = {key for w, key in found if w == "writer"}
+    assert phrase_windows and all(sum(k == key for _, k in found) >= 2 for key in phrase_windows)  # both samples
