@@ -82,8 +82,8 @@ class StatusRoom:
             "leases": {**vars(book.stats), "outstanding": book.outstanding, "waiting_requests": len(self.leases.waiters)},
             "workers": [{**w.row(now, w.id in alive, leased.get(w.id, 0)), **registry.verifier.summary(w.id)}
                         for w in workers],
-            "quarantined": [{"id": w.id, "name": w.name, "address": w.address, "why": w.quarantined}
-                            for w in workers if w.quarantined],
+            "quarantined": [{"id": w.id, "name": w.name, "address": w.address, "reason": w.quarantine_reason,
+                             "why": w.quarantined} for w in workers if w.quarantined],
             "links": self.links.to_dict(),
         }
 
@@ -104,8 +104,12 @@ class StatusRoom:
             if not full:
                 # every field of `Verifier.summary` but the lease rate the learner measured: a field added there is hidden too
                 evidence = self.registry.verifier.summary("").keys() - {"lease_rate"}
-                hidden = {"address", "relay_url", *evidence}
-                view["workers"] = [{k: v for k, v in w.items() if k not in hidden} for w in view["workers"]]
+                # and of a quarantine its reason code, not the evidence its message quotes ("+9.2
+                # standard deviations": how far the checks let a forger go; an API-only tester)
+                hidden = {"address", "relay_url", "why", *evidence}
+                reasons = {q["id"]: q["reason"] for q in view["quarantined"]}
+                view["workers"] = [{**{k: v for k, v in w.items() if k not in hidden},
+                                    "quarantined": reasons.get(w["id"], "")} for w in view["workers"]]
                 view["quarantined"] = [{k: v for k, v in q.items() if k not in hidden} for q in view["quarantined"]]
             built = self._views[full] = (now, json.dumps(view).encode())
         return built[1]

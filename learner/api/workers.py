@@ -71,6 +71,7 @@ class WorkerInfo:
     capacity_per_s: float = 0.0  # believed rollouts per engine-busy second (what the scheduler provisions with)
     claimed_capacity_per_s: float = 0.0  # what the worker said
     quarantined: str = ""  # why the learner stopped taking its work
+    quarantine_reason: str = ""  # the verdict's reason code ("tokens", "rewards", ...): what others may see of it
     fleet_key: str = ""  # what the scheduler knows it by: its pool machine (machine token) or its id
     machine: str = ""  # the machine its machine token proved (one live identity per machine), or ""
     probed_at: float = -1e9  # the last reachability probe of its relay
@@ -358,7 +359,7 @@ class WorkerRegistry:
         self.metrics.flagged.labels(verdict.reason).inc()
         if worker.quarantined or not self.verify.quarantine:
             return
-        worker.quarantined, worker.active = verdict.message, False
+        worker.quarantined, worker.quarantine_reason, worker.active = verdict.message, verdict.reason, False
         self.verifier.distrust(worker.id)
         if self.tickets is not None:  # no more weights from the learner's source, none renewed
             self.tickets.revoke(worker.id)

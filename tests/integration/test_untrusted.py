@@ -260,6 +260,11 @@ def test_fabricated_rewards_are_recomputed_and_the_worker_quarantined(tokenizer,
         async with api.session.get(api.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
             listed = (await resp.json())["quarantined"]
         assert [q["id"] for q in listed] == [cheat] and "rewards differ" in listed[0]["why"]
+        # Any other run-token holder sees the reason code, not the evidence the message quotes
+        view = json.loads(api.state.status_room.status_json(False))
+        assert [(q["id"], q["reason"]) for q in view["quarantined"]] == [(cheat, "rewards")]
+        assert "why" not in view["quarantined"][0] and "differ" not in json.dumps(view)
+        assert next(w["quarantined"] for w in view["workers"] if w["id"] == cheat) == "rewards"
         # Nor does it come back under a new identity from the same address.
         status, body, _ = await api.call("/v1/join", {"name": "cheat-again"})
         assert (status, body["error"]) == (403, "banned") and "rewards differ" in body["message"]
