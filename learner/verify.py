@@ -42,6 +42,9 @@ The evidence, kept per worker:
   since a token from an older snapshot's nucleus may lie outside the newer one's (measured with
   top_p 0.9 on the demo: 0% of honest tokens at staleness 0, 3–11% at 1–4, where a flat 5%
   quarantined an honest worker).
+- **Repeats.** A phrase written into a few samples, with right rewards and honest μ, is averaged
+  away by the ranks and the gap; sampling never writes the same improbable run of tokens three
+  times (`Repeats`).
 - **Claims.** A worker's heartbeat says how fast it generates. The learner believes it up to
   `capacity_claim_factor` times the rate it measured itself on the worker's leases (issue to
   upload, an underestimate of the true rate), and not at all before one lease came back.
@@ -413,10 +416,12 @@ class Repeats:
     API-only tester, 2026-12-07): the ranks' mean and the log-prob gap average over thousands of
     honest tokens, and the phrase was no likelier to π than other junk.
 
-    What sampling cannot do is write the same improbable tokens again. Each checked group, scored
-    under the very version that sampled it, gives its *improbable windows* (`Trainer`'s
-    `_improbable`): from each token π gives at most e^-1, the shortest run whose Σ log π reaches
-    −n (`[verify] repeat_nats`). A sampled window equals any one remembered window with
+    What sampling cannot do is write the same improbable tokens again. Every trained group gives
+    its *improbable windows* (`Trainer`'s `_improbable`): from each token π gives at most e^-1,
+    the shortest run whose Σ log π reaches −n (`[verify] repeat_nats`), under the version that
+    sampled it: a fresh group's π from the update's own pass, a stale one's μ as its worker
+    claims it (an honest engine's; one claimed likelier is the log-prob check's), and the
+    groups the token and claim checks draw, from their version's π. A sampled window equals any one remembered window with
     probability at most e^-n, so among W windows checked against S remembered ones, honest
     sampling gives about W·S·e^-n pairs (≈ 5 over a week of 8 groups a step at n = 30) and
     W²·S·e^-2n triples (≈ 10⁻⁴): a window seen `REPEATS` times was written, and each of its
