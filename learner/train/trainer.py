@@ -317,9 +317,11 @@ class Trainer:
         # claim check draws from that version's own π too. Drawn by the token check alone, a
         # quarter of them, they lost the race to a phrase the attack itself made likelier.
         self._windows: set[tuple[str, int, int, int]] = set()  # (where, group, sample, window): once per sample
+        first_use = set(batch.fresh)  # a replayed group's windows were counted at its first use (reuse = 3 was three)
         gaps = _Gaps(batch, samples, mine, world.device, measured=lambda i, lp: self._note_windows(
             lp if batch.groups[samples.owner[i]].version == batch.learner_version
-            else torch.as_tensor(samples.behaviour[i], dtype=torch.float64), samples, i, ("batch", samples.owner[i])))
+            else torch.as_tensor(samples.behaviour[i], dtype=torch.float64), samples, i,
+            ("batch", samples.owner[i]) if samples.owner[i] in first_use else None))
         if old:
             gaps.measure(old)
         ref = self._score(self.reference, samples, mine) if self.reference is not None else None

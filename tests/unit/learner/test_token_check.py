@@ -263,6 +263,11 @@ def test_a_phrase_written_into_a_few_samples_is_caught_by_its_improbable_repeats
     verdicts = verifier.repeats.checked(third)
     assert [v.worker_id for v in verdicts] == ["writer"] and "improbable run of tokens" in verdicts[0].message
     assert not verdicts[0].certain  # a statistical finding: the worker's address is not banned for it
+    # A replayed group's windows were counted at its first use: with reuse = 3 one honest sample's
+    # improbable run would have been seen three times
+    replay = BatchInfo(groups, learner_version=trainer.version, staleness=[0] * len(groups), uses=[2] * len(groups),
+                       since_last_use=[1] * len(groups))
+    assert trainer.step(replay)["improbable"] == []
     off = _trainer(tiny_model, "--verify.repeat_nats", "0", temperature=1.0, top_p=1.0)
     assert off.step(BatchInfo(groups, learner_version=off.version, staleness=[0] * len(groups)))["improbable"] == []
 
