@@ -23,7 +23,7 @@ from learner.config import load_learner_config
 from echo.procs import die_with_my_parent, more_files
 from learner.launch import check_rank, follow, launch
 from learner.local_workers import LocalWorkers
-from learner.rundir import RunDir, finished, past_steps, port_in_use
+from learner.rundir import RunDir, nothing_to_train, port_in_use
 from learner.serve import serve
 from learner.train.dist import DeviceError, close, cuda_allocator_defaults, init_world, under_torchrun
 
@@ -72,16 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         if said := [d for d in derived if d]:
             print("\n# derived: " + ", ".join(said))
         return 0
-    if args.resume and (done := finished(args.resume, cfg.run.steps)) is not None:
+    done, was_finished = (nothing_to_train(args.resume, cfg.run.steps) if args.resume else None) or (None, False)
+    if done is not None and was_finished:
         # Resuming a finished run evaluated again, re-saved its last checkpoint and replaced its
         # summary with one of zero groups trained. Nothing to do (said before a model loads).
         print(f"echo-learner: {args.resume} already finished: {done} of {cfg.run.steps} updates applied (its "
               f"summary.json and model/ are the run's); to train on, resume with a larger --run.steps",
               file=sys.stderr)
         return 0
-    if args.resume and (saved := past_steps(args.resume, cfg.run.steps)) is not None:
+    if done is not None:
         print(f"echo-learner: --run.steps {cfg.run.steps} leaves nothing to train: {args.resume} was stopped after its "
-              f"checkpoint at update {saved}; resume with --run.steps above {saved}",
+              f"checkpoint at update {done}; resume with --run.steps above {done}",
               file=sys.stderr)
         return 2
     if not (cfg.model.path / "config.json").exists():

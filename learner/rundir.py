@@ -104,24 +104,16 @@ def updates_of(checkpoint: Path) -> int:
         return int(checkpoint.name[5:])
 
 
-def finished(run_dir: Path, steps: int) -> int | None:
-    """The updates a finished run applied, if `steps` asks no more of it (None: it has more to do).
-    Read from disk, so a `--resume` with nothing to do says so before it loads a model."""
+def nothing_to_train(run_dir: Path, steps: int) -> tuple[int, bool] | None:
+    """Where `run_dir`'s checkpoint already holds `steps` updates or more: (those updates, whether
+    the run finished: its summary.json exists). A `--resume` then trains nothing: a finished run
+    says so, an interrupted one is refused (it re-saved the checkpoint and wrote a summary of zero
+    groups and the steps into its config). Read from disk, before a model loads."""
     checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None or not (run_dir / "summary.json").exists():
+    if checkpoint is None:
         return None
     updates = updates_of(checkpoint)
-    return updates if updates >= steps else None
-
-
-def past_steps(run_dir: Path, steps: int) -> int | None:
-    """The updates an unfinished run's checkpoint holds, where they are already `steps` or more: a
-    resume would train nothing, and overwrite the checkpoint, the summary and the config's steps."""
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None or (run_dir / "summary.json").exists():
-        return None
-    updates = updates_of(checkpoint)
-    return updates if updates >= steps else None
+    return (updates, (run_dir / "summary.json").exists()) if updates >= steps else None
 
 
 def port_in_use(host: str, port: int) -> bool:
